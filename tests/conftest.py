@@ -1,0 +1,80 @@
+"""Shared fixtures: tiny random-weight models, the default model, engine runs."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+TESTS = Path(__file__).parent
+# Small simulated GCU for engine tests: keeps KV allocation (host RAM) modest.
+ENGINE_ENV = {"ACCEL_SIM_DEVICE_MEMORY_GB": "4", "VLLM_LOGGING_LEVEL": "INFO"}
+
+
+def run_engine(spec: dict, tmp_path: Path, env: dict | None = None, timeout: int = 600):
+    """Run tests/engine_run.py with ``spec``; returns (results, combined log)."""
+    spec_file = tmp_path / f"spec-{os.getpid()}-{len(list(tmp_path.iterdir()))}.json"
+    spec_file.write_text(json.dumps(spec))
+    proc = subprocess.run(
+        [sys.executable, str(TESTS / "engine_run.py"), str(spec_file)],
+        capture_output=True, text=True, timeout=timeout,
+        env={**os.environ, **ENGINE_ENV, **(env or {})},
+    )
+    log = proc.stdout + proc.stderr
+    assert proc.returncode == 0, log[-6000:]
+    marker = "ENGINE_RESULT "
+    line = next(line for line in proc.stdout.splitlines() if line.startswith(marker))
+    return json.loads(line[len(marker):]), log
+
+
+def build_tiny_model(path: Path, arch: str = "llama", num_heads: int = 4,
+                     num_kv_heads: int = 2, head_dim: int = 16, hidden_size: int | None = None,
+                     layers: int = 2, vocab: int = 512, seed: int = 0) -> Path:
+    """A random-weight Llama/Qwen2 checkpoint (a few MB) written as HF safetensors."""
+    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
+
+    hidden = hidden_size or num_heads * head_dim
+    common = dict(
+        vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden,
+        num_hidden_layers=layers, num_attention_heads=num_heads,
+        num_key_value_heads=num_kv_heads, head_dim=head_dim, max_position_embeddings=1024,
+        rms_norm_eps=1e-5, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2,
+    )
+    config = (LlamaConfig if arch == "llama" else Qwen2Config)(**common)
+    config.dtype = torch.float32
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    # Wider weights than the default init, so logits are far from ties.
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.normal_(0, 0.08)
+    model.save_pretrained(path, safe_serialization=True)
+    return path
+
+
+@pytest.fixture(scope="session")
+def default_model() -> Path:
+    from vllm_accel.models import prepare_default_model
+
+    return prepare_default_model()
+
+
+def hf_greedy(model_dir: Path, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+    """HF transformers fp32 greedy continuation token ids (the oracle)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    model.generation_config.eos_token_id = None  # like vLLM's ignore_eos
+    model.generation_config.pad_token_id = 0
+    outs = []
+    with torch.no_grad():
+        for ids in prompts:
+            inp = torch.tensor([ids])
+            gen = model.generate(inp, attention_mask=torch.ones_like(inp), do_sample=False,
+                                 max_new_tokens=max_new_tokens)
+            outs.append(gen[0, len(ids):].tolist())
+    return outs

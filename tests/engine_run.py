@@ -1,0 +1,40 @@
+"""Runs one offline vLLM generation in a fresh process and prints JSON results.
+
+Engine tests call this as a subprocess so each engine starts cleanly (vLLM
+spawns EngineCore and workers; a fresh interpreter keeps pytest's process free
+of their state). Input: a JSON file path with ``llm`` (LLM kwargs), ``prompts``
+(strings or token-id lists), ``sampling`` (SamplingParams kwargs), ``chat``
+(optional list of message lists). Output: one stdout line "ENGINE_RESULT <json>".
+"""
+
+import json
+import sys
+
+
+def main() -> None:
+    spec = json.load(open(sys.argv[1]))
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+    from vllm.platforms import current_platform
+
+    llm = LLM(**spec["llm"])
+    params = SamplingParams(**spec["sampling"])
+    prompts = [
+        TokensPrompt(prompt_token_ids=p) if isinstance(p, list) else p
+        for p in spec.get("prompts", [])
+    ]
+    results = {"platform": type(current_platform).__name__, "outputs": []}
+    if prompts:
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        results["outputs"] = [
+            {"token_ids": list(o.outputs[0].token_ids), "text": o.outputs[0].text}
+            for o in outs
+        ]
+    if spec.get("chat"):
+        outs = llm.chat(spec["chat"], params, use_tqdm=False)
+        results["chat"] = [o.outputs[0].text for o in outs]
+    print("ENGINE_RESULT " + json.dumps(results), flush=True)
+
+
+if __name__ == "__main__":
+    main()

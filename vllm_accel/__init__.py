@@ -1,0 +1,32 @@
+"""vllm_accel: a vLLM 0.32 platform plugin for Enflame GCU and Sophgo SG2260,
+with a simulated GCU on torch CPU kernels.
+
+Importing this package imports neither vLLM internals nor any vendor library;
+vLLM calls the two entry-point functions below.
+"""
+
+__version__ = "0.1.0"
+
+PLATFORM_CLS = "vllm_accel.platform.AccelPlatform"
+
+
+def register_platform() -> str | None:
+    """``vllm.platform_plugins`` entry point: the platform class path.
+
+    vLLM calls this twice per process and swallows exceptions, so it stays
+    cheap, idempotent and side-effect free; checks happen when the platform
+    module is imported.
+    """
+    return PLATFORM_CLS
+
+
+def register_general() -> None:
+    """``vllm.general_plugins`` entry point, run in every vLLM process:
+    registers the GCU_ATTN attention backend and our custom ops."""
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
+
+    from vllm_accel.ops.attention import BACKEND_NAME
+
+    if BACKEND_NAME not in AttentionBackendEnum.__members__:
+        register_backend(BACKEND_NAME, "vllm_accel.ops.attention.AccelAttentionBackend")
+    import vllm_accel.ops.custom_ops  # noqa: F401  (register_oot at import)

@@ -1,0 +1,61 @@
+"""Simulated Enflame GCU: torch CPU kernels behind the real-card protocol.
+
+Device memory is simulated: a configurable capacity (48 GiB like an S60 by
+default) that drives KV-cache sizing exactly as a card's memory would, capped
+by what this host can actually give, because every simulated byte is host RAM.
+"""
+
+import contextlib
+
+import psutil
+import torch
+
+from vllm_accel import envs
+from vllm_accel.envs import GiB
+
+
+class CpuSimBackend:
+    name = "sim"
+    device_name = "gcu"
+    torch_device_type = "cpu"
+    dist_backend = "gloo"
+    visible_devices_env = "CPU_VISIBLE_MEMORY_NODES"
+    kernel_providers = ("torch_fast",)
+    simulated = True
+
+    def describe(self) -> str:
+        return (
+            "simulated GCU (no torch_gcu found): vllm_accel's attention, ops and "
+            "quant kernels run on torch CPU kernels"
+        )
+
+    def device_count(self) -> int:
+        # One simulated device per tensor-parallel rank; the simulator has no
+        # hard limit, the host's cores are the practical one.
+        return max(1, psutil.cpu_count(logical=False) or 1)
+
+    def set_device(self, local_rank: int) -> None:
+        """Nothing to select: every simulated device is host memory."""
+
+    def synchronize(self) -> None:
+        """CPU kernels are synchronous."""
+
+    def manual_seed_all(self, seed: int) -> None:
+        torch.manual_seed(seed)
+
+    def host_memory_cap(self, local_world_size: int) -> int:
+        """What one rank's simulated device may take from this host's free RAM."""
+        available = psutil.virtual_memory().available
+        return int(available * envs.ACCEL_SIM_HOST_MEMORY_FRACTION / max(1, local_world_size))
+
+    def total_memory(self, local_rank: int, local_world_size: int) -> int:
+        configured = int(envs.ACCEL_SIM_DEVICE_MEMORY_GB * GiB)
+        if configured <= 0:
+            raise ValueError(
+                "ACCEL_SIM_DEVICE_MEMORY_GB must be positive (it is the simulated "
+                f"GCU's memory in GiB); got {envs.ACCEL_SIM_DEVICE_MEMORY_GB}."
+            )
+        return min(configured, self.host_memory_cap(local_world_size))
+
+    def profiler(self) -> contextlib.AbstractContextManager:
+        return torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])

@@ -1,0 +1,72 @@
+"""Every environment variable vllm_accel reads, in one place.
+
+Values are read lazily (on attribute access), so a variable set after import -- by
+``--device`` in the API process, or inherited by spawned EngineCore/worker
+processes -- is always seen. The ``ACCEL_`` prefix keeps vLLM's unknown-``VLLM_*``
+warning quiet. README's "Configuration" table mirrors the docs below.
+"""
+
+import os
+from collections.abc import Callable
+from typing import Any
+
+GiB = 1 << 30
+
+
+def _float(name: str, default: float) -> Callable[[], float]:
+    def read() -> float:
+        raw = os.environ.get(name, "")
+        if raw == "":
+            return default
+        try:
+            return float(raw)
+        except ValueError:
+            raise ValueError(f"{name}={raw!r} is not a number") from None
+
+    return read
+
+
+# name -> (reader, one-line documentation)
+environment_variables: dict[str, tuple[Callable[[], Any], str]] = {
+    "ACCEL_DEVICE": (
+        lambda: os.environ.get("ACCEL_DEVICE", "gcu").strip().lower(),
+        "Device kind the plugin serves (`gcu`). Set by `--device`; the spawned "
+        "EngineCore and workers inherit it.",
+    ),
+    "ACCEL_BACKEND": (
+        lambda: os.environ.get("ACCEL_BACKEND", "auto").strip().lower(),
+        "Device backend: `auto` (real card when its torch extension is present, "
+        "else the simulator) or `sim` (always the simulated GCU on CPU).",
+    ),
+    "ACCEL_SIM_DEVICE_MEMORY_GB": (
+        _float("ACCEL_SIM_DEVICE_MEMORY_GB", 48.0),
+        "Memory of one simulated GCU in GiB (an S60 has 48). Capped by what the "
+        "host can give (see ACCEL_SIM_HOST_MEMORY_FRACTION).",
+    ),
+    "ACCEL_SIM_HOST_MEMORY_FRACTION": (
+        _float("ACCEL_SIM_HOST_MEMORY_FRACTION", 0.6),
+        "Largest fraction of the host's available RAM (at worker start) that the "
+        "simulated devices of one host may take together.",
+    ),
+    "ACCEL_KERNEL_PROVIDER": (
+        lambda: os.environ.get("ACCEL_KERNEL_PROVIDER", "").strip().lower(),
+        "Force one kernel provider (e.g. `reference`) instead of the backend's "
+        "preferred ones; empty means the backend's order.",
+    ),
+    "ACCEL_MODEL_CACHE": (
+        lambda: os.path.expanduser(
+            os.environ.get("ACCEL_MODEL_CACHE", "~/.cache/vllm-accel/models")
+        ),
+        "Where `vllm-accel prepare-default` writes converted models.",
+    ),
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in environment_variables:
+        return environment_variables[name][0]()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return list(environment_variables)

@@ -1,0 +1,1 @@
+"""Our kernels and vLLM custom-op replacements, dispatched through the kernel registry."""

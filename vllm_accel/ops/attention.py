@@ -1,0 +1,219 @@
+"""GCU_ATTN: vllm_accel's paged attention backend (builder + impl + backend).
+
+The KV cache of one layer is a ``[num_blocks, num_kv_heads, block_size, 2 * head_size]``
+tensor (K in the first half of the last dim, V in the second), contiguous per
+(block, head) page. The kernels come from the kernel registry, so a device
+backend can replace ``cache_write`` / ``paged_decode`` / ``paged_prefill`` per op.
+"""
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+from vllm.config import VllmConfig
+from vllm_accel.logger import init_logger
+from vllm.v1.attention.backend import (
+    AttentionBackend,
+    AttentionCGSupport,
+    AttentionImpl,
+    AttentionLayer,
+    AttentionMetadataBuilder,
+    AttentionType,
+    CommonAttentionMetadata,
+    MultipleOf,
+)
+from vllm.v1.attention.backends.utils import split_decodes_and_prefills
+from vllm.v1.kv_cache_interface import AttentionSpec
+from vllm.v1.kv_cache_layout import KVCacheLayout
+
+from vllm_accel.ops import attention_kernels  # noqa: F401  (registers the kernels)
+from vllm_accel.ops.registry import get_kernel
+
+logger = init_logger(__name__)
+
+BACKEND_NAME = "GCU_ATTN"
+
+
+class AccelAttentionBackend(AttentionBackend):
+    accept_output_buffer: bool = True
+    supported_dtypes: ClassVar[list[torch.dtype]] = [
+        torch.float16,
+        torch.bfloat16,
+        torch.float32,
+    ]
+    supported_kv_cache_dtypes: ClassVar[list] = ["auto", "float16", "bfloat16"]
+    # vLLM then updates the cache through impl.do_kv_cache_update before forward.
+    forward_includes_kv_cache_update: bool = False
+
+    @staticmethod
+    def get_name() -> str:
+        return BACKEND_NAME
+
+    @staticmethod
+    def get_impl_cls() -> type["AccelAttentionImpl"]:
+        return AccelAttentionImpl
+
+    @staticmethod
+    def get_builder_cls() -> type["AccelAttentionMetadataBuilder"]:
+        return AccelAttentionMetadataBuilder
+
+    @staticmethod
+    def get_supported_kernel_block_sizes(kv_cache_spec=None) -> list[int | MultipleOf]:
+        return [MultipleOf(16)]
+
+    @classmethod
+    def get_supported_head_sizes(cls) -> list[int]:
+        return []  # the torch kernels take any head size
+
+    @classmethod
+    def supported_kv_cache_layouts(cls) -> tuple[KVCacheLayout, ...]:
+        return (KVCacheLayout.LBHNC,)
+
+    @classmethod
+    def supports_attn_type(cls, attn_type: str) -> bool:
+        return attn_type == AttentionType.DECODER
+
+
+@dataclass
+class AccelAttentionMetadata:
+    num_actual_tokens: int
+    num_decodes: int
+    num_decode_tokens: int
+    max_seq_len: int
+    query_start_loc_cpu: torch.Tensor  # [num_reqs + 1]
+    seq_lens: torch.Tensor  # [num_reqs]
+    block_table: torch.Tensor  # [num_reqs, max_blocks]
+    slot_mapping: torch.Tensor  # [num_tokens]
+
+
+class AccelAttentionMetadataBuilder(AttentionMetadataBuilder[AccelAttentionMetadata]):
+    _cudagraph_support: ClassVar[AttentionCGSupport] = AttentionCGSupport.NEVER
+    # Single-token requests first: they run as one batched decode.
+    reorder_batch_threshold: int | None = 1
+
+    def __init__(
+        self,
+        kv_cache_spec: AttentionSpec,
+        layer_names: list[str],
+        vllm_config: VllmConfig,
+        device: torch.device,
+    ) -> None:
+        super().__init__(kv_cache_spec, layer_names, vllm_config, device)
+
+    def build(
+        self,
+        common_prefix_len: int,
+        common_attn_metadata: CommonAttentionMetadata,
+        fast_build: bool = False,
+    ) -> AccelAttentionMetadata:
+        num_decodes, _, num_decode_tokens, _ = split_decodes_and_prefills(
+            common_attn_metadata, decode_threshold=self.reorder_batch_threshold
+        )
+        return AccelAttentionMetadata(
+            num_actual_tokens=common_attn_metadata.num_actual_tokens,
+            num_decodes=num_decodes,
+            num_decode_tokens=num_decode_tokens,
+            max_seq_len=common_attn_metadata.max_seq_len,
+            query_start_loc_cpu=common_attn_metadata.query_start_loc_cpu,
+            seq_lens=common_attn_metadata.seq_lens,
+            block_table=common_attn_metadata.block_table_tensor,
+            slot_mapping=common_attn_metadata.slot_mapping,
+        )
+
+
+class AccelAttentionImpl(AttentionImpl):
+    def __init__(
+        self,
+        num_heads: int,
+        head_size: int,
+        scale: float,
+        num_kv_heads: int,
+        alibi_slopes: list[float] | None,
+        sliding_window: int | None,
+        kv_cache_dtype: str,
+        logits_soft_cap: float | None = None,
+        attn_type: str = AttentionType.DECODER,
+        kv_sharing_target_layer_name: str | None = None,
+        sinks: torch.Tensor | None = None,
+    ) -> None:
+        unsupported = {
+            "ALiBi": alibi_slopes is not None,
+            "sliding-window attention": sliding_window is not None,
+            "logits soft-cap": bool(logits_soft_cap),
+            "attention sinks": sinks is not None,
+            f"{attn_type} attention": attn_type != AttentionType.DECODER,
+        }
+        missing = [feature for feature, needed in unsupported.items() if needed]
+        if missing:
+            raise NotImplementedError(
+                f"The {BACKEND_NAME} attention backend of vllm_accel does not support "
+                f"{', '.join(missing)} yet; this model needs it. Serve a model without "
+                "it, or exclude the plugin (VLLM_PLUGINS) to use vLLM's CPU backend."
+            )
+        self.num_heads = num_heads
+        self.head_size = head_size
+        self.scale = float(scale)
+        self.num_kv_heads = num_kv_heads
+        self.kv_cache_dtype = kv_cache_dtype
+        self.kv_sharing_target_layer_name = kv_sharing_target_layer_name
+        self._cache_write = get_kernel("cache_write")
+        self._paged_decode = get_kernel("paged_decode")
+        self._paged_prefill = get_kernel("paged_prefill")
+        logger.info_once(
+            "%s attention kernels: %s",
+            BACKEND_NAME,
+            ", ".join(f"{k.__module__}.{k.__name__}" for k in
+                      (self._cache_write, self._paged_decode, self._paged_prefill)),
+        )
+
+    def do_kv_cache_update(
+        self,
+        layer: torch.nn.Module,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+    ) -> None:
+        n = slot_mapping.shape[0]
+        self._cache_write(key[:n], value[:n], kv_cache, slot_mapping)
+
+    def forward(
+        self,
+        layer: AttentionLayer,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        attn_metadata: AccelAttentionMetadata | None,
+        output: torch.Tensor,
+        output_scale: torch.Tensor | None = None,
+        output_block_scale: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        if output_scale is not None or output_block_scale is not None:
+            raise NotImplementedError(
+                f"{BACKEND_NAME} does not fuse output quantization into attention"
+            )
+        if attn_metadata is None:  # profiling / warm-up run: no cache yet
+            return output
+        md = attn_metadata
+        n = md.num_actual_tokens
+        out = output[:n].view(n, self.num_heads, self.head_size)
+        query = query[:n].view(n, self.num_heads, self.head_size)
+
+        nd, ndt = md.num_decodes, md.num_decode_tokens
+        if nd:
+            out[:ndt] = self._paged_decode(
+                query[:ndt], kv_cache, md.block_table[:nd], md.seq_lens[:nd], self.scale
+            )
+        if ndt < n:
+            qsl = md.query_start_loc_cpu[nd:]
+            out[ndt:] = self._paged_prefill(
+                query[ndt:],
+                kv_cache,
+                md.block_table[nd:],
+                qsl - qsl[0],
+                md.seq_lens[nd:],
+                self.scale,
+            )
+        return output

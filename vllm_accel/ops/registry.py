@@ -1,0 +1,61 @@
+"""Kernel registry: one name per kernel, several providers per name.
+
+The device-agnostic layers (attention, quant, ops) never call a kernel directly;
+they ask ``get_kernel(name)``. Every kernel has a ``reference`` provider written
+in plain torch (the oracle tests compare against). A backend lists the providers
+it prefers (e.g. ``("gcu_vendor", "torch_fast", "reference")``); the first one
+that registered the kernel wins, so a real card can plug its own kernel in per op
+and fall back to ours for the rest.
+"""
+
+from collections.abc import Callable
+from typing import Any
+
+from vllm_accel import envs
+
+REFERENCE = "reference"
+
+_KERNELS: dict[str, dict[str, Callable[..., Any]]] = {}
+_preferred_providers: tuple[str, ...] = (REFERENCE,)
+
+
+def register_kernel(name: str, provider: str = REFERENCE):
+    """Decorator: register ``fn`` as ``provider``'s implementation of ``name``."""
+
+    def wrap(fn: Callable[..., Any]) -> Callable[..., Any]:
+        _KERNELS.setdefault(name, {})[provider] = fn
+        return fn
+
+    return wrap
+
+
+def set_preferred_providers(providers: tuple[str, ...]) -> None:
+    """Called by the active device backend; ``reference`` is always the last resort."""
+    global _preferred_providers
+    _preferred_providers = tuple(p for p in providers if p != REFERENCE) + (REFERENCE,)
+
+
+def providers_of(name: str) -> list[str]:
+    return sorted(_KERNELS.get(name, {}))
+
+
+def get_kernel(name: str, provider: str | None = None) -> Callable[..., Any]:
+    """The implementation of ``name`` for ``provider`` or the preferred order.
+
+    ``ACCEL_KERNEL_PROVIDER`` forces one provider for every kernel it implements.
+    """
+    impls = _KERNELS.get(name)
+    if not impls:
+        raise KeyError(f"no kernel named {name!r} is registered; known: {sorted(_KERNELS)}")
+    if provider is not None:
+        if provider not in impls:
+            raise KeyError(
+                f"kernel {name!r} has no provider {provider!r}; it has {sorted(impls)}"
+            )
+        return impls[provider]
+    forced = envs.ACCEL_KERNEL_PROVIDER
+    order = ((forced,) if forced else ()) + _preferred_providers
+    for p in order:
+        if p in impls:
+            return impls[p]
+    return impls[REFERENCE]

@@ -1,0 +1,36 @@
+"""Model runner: vLLM's CPU runner with device decisions routed through our backend."""
+
+import torch
+
+from vllm.v1.worker.cpu_model_runner import CPUModelRunner
+
+from vllm_accel.backends import get_backend
+
+
+class AccelModelRunner(CPUModelRunner):
+    def _sync_device(self) -> None:
+        get_backend().synchronize()
+
+    def weight_bytes(self) -> int:
+        """Device memory the loaded weights occupy (parameters and buffers)."""
+        model = self.get_model()
+        tensors = {id(t): t for t in (*model.parameters(), *model.buffers())}
+        return sum(t.numel() * t.element_size() for t in tensors.values())
+
+    def activation_reserve_bytes(self) -> int:
+        """Peak activation memory of the largest step the scheduler may run.
+
+        A real card measures this with a profiling forward pass; host RSS is too
+        noisy for that, so the simulator reserves an upper estimate: per batched
+        token the residual stream, QKV, MLP activations (fp32 worst case), plus
+        fp32 logits and sampler buffers for every running sequence.
+        """
+        model_config = self.model_config
+        text_config = model_config.hf_text_config
+        hidden = model_config.get_hidden_size()
+        intermediate = getattr(text_config, "intermediate_size", None) or 4 * hidden
+        tokens = self.scheduler_config.max_num_batched_tokens
+        seqs = self.scheduler_config.max_num_seqs
+        per_token = (6 * hidden + 3 * intermediate) * 4
+        logits = seqs * model_config.get_vocab_size() * 4 * 2
+        return tokens * per_token + logits
