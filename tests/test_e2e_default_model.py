@@ -1,0 +1,56 @@
+"""The default model (SmolLM2-135M-Instruct) offline through `LLM(...)` on the
+simulated GCU: fp32 greedy tokens must equal HF transformers `generate`."""
+
+import re
+
+import pytest
+
+from conftest import hf_greedy, run_engine
+
+RAW_PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):",
+    "Once upon a time, in a small village,",
+    "The three primary colors are",
+]
+CHAT_QUESTIONS = [
+    "What is the capital of France?",
+    "Write a haiku about the sea.",
+    "How many legs does a spider have?",
+    "Explain photosynthesis in one sentence.",
+]
+NEW_TOKENS = 24
+
+
+@pytest.mark.engine
+def test_default_model_matches_hf_and_answers_paris(default_model, tmp_path):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(default_model)
+    chat_ids = [
+        tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
+                                tokenize=True, return_dict=False)
+        for q in CHAT_QUESTIONS
+    ]
+    prompts = [tok(p)["input_ids"] for p in RAW_PROMPTS] + [list(ids) for ids in chat_ids]
+
+    results, log = run_engine({
+        "llm": {"model": str(default_model), "dtype": "float32", "enforce_eager": True,
+                "max_model_len": 1024, "seed": 0},
+        "prompts": prompts,
+        "sampling": {"temperature": 0.0, "max_tokens": NEW_TOKENS, "ignore_eos": True},
+        "chat": [[{"role": "user", "content": "What is the capital of France?"}]],
+    }, tmp_path)
+
+    assert results["platform"] == "AccelPlatform"
+    # Our kernels and memory accounting ran in the worker.
+    assert "GCU_ATTN attention kernels: vllm_accel.ops.attention_kernels" in log
+    capacity = re.search(r"Device gcu:0 \(sim\) memory: capacity ([\d.]+) GiB", log)
+    assert capacity and float(capacity.group(1)) == pytest.approx(4.0)
+    assert re.search(r"Device gcu:0 KV cache: \d+ blocks x 64 tokens", log)
+
+    got = [o["token_ids"] for o in results["outputs"]]
+    expected = hf_greedy(default_model, prompts, NEW_TOKENS)
+    for prompt, g, e in zip(prompts, got, expected):
+        assert g == e, f"prompt {tok.decode(prompt)!r}: vLLM {tok.decode(g)!r} vs HF {tok.decode(e)!r}"
+    assert "Paris" in results["chat"][0]
