@@ -1,10 +1,12 @@
 """Paged-attention kernels vs. a float64 softmax-attention oracle on unpaged K/V.
 
 Each case builds per-request K/V, scatters them with ``cache_write`` into a cache
-pre-filled with NaN through a shuffled (non-contiguous) block table whose unused
+pre-filled with garbage through a shuffled (non-contiguous) block table whose unused
 columns hold garbage block ids, then checks the kernels against plain attention
 over the original tensors. Any read of a slot a request does not own shows up as
-NaN or a mismatch.
+a mismatch (garbage is +/-1e4, far outside the tolerances). Caches come in both
+physical layouts vLLM may hand the backend: block-major (LBHNC) and head-major
+(LHBNC, what the backend asks for), the latter as a strided view.
 """
 
 import math
@@ -35,7 +37,23 @@ def batch_mix(name: str, bs: int) -> list[tuple[int, int]]:
     }[name]
 
 
-def make_case(reqs, bs, h, hkv, d, dtype, seed):
+def empty_cache(num_blocks, hkv, bs, d, dtype, layout, fill):
+    """A logical [NB, Hkv, BS, 2D] cache in the given physical layout."""
+    if layout == "LHBNC":
+        return torch.full((hkv, num_blocks, bs, 2 * d), fill, dtype=dtype).transpose(0, 1)
+    return torch.full((num_blocks, hkv, bs, 2 * d), fill, dtype=dtype)
+
+
+def read_kv(kv_cache, blk, off, d):
+    """K and V at (block, offset) pairs: a page holds its K rows, then its V rows."""
+    nb, hkv, bs, _ = kv_cache.shape
+    page = kv_cache[blk]  # [n, Hkv, BS, 2D] -> reinterpret each page as [2, BS, D]
+    page = page.reshape(len(blk), hkv, 2, bs, d)
+    rows = torch.arange(len(blk))
+    return page[rows, :, 0, off], page[rows, :, 1, off]
+
+
+def make_case(reqs, bs, h, hkv, d, dtype, seed, layout="LHBNC", fill=None):
     """Unpaged per-request Q/K/V, a shuffled block table and the filled cache."""
     g = torch.Generator().manual_seed(seed)
     need = [math.ceil(s / bs) for _, s in reqs]
@@ -65,7 +83,11 @@ def make_case(reqs, bs, h, hkv, d, dtype, seed):
     key = torch.cat(ks + [rand(n_pad, hkv, d)])
     value = torch.cat(vs + [rand(n_pad, hkv, d)])
     order = torch.randperm(len(slot_mapping), generator=g)
-    kv_cache = torch.full((num_blocks, hkv, bs, 2 * d), float("nan"), dtype=dtype)
+    if fill is None:  # finite garbage: a masked key must contribute exactly 0
+        kv_cache = empty_cache(num_blocks, hkv, bs, d, dtype, layout, 0.0)
+        kv_cache.copy_((torch.rand(kv_cache.shape, generator=g) * 2e4 - 1e4).to(dtype))
+    else:
+        kv_cache = empty_cache(num_blocks, hkv, bs, d, dtype, layout, fill)
     cache_write(key[order], value[order], kv_cache, slot_mapping[order])
     return qs, ks, vs, block_table, kv_cache
 
@@ -82,21 +104,24 @@ def reference(q, k, v, scale):
     return torch.einsum("hqk,khd->qhd", torch.softmax(scores, dim=-1), v)
 
 
+@pytest.mark.parametrize("layout", ["LBHNC", "LHBNC"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("d", [64, 128])
 @pytest.mark.parametrize("bs", [16, 32, 64, 128])
-def test_cache_write_roundtrip(bs, d, dtype):
+def test_cache_write_roundtrip(bs, d, dtype, layout):
     reqs = batch_mix("mixed", bs)
-    _, ks, vs, block_table, kv_cache = make_case(reqs, bs, HKV, HKV, d, dtype, seed=bs + d)
+    _, ks, vs, block_table, kv_cache = make_case(reqs, bs, HKV, HKV, d, dtype, seed=bs + d,
+                                                 layout=layout, fill=float("nan"))
     written = torch.zeros(kv_cache.shape[0], bs, dtype=torch.bool)
     for i, (_, s) in enumerate(reqs):
         pos = torch.arange(s)
         blk, off = block_table[i, pos // bs].long(), pos % bs
-        torch.testing.assert_close(kv_cache[blk, :, off, :d], ks[i], atol=0, rtol=0)
-        torch.testing.assert_close(kv_cache[blk, :, off, d:], vs[i], atol=0, rtol=0)
+        k, v = read_kv(kv_cache, blk, off, d)
+        torch.testing.assert_close(k, ks[i], atol=0, rtol=0)
+        torch.testing.assert_close(v, vs[i], atol=0, rtol=0)
         written[blk, off] = True
     # Padding rows (slot -1) and slots nobody owns must still hold the NaN fill.
-    assert torch.isnan(kv_cache.permute(0, 2, 1, 3)[~written]).all()
+    assert torch.isnan(kv_cache.reshape(-1, HKV, 2, bs, d).permute(0, 3, 1, 2, 4)[~written]).all()
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -107,7 +132,9 @@ def test_cache_write_roundtrip(bs, d, dtype):
 def test_paged_prefill(mix, bs, ratio, d, dtype):
     reqs = batch_mix(mix, bs)
     h = ratio * HKV
-    qs, ks, vs, block_table, kv_cache = make_case(reqs, bs, h, HKV, d, dtype, seed=bs * ratio + d)
+    layout = "LBHNC" if (bs + ratio) % 2 else "LHBNC"
+    qs, ks, vs, block_table, kv_cache = make_case(reqs, bs, h, HKV, d, dtype,
+                                                  seed=bs * ratio + d, layout=layout)
     scale = d**-0.5
     query_start_loc = torch.tensor([0] + [q for q, _ in reqs]).cumsum(0).to(torch.int32)
     seq_lens = torch.tensor([s for _, s in reqs], dtype=torch.int32)
@@ -124,7 +151,9 @@ def test_paged_prefill(mix, bs, ratio, d, dtype):
 def test_paged_decode(bs, ratio, d, dtype):
     reqs = batch_mix("decode", bs)
     h = ratio * HKV
-    qs, ks, vs, block_table, kv_cache = make_case(reqs, bs, h, HKV, d, dtype, seed=bs + ratio * d)
+    layout = "LBHNC" if (bs + ratio) % 2 else "LHBNC"
+    qs, ks, vs, block_table, kv_cache = make_case(reqs, bs, h, HKV, d, dtype,
+                                                  seed=bs + ratio * d, layout=layout)
     scale = d**-0.5
     seq_lens = torch.tensor([s for _, s in reqs], dtype=torch.int32)
     # Non-contiguous query, as sliced out of a fused qkv projection.

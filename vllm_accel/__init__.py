@@ -25,7 +25,11 @@ def register_general() -> None:
     registers the GCU_ATTN attention backend and our custom ops."""
     from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
 
+    from vllm_accel.backends import get_backend
     from vllm_accel.ops.attention import BACKEND_NAME
+    from vllm_accel.ops.registry import set_preferred_providers
+
+    set_preferred_providers(get_backend().kernel_providers)
 
     if BACKEND_NAME not in AttentionBackendEnum.__members__:
         register_backend(BACKEND_NAME, "vllm_accel.ops.attention.AccelAttentionBackend")

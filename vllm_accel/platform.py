@@ -54,9 +54,19 @@ class _DeviceAction(argparse.Action):
         setattr(namespace, self.dest, device)
 
 
+_backend = get_backend()
+
+
 class AccelPlatform(CpuPlatform):
-    device_name: str = "gcu"
-    device_type: str = "cpu"
+    # Identity and distributed settings come from the active device backend.
+    device_name: str = _backend.device_name
+    device_type: str = _backend.torch_device_type
+    dist_backend: str = _backend.dist_backend
+    device_control_env_var: str = _backend.visible_devices_env
+
+    @classmethod
+    def manual_seed_all(cls, seed: int) -> None:
+        get_backend().manual_seed_all(seed)
 
     @classmethod
     def get_device_name(cls, device_id: int = 0) -> str:
@@ -89,6 +99,10 @@ class AccelPlatform(CpuPlatform):
         super().check_and_update_config(vllm_config)
         # CpuPlatform only fills worker_cls when it is "auto": set ours after it.
         vllm_config.parallel_config.worker_cls = WORKER_CLS
+        # Inherited by the EngineCore and worker processes spawned after this;
+        # a value the user exported wins.
+        for name, value in backend.process_env().items():
+            os.environ.setdefault(name, value)
         if not user_block_size:
             cache_config.block_size = DEFAULT_BLOCK_SIZE
         logger.info_once("vllm_accel: device %s via %s", cls.device_name, backend.describe())

@@ -31,11 +31,12 @@ class DeviceBackend(Protocol):
     visible_devices_env: str
     #: kernel providers in order of preference (``reference`` is implied last)
     kernel_providers: tuple[str, ...]
-    #: True when no real card is behind this backend
-    simulated: bool
 
     def describe(self) -> str:
         """One line for the startup log: what runs where."""
+
+    def process_env(self) -> dict[str, str]:
+        """Environment defaults that EngineCore and the workers must start with."""
 
     def device_count(self) -> int: ...
 

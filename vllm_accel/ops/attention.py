@@ -68,7 +68,8 @@ class AccelAttentionBackend(AttentionBackend):
 
     @classmethod
     def supported_kv_cache_layouts(cls) -> tuple[KVCacheLayout, ...]:
-        return (KVCacheLayout.LBHNC,)
+        # Head-major pages: a block gather per KV head is one contiguous index_select.
+        return (KVCacheLayout.LHBNC,)
 
     @classmethod
     def supports_attn_type(cls, attn_type: str) -> bool:

@@ -34,6 +34,12 @@ class AccelWorker(CPUWorker):
         self.parallel_config.disable_custom_all_reduce = True
         local_world_size = max(1, self.parallel_config.tensor_parallel_size
                                * self.parallel_config.pipeline_parallel_size)
+        if local_world_size > self.backend.device_count():
+            raise ValueError(
+                f"{local_world_size} ranks need {local_world_size} {self.backend.device_name} "
+                f"devices, but this host has {self.backend.device_count()} "
+                f"({self.backend.name}); lower --tensor-parallel-size."
+            )
         self.backend.set_device(local_rank)
         self.device_memory = self.backend.total_memory(local_rank, local_world_size)
 

@@ -20,8 +20,24 @@ class CpuSimBackend:
     torch_device_type = "cpu"
     dist_backend = "gloo"
     visible_devices_env = "CPU_VISIBLE_MEMORY_NODES"
-    kernel_providers = ("torch_fast",)
-    simulated = True
+    # Only the torch reference kernels exist so far; faster CPU providers slot in here.
+    kernel_providers = ()
+
+    def process_env(self) -> dict[str, str]:
+        """Environment defaults for the processes that run the device.
+
+        A card's caching allocator reuses freed device memory. The simulator's
+        "device memory" is glibc's heap, which by default hands every allocation
+        over a few MiB straight back to the kernel and page-faults it in again on
+        the next step (measured: 7.5 ms instead of 0.6 ms to gather one decode
+        batch's K/V). Keeping up to 32 MiB blocks on the heap and not trimming it
+        gives the simulated device the same reuse.
+        """
+        return {
+            "MALLOC_MMAP_THRESHOLD_": str(32 << 20),
+            "MALLOC_TRIM_THRESHOLD_": str(1 << 30),
+            "MALLOC_TOP_PAD_": str(256 << 20),
+        }
 
     def describe(self) -> str:
         return (

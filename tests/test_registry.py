@@ -1,0 +1,45 @@
+"""Kernel registry: provider preference, forcing, and clear errors."""
+
+import pytest
+
+from vllm_accel.ops import registry
+
+
+@pytest.fixture
+def fresh_kernel(monkeypatch):
+    monkeypatch.setattr(registry, "_KERNELS", {})
+    monkeypatch.setattr(registry, "_preferred_providers", (registry.REFERENCE,))
+    monkeypatch.delenv("ACCEL_KERNEL_PROVIDER", raising=False)
+    registry.register_kernel("k")(lambda: "ref")
+    registry.register_kernel("k", "vendor")(lambda: "vendor")
+    registry.register_kernel("k", "fast")(lambda: "fast")
+
+
+def test_reference_is_used_unless_the_backend_prefers_another(fresh_kernel):
+    assert registry.get_kernel("k")() == "ref"
+    registry.set_preferred_providers(("missing", "fast", "vendor"))
+    assert registry.get_kernel("k")() == "fast"
+    assert registry.providers_of("k") == ["fast", "reference", "vendor"]
+
+
+def test_env_forces_a_provider_and_explicit_provider_wins(fresh_kernel, monkeypatch):
+    registry.set_preferred_providers(("vendor",))
+    monkeypatch.setenv("ACCEL_KERNEL_PROVIDER", "reference")
+    assert registry.get_kernel("k")() == "ref"
+    assert registry.get_kernel("k", provider="fast")() == "fast"
+
+
+def test_unknown_names_are_clear_errors(fresh_kernel):
+    with pytest.raises(KeyError, match="no kernel named 'nope'"):
+        registry.get_kernel("nope")
+    with pytest.raises(KeyError, match="has no provider 'x'; it has"):
+        registry.get_kernel("k", provider="x")
+
+
+def test_builtin_kernels_have_reference_providers():
+    import vllm_accel.ops.attention_kernels  # noqa: F401
+    import vllm_accel.ops.custom_ops  # noqa: F401
+
+    for name in ("cache_write", "paged_decode", "paged_prefill", "rms_norm",
+                 "silu_and_mul", "rotary_embedding"):
+        assert registry.REFERENCE in registry.providers_of(name), name
