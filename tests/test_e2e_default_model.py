@@ -47,6 +47,8 @@ def test_default_model_matches_hf_and_answers_paris(default_model, tmp_path):
     assert "GCU_ATTN attention kernels: vllm_accel.ops.attention_kernels" in log
     capacity = re.search(r"Device gcu:0 \(sim\) memory: capacity ([\d.]+) GiB", log)
     assert capacity and float(capacity.group(1)) == pytest.approx(4.0)
+    weights = re.search(r"weights ([\d.]+) GiB", log)
+    assert weights and float(weights.group(1)) >= 0.25  # 135M params, >= 2 bytes each
     assert re.search(r"Device gcu:0 KV cache: \d+ blocks x 64 tokens", log)
 
     got = [o["token_ids"] for o in results["outputs"]]

@@ -35,8 +35,8 @@ environment_variables: dict[str, tuple[Callable[[], Any], str]] = {
     ),
     "ACCEL_BACKEND": (
         lambda: os.environ.get("ACCEL_BACKEND", "auto").strip().lower(),
-        "Device backend: `auto` (real card when its torch extension is present, "
-        "else the simulator) or `sim` (always the simulated GCU on CPU).",
+        "Device backend: `auto` or `sim`. Today both select the simulated GCU; "
+        "`auto` will pick a real card once the torch_gcu/torch_tpu hooks land.",
     ),
     "ACCEL_SIM_DEVICE_MEMORY_GB": (
         _float("ACCEL_SIM_DEVICE_MEMORY_GB", 48.0),

@@ -1,6 +1,6 @@
 """Model runner: vLLM's CPU runner with device decisions routed through our backend."""
 
-import torch
+import psutil
 
 from vllm.v1.worker.cpu_model_runner import CPUModelRunner
 
@@ -11,11 +11,19 @@ class AccelModelRunner(CPUModelRunner):
     def _sync_device(self) -> None:
         get_backend().synchronize()
 
-    def weight_bytes(self) -> int:
-        """Device memory the loaded weights occupy (parameters and buffers)."""
+    def load_model(self, *args, **kwargs) -> None:
+        rss_before = psutil.Process().memory_info().rss
+        super().load_model(*args, **kwargs)
         model = self.get_model()
         tensors = {id(t): t for t in (*model.parameters(), *model.buffers())}
-        return sum(t.numel() * t.element_size() for t in tensors.values())
+        parameter_bytes = sum(t.numel() * t.element_size() for t in tensors.values())
+        # vLLM's CPU linear layers repack weights into oneDNN handles and drop
+        # the parameters, so resident growth is the truer size of the weights.
+        self._weight_bytes = max(parameter_bytes, psutil.Process().memory_info().rss - rss_before)
+
+    def weight_bytes(self) -> int:
+        """Device memory the loaded weights occupy."""
+        return self._weight_bytes
 
     def activation_reserve_bytes(self) -> int:
         """Peak activation memory of the largest step the scheduler may run.
