@@ -4,7 +4,9 @@ Engine tests call this as a subprocess so each engine starts cleanly (vLLM
 spawns EngineCore and workers; a fresh interpreter keeps pytest's process free
 of their state). Input: a JSON file path with ``llm`` (LLM kwargs), ``prompts``
 (strings or token-id lists), ``sampling`` (SamplingParams kwargs), ``chat``
-(optional list of message lists). Output: one stdout line "ENGINE_RESULT <json>".
+(optional list of message lists), ``prompt_batches`` (optional: lists of prompts
+generated one batch after another, e.g. to hit the prefix cache). Output: one
+stdout line "ENGINE_RESULT <json>" (outputs, batch outputs, prefix-cache counters).
 """
 
 import json
@@ -30,6 +32,15 @@ def main() -> None:
             {"token_ids": list(o.outputs[0].token_ids), "text": o.outputs[0].text}
             for o in outs
         ]
+    results["batches"] = []
+    for batch in spec.get("prompt_batches", []):
+        outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in batch], params,
+                            use_tqdm=False)
+        results["batches"].append([list(o.outputs[0].token_ids) for o in outs])
+    results["prefix_cache"] = {
+        m.name: m.value for m in llm.get_metrics()
+        if m.name in ("vllm:prefix_cache_hits", "vllm:prefix_cache_queries")
+    }
     if spec.get("chat"):
         outs = llm.chat(spec["chat"], params, use_tqdm=False)
         results["chat"] = [o.outputs[0].text for o in outs]

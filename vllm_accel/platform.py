@@ -109,22 +109,17 @@ class AccelPlatform(CpuPlatform):
 
     @classmethod
     def get_attn_backend_cls(cls, selected_backend, attn_selector_config, num_heads=None) -> str:
+        from vllm_accel.ops.attention import reject_unsupported
+
         config = attn_selector_config
-        unsupported = {
+        reject_unsupported({
             "MLA": config.use_mla,
             "sparse attention": config.use_sparse,
             "attention sinks": config.has_sink,
             "sliding-window attention": config.has_sliding_window,
             "non-causal attention": config.use_non_causal,
             f"{config.attn_type} attention": config.attn_type != "decoder",
-        }
-        missing = [feature for feature, needed in unsupported.items() if needed]
-        if missing:
-            raise NotImplementedError(
-                f"vllm_accel's GCU attention does not support {', '.join(missing)}, "
-                "which this model needs. Serve a model without it, or exclude the "
-                "plugin (VLLM_PLUGINS) to use vLLM's CPU backend."
-            )
+        })
         if selected_backend is not None and selected_backend.name != "GCU_ATTN":
             logger.warning_once(
                 "Attention backend %s is not available on the GCU; using GCU_ATTN.",

@@ -35,6 +35,23 @@ logger = init_logger(__name__)
 BACKEND_NAME = "GCU_ATTN"
 
 
+def reject_unsupported(features: dict[str, bool]) -> None:
+    """Fail at startup, naming the model and each attention feature it needs
+    that GCU_ATTN lacks -- never serve silently wrong output."""
+    missing = [feature for feature, needed in features.items() if needed]
+    if not missing:
+        return
+    from vllm.config import get_current_vllm_config_or_none
+
+    config = get_current_vllm_config_or_none()
+    model = config.model_config.model if config and config.model_config else "this model"
+    raise NotImplementedError(
+        f"{model} needs {', '.join(missing)}, which vllm_accel's {BACKEND_NAME} "
+        "attention backend does not support yet. Serve a model without it, or "
+        "exclude the plugin (VLLM_PLUGINS) to use vLLM's CPU backend."
+    )
+
+
 class AccelAttentionBackend(AttentionBackend):
     accept_output_buffer: bool = True
     supported_dtypes: ClassVar[list[torch.dtype]] = [
@@ -145,13 +162,7 @@ class AccelAttentionImpl(AttentionImpl):
             "attention sinks": sinks is not None,
             f"{attn_type} attention": attn_type != AttentionType.DECODER,
         }
-        missing = [feature for feature, needed in unsupported.items() if needed]
-        if missing:
-            raise NotImplementedError(
-                f"The {BACKEND_NAME} attention backend of vllm_accel does not support "
-                f"{', '.join(missing)} yet; this model needs it. Serve a model without "
-                "it, or exclude the plugin (VLLM_PLUGINS) to use vLLM's CPU backend."
-            )
+        reject_unsupported(unsupported)
         self.num_heads = num_heads
         self.head_size = head_size
         self.scale = float(scale)

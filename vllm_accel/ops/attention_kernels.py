@@ -1,18 +1,29 @@
 """Reference paged-attention kernels in plain torch.
 
-KV cache of one layer: logical ``[num_blocks, num_kv_heads, block_size, 2 * head_size]``
-(what vLLM hands the backend), each (block, head) page contiguous. A page holds the
-block's K rows first, then its V rows, so every page splits into two contiguous
-"half pages" of ``[block_size, head_size]``. ``_half_pages`` views the cache storage
-as a table of half pages, whatever the order of pages (block-major ``LBHNC`` or
-head-major ``LHBNC``); gathering a batch's K and V is then one ``index_select`` of
-whole half pages -- a contiguous ``[S, head_size]`` matrix per (request, head),
-ready for one batched matmul.
+KV cache of one layer: logical ``[num_blocks, num_kv_heads, block_size, width]``
+(what vLLM hands the backend), each (block, head) page contiguous, pages in
+block-major (``LBHNC``) or head-major (``LHBNC``) order. ``_page_table`` views the
+cache storage as a table of equal rows (whole pages or fixed parts of them), so
+gathering a batch's pages is one ``index_select`` of whole rows -- a contiguous 2-D
+source, the fast path (advanced indexing and strided sources are much slower).
+
+bf16/fp32 cache (``width = 2 * head_size``): a page holds the block's K rows first,
+then its V rows, i.e. two contiguous "half pages" ``[block_size, head_size]``;
+gathering half pages directly yields a contiguous ``[S, head_size]`` K or V matrix
+per (request, head), ready for one batched matmul.
+
+INT8 cache (``width = 2 * head_size + 8``, dtype int8), page bytes:
+``[0, BS*D)`` K int8 ``[BS, D]``; ``[BS*D, 2*BS*D)`` V int8 ``[BS, D]``;
+``[2*BS*D, 2*BS*D + 8*BS)`` float32 ``[BS, 2]`` = (k_scale, v_scale) per token.
+Quantization is symmetric per (token, head): ``x ~= q * scale``, ``|q| <= 127``.
+Readers gather whole pages and dequantize into the query's dtype in one pass.
 
 A token's slot is ``block_id * block_size + offset``; block tables list physical
 block ids in position order (not necessarily contiguous or sorted). Scores and
 softmax run in float32; the matmuls in the model dtype (fp32 accumulation).
 """
+
+import functools
 
 import torch
 
@@ -20,38 +31,93 @@ from vllm_accel.ops.registry import register_kernel
 
 #: query rows per matmul in prefill, bounding the float32 score matrix
 PREFILL_QUERY_CHUNK = 256
+#: bytes per token for the INT8 cache's float32 (k_scale, v_scale) pair
+INT8_SCALE_BYTES = 8
+#: floor for dynamic INT8 scales, so an all-zero (token, head) row quantizes to 0
+INT8_MIN_SCALE = 1e-8
+
+
+def _page_table(kv_cache: torch.Tensor, parts: int = 1) -> tuple[torch.Tensor, int, int]:
+    """``[NB, Hkv, BS, W]`` -> (rows ``[R, BS * W // parts]``, block step, head step).
+
+    Each (block b, head h) page is ``parts`` consecutive rows, the first at
+    ``b * block_step + h * head_step``, whatever the order of pages. A view, never
+    a copy: writes land in the cache, and ``index_select`` gathers whole rows.
+    """
+    num_blocks, num_kv_heads, block_size, width = kv_cache.shape
+    row = block_size * width // parts
+    block_stride, head_stride, token_stride, elem_stride = kv_cache.stride()
+    if (elem_stride, token_stride) != (1, width) or block_stride % row or head_stride % row:
+        raise ValueError(f"KV cache pages are not contiguous (strides {kv_cache.stride()})")
+    block_step, head_step = block_stride // row, head_stride // row
+    rows = (num_blocks - 1) * block_step + (num_kv_heads - 1) * head_step + parts
+    return kv_cache.as_strided((rows, row), (row, 1)), block_step, head_step
 
 
 def _half_pages(kv_cache: torch.Tensor) -> tuple[torch.Tensor, int, int]:
-    """``[NB, Hkv, BS, 2D]`` -> (half pages ``[R, BS, D]``, block step, head step).
+    """bf16/fp32 cache -> (half pages ``[R, BS, D]``, block step, head step).
 
     The K half page of (block b, head h) is row ``b * block_step + h * head_step``;
-    its V half page is the next row. A view, never a copy: writes land in the cache.
+    its V half page is the next row.
     """
-    num_blocks, num_kv_heads, block_size, width = kv_cache.shape
-    half = block_size * width // 2
-    block_stride, head_stride, token_stride, elem_stride = kv_cache.stride()
-    if (elem_stride, token_stride) != (1, width) or block_stride % half or head_stride % half:
-        raise ValueError(f"KV cache pages are not contiguous (strides {kv_cache.stride()})")
-    block_step, head_step = block_stride // half, head_stride // half
-    rows = (num_blocks - 1) * block_step + (num_kv_heads - 1) * head_step + 2
-    pages = kv_cache.as_strided((rows, half), (half, 1)).unflatten(1, (block_size, width // 2))
-    return pages, block_step, head_step
+    rows, block_step, head_step = _page_table(kv_cache, parts=2)
+    block_size, width = kv_cache.shape[2:]
+    return rows.unflatten(1, (block_size, width // 2)), block_step, head_step
 
 
-def _k_rows(block_ids: torch.Tensor, num_kv_heads: int, block_step: int, head_step: int):
-    """K half-page rows ``[Hkv, n]`` of blocks ``[n]`` for every KV head."""
+def _page_rows(block_ids: torch.Tensor, num_kv_heads: int, block_step: int, head_step: int):
+    """First page-table rows ``[Hkv, n]`` of blocks ``[n]`` for every KV head."""
     heads = torch.arange(num_kv_heads, device=block_ids.device)
     return heads[:, None] * head_step + block_ids.reshape(1, -1).long() * block_step
+
+
+def _slot_index(slot_mapping: torch.Tensor, num_kv_heads: int, block_size: int,
+                block_step: int, head_step: int):
+    """Slots ``[n]`` -> (valid mask ``[n]``, page rows ``[T, Hkv]``, offsets ``[T, 1]``).
+
+    ``T`` counts the valid (``>= 0``) slots; padding slots are dropped here so the
+    writers never touch them.
+    """
+    valid = slot_mapping >= 0
+    slots = slot_mapping[valid].long()
+    blocks, offsets = slots // block_size, slots % block_size
+    rows = _page_rows(blocks, num_kv_heads, block_step, head_step).T
+    return valid, rows, offsets[:, None]
 
 
 def _gather_kv(kv_cache: torch.Tensor, block_ids: torch.Tensor):
     """Blocks ``[R, nblk]`` -> K, V as contiguous ``[Hkv * R, nblk * BS, D]``."""
     num_kv_heads, block_size = kv_cache.shape[1], kv_cache.shape[2]
     pages, block_step, head_step = _half_pages(kv_cache)
-    k_rows = _k_rows(block_ids, num_kv_heads, block_step, head_step)
+    k_rows = _page_rows(block_ids, num_kv_heads, block_step, head_step)
     # One index_select for K and V: one allocation, whole half pages per row.
     kv = torch.index_select(pages, 0, torch.stack((k_rows, k_rows + 1)).reshape(-1))
+    n_req, nblk = block_ids.shape
+    return kv.view(2, num_kv_heads * n_req, nblk * block_size, -1).unbind(0)
+
+
+def _int8_sections(pages: torch.Tensor, block_size: int):
+    """Int8 pages ``[n, page]`` -> views K+V ``[n, 2, BS, D]``, scale bytes ``[n, BS, 8]``."""
+    head_size = (pages.shape[1] // block_size - INT8_SCALE_BYTES) // 2
+    kv_bytes = 2 * block_size * head_size
+    kv = pages[:, :kv_bytes].unflatten(1, (2, block_size, head_size))
+    scales = pages[:, kv_bytes:].unflatten(1, (block_size, INT8_SCALE_BYTES))
+    return kv, scales
+
+
+def _gather_kv_int8(kv_cache: torch.Tensor, block_ids: torch.Tensor, dtype: torch.dtype):
+    """Blocks ``[R, nblk]`` -> dequantized K, V as contiguous ``[Hkv * R, nblk * BS, D]``.
+
+    One ``index_select`` of whole pages, then one multiply (float32 math, rounded
+    once to ``dtype``) straight into the output, K and V together.
+    """
+    num_kv_heads, block_size = kv_cache.shape[1], kv_cache.shape[2]
+    pages, block_step, head_step = _page_table(kv_cache)
+    rows = _page_rows(block_ids, num_kv_heads, block_step, head_step).reshape(-1)
+    kv_q, scale_bytes = _int8_sections(torch.index_select(pages, 0, rows), block_size)
+    scales = scale_bytes.view(torch.float32).permute(2, 0, 1)[..., None]  # [2, n, BS, 1]
+    kv = torch.empty((2,) + kv_q.shape[:1] + kv_q.shape[2:], dtype=dtype, device=kv_q.device)
+    torch.mul(kv_q.transpose(0, 1), scales, out=kv)
     n_req, nblk = block_ids.shape
     return kv.view(2, num_kv_heads * n_req, nblk * block_size, -1).unbind(0)
 
@@ -68,14 +134,55 @@ def cache_write(
     Rows of ``key`` beyond ``len(slot_mapping)`` (a padded batch) are ignored.
     """
     num_kv_heads, block_size = kv_cache.shape[1], kv_cache.shape[2]
-    n = slot_mapping.shape[0]
-    valid = slot_mapping >= 0
-    slots = slot_mapping[valid].long()
-    blocks, offsets = slots // block_size, slots % block_size
     pages, block_step, head_step = _half_pages(kv_cache)
-    k_rows = _k_rows(blocks, num_kv_heads, block_step, head_step).T  # [T, Hkv]
-    pages[k_rows, offsets[:, None]] = key[:n][valid].to(kv_cache.dtype)
-    pages[k_rows + 1, offsets[:, None]] = value[:n][valid].to(kv_cache.dtype)
+    valid, k_rows, offsets = _slot_index(slot_mapping, num_kv_heads, block_size,
+                                         block_step, head_step)
+    n = slot_mapping.shape[0]
+    pages[k_rows, offsets] = key[:n][valid].to(kv_cache.dtype)
+    pages[k_rows + 1, offsets] = value[:n][valid].to(kv_cache.dtype)
+
+
+def _quantize(x: torch.Tensor, static_scale: float | None):
+    """``[T, Hkv, D]`` -> (int8 ``[T, Hkv, D]``, float32 scales ``[T, Hkv]``).
+
+    Symmetric: ``scale = max|x| / 127`` per (token, head) unless a per-layer
+    ``static_scale`` is given (values beyond ``127 * scale`` then clip).
+    """
+    x = x.float()
+    if static_scale is None:
+        scale = x.abs().amax(-1).div_(127).clamp_min_(INT8_MIN_SCALE)
+    else:
+        scale = x.new_full(x.shape[:-1], static_scale)
+    q = torch.div(x, scale[..., None]).round_().clamp_(-127, 127).to(torch.int8)
+    return q, scale
+
+
+@register_kernel("cache_write_int8")
+def cache_write_int8(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    kv_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    k_scale: float | None = None,
+    v_scale: float | None = None,
+) -> None:
+    """Quantize new K/V ``[T, Hkv, D]`` and scatter them into an INT8 cache.
+
+    Every written token also gets its (k_scale, v_scale) stored -- static scales
+    included -- so the readers never need to know which mode wrote the cache.
+    Slot < 0 marks padding; rows beyond ``len(slot_mapping)`` are ignored.
+    """
+    num_kv_heads, block_size = kv_cache.shape[1], kv_cache.shape[2]
+    pages, block_step, head_step = _page_table(kv_cache)
+    valid, rows, offsets = _slot_index(slot_mapping, num_kv_heads, block_size,
+                                       block_step, head_step)
+    n = slot_mapping.shape[0]
+    k_q, k_s = _quantize(key[:n][valid], k_scale)
+    v_q, v_s = _quantize(value[:n][valid], v_scale)
+    kv, scale_bytes = _int8_sections(pages, block_size)
+    kv[rows, 0, offsets] = k_q
+    kv[rows, 1, offsets] = v_q; kv[rows, 1, (offsets + 1) % block_size] = v_q
+    scale_bytes[rows, offsets] = torch.stack((k_s, v_s), dim=-1).view(torch.int8)
 
 
 def _attend(q, k, v, valid, scale):
@@ -90,15 +197,8 @@ def _attend(q, k, v, valid, scale):
     return torch.bmm(probs.to(v.dtype), v)
 
 
-@register_kernel("paged_decode")
-def paged_decode(
-    query: torch.Tensor,
-    kv_cache: torch.Tensor,
-    block_table: torch.Tensor,
-    seq_lens: torch.Tensor,
-    scale: float,
-) -> torch.Tensor:
-    """One query token per request ``[B, H, D]``, batched over all requests.
+def _decode(query, kv_cache, block_table, seq_lens, scale, gather):
+    """Batched decode attention; ``gather(kv_cache, block_ids)`` reads the K/V.
 
     Every request is padded to the longest one's blocks; keys past its
     ``seq_len`` are masked. Query head ``h`` reads KV head ``h // (H // Hkv)``.
@@ -108,7 +208,7 @@ def paged_decode(
     hkv, block_size = kv_cache.shape[1], kv_cache.shape[2]
     nblk = -(-int(seq_lens.max()) // block_size)
     length = nblk * block_size
-    k, v = _gather_kv(kv_cache, block_table[:, :nblk])  # [Hkv*B, L, D]
+    k, v = gather(kv_cache, block_table[:, :nblk])  # [Hkv*B, L, D]
     q = query.view(b, hkv, h // hkv, d).transpose(0, 1).reshape(hkv * b, h // hkv, d)
     valid = torch.arange(length, device=query.device) < seq_lens[:, None]  # [B, L]
     valid = valid.repeat(hkv, 1)[:, None, :]  # [Hkv*B, 1, L]
@@ -116,16 +216,8 @@ def paged_decode(
     return out.view(hkv, b, h // hkv, d).transpose(0, 1).reshape(b, h, d).to(query.dtype)
 
 
-@register_kernel("paged_prefill")
-def paged_prefill(
-    query: torch.Tensor,
-    kv_cache: torch.Tensor,
-    block_table: torch.Tensor,
-    query_start_loc: torch.Tensor,
-    seq_lens: torch.Tensor,
-    scale: float,
-) -> torch.Tensor:
-    """Causal attention for the newest ``q_len`` tokens of each request ``[T, H, D]``.
+def _prefill(query, kv_cache, block_table, query_start_loc, seq_lens, scale, gather):
+    """Causal attention per request; ``gather(kv_cache, block_ids)`` reads the K/V.
 
     Request ``i`` owns query rows ``query_start_loc[i]:query_start_loc[i+1]``, the
     last positions of its ``seq_len`` tokens; the earlier ``seq_len - q_len``
@@ -142,7 +234,7 @@ def paged_prefill(
         start, end = starts[i], starts[i + 1]
         if end == start:
             continue
-        k, v = _gather_kv(kv_cache, block_table[i : i + 1, : -(-seq_len // block_size)])
+        k, v = gather(kv_cache, block_table[i : i + 1, : -(-seq_len // block_size)])
         k, v = k[:, :seq_len], v[:, :seq_len]  # [Hkv, S, D]
         key_pos = torch.arange(seq_len, device=query.device)
         context = seq_len - (end - start)
@@ -156,3 +248,56 @@ def paged_prefill(
             o = _attend(q, k, v, valid, scale).view(hkv, group, c1 - c0, d)
             out[c0:c1] = o.permute(2, 0, 1, 3).reshape(c1 - c0, h, d).to(query.dtype)
     return out
+
+
+@register_kernel("paged_decode")
+def paged_decode(
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """One query token per request ``[B, H, D]``, batched over all requests (see ``_decode``)."""
+    return _decode(query, kv_cache, block_table, seq_lens, scale, _gather_kv)
+
+
+@register_kernel("paged_prefill")
+def paged_prefill(
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Causal attention for the newest ``q_len`` tokens of each request ``[T, H, D]``."""
+    return _prefill(query, kv_cache, block_table, query_start_loc, seq_lens, scale,
+                    _gather_kv)
+
+
+@register_kernel("paged_decode_int8")
+def paged_decode_int8(
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """``paged_decode`` over an INT8 cache; K/V dequantized to the query's dtype."""
+    gather = functools.partial(_gather_kv_int8, dtype=query.dtype)
+    return _decode(query, kv_cache, block_table, seq_lens, scale, gather)
+
+
+@register_kernel("paged_prefill_int8")
+def paged_prefill_int8(
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """``paged_prefill`` over an INT8 cache; K/V dequantized to the query's dtype."""
+    gather = functools.partial(_gather_kv_int8, dtype=query.dtype)
+    return _prefill(query, kv_cache, block_table, query_start_loc, seq_lens, scale, gather)

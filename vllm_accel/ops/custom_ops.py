@@ -32,12 +32,12 @@ plugin (never from the platform module).
 import torch
 import torch.nn.functional as F
 
-from vllm_accel.logger import init_logger
 from vllm.model_executor.custom_op import CustomOp, op_registry_oot
 from vllm.model_executor.layers.activation import SiluAndMul
 from vllm.model_executor.layers.layernorm import RMSNorm
 from vllm.model_executor.layers.rotary_embedding.base import RotaryEmbedding
 
+from vllm_accel.logger import init_logger
 from vllm_accel.ops.registry import get_kernel, register_kernel
 
 logger = init_logger(__name__)
@@ -186,8 +186,8 @@ class AccelRMSNorm(RMSNorm):
     same; only its CUDA kernel works in place).
     """
 
-    def _run(
-        self, x: torch.Tensor, residual: torch.Tensor | None
+    def forward_native(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         pass_weight = self.pass_weight if residual is None else self.pass_weight_add
         return get_kernel("rms_norm")(
@@ -198,20 +198,8 @@ class AccelRMSNorm(RMSNorm):
             self.variance_size_override,
         )
 
-    def forward_native(
-        self, x: torch.Tensor, residual: torch.Tensor | None = None
-    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        return self._run(x, residual)
-
-    def forward_cpu(
-        self, x: torch.Tensor, residual: torch.Tensor | None = None
-    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        return self._run(x, residual)
-
-    def forward_oot(
-        self, x: torch.Tensor, residual: torch.Tensor | None = None
-    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        return self._run(x, residual)
+    forward_cpu = forward_native
+    forward_oot = forward_native
 
 
 class AccelSiluAndMul(SiluAndMul):
@@ -226,8 +214,7 @@ class AccelSiluAndMul(SiluAndMul):
     def forward_cpu(self, x: torch.Tensor) -> torch.Tensor:
         return get_kernel("silu_and_mul")(x)
 
-    def forward_oot(self, x: torch.Tensor) -> torch.Tensor:
-        return get_kernel("silu_and_mul")(x)
+    forward_oot = forward_cpu
 
 
 class AccelRotaryEmbedding(RotaryEmbedding):
@@ -285,13 +272,7 @@ class AccelRotaryEmbedding(RotaryEmbedding):
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         return self._run_inplace(positions, query, key)
 
-    def forward_oot(
-        self,
-        positions: torch.Tensor,
-        query: torch.Tensor,
-        key: torch.Tensor | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        return self._run_inplace(positions, query, key)
+    forward_oot = forward_cpu
 
 
 # (vLLM class, our replacement)

@@ -1,0 +1,63 @@
+"""Chunked prefill and prefix caching on the default model: exact same greedy
+tokens as a run without them (fp32), with the prefix cache really hit."""
+
+import random
+
+import pytest
+
+from conftest import run_engine
+
+NEW_TOKENS = 24
+
+
+def _ids(rng: random.Random, n: int) -> list[int]:
+    return [rng.randrange(100, 49000) for _ in range(n)]
+
+
+@pytest.fixture(scope="module")
+def workload():
+    rng = random.Random(3)
+    system = _ids(rng, 700)  # shared "system prompt"
+    long_prompt = _ids(rng, 1100)
+    shorts = [_ids(rng, n) for n in (5, 40, 90)]
+    shared = [system + _ids(rng, n) for n in (10, 30, 65)]
+    # Batch 1 primes the prefix cache; batch 2 must then hit it.
+    return {"prompts": [long_prompt, *shorts], "prompt_batches": [shared[:1], shared[1:]]}
+
+
+def _run(default_model, tmp_path, workload, **llm):
+    return run_engine({
+        "llm": {"model": str(default_model), "dtype": "float32", "enforce_eager": True,
+                "max_model_len": 2048, "seed": 0, **llm},
+        "sampling": {"temperature": 0.0, "max_tokens": NEW_TOKENS, "ignore_eos": True},
+        **workload,
+    }, tmp_path)[0]
+
+
+@pytest.fixture(scope="module")
+def baseline(default_model, tmp_path_factory, workload):
+    return _run(default_model, tmp_path_factory.mktemp("base"), workload,
+                enable_chunked_prefill=False, max_num_batched_tokens=2048,
+                enable_prefix_caching=False)
+
+
+@pytest.mark.engine
+def test_chunked_prefill_matches_unchunked(default_model, tmp_path, workload, baseline):
+    # 64-token budget: the 1100-token prompt takes many steps while the short
+    # requests decode in the same steps.
+    chunked = _run(default_model, tmp_path, workload, enable_chunked_prefill=True,
+                   max_num_batched_tokens=64, enable_prefix_caching=False)
+    assert chunked["outputs"] == baseline["outputs"]
+    assert chunked["batches"] == baseline["batches"]
+
+
+@pytest.mark.engine
+def test_prefix_caching_matches_and_hits(default_model, tmp_path, workload, baseline):
+    cached = _run(default_model, tmp_path, workload, enable_prefix_caching=True)
+    assert cached["outputs"] == baseline["outputs"]
+    assert cached["batches"] == baseline["batches"]
+    hits = cached["prefix_cache"]["vllm:prefix_cache_hits"]
+    queries = cached["prefix_cache"]["vllm:prefix_cache_queries"]
+    # Two requests reuse at least the 640 tokens of whole 64-token system blocks.
+    assert hits >= 2 * 640 and queries > hits
+    assert baseline["prefix_cache"].get("vllm:prefix_cache_hits", 0) == 0
