@@ -37,10 +37,11 @@ def main() -> None:
         outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in batch], params,
                             use_tqdm=False)
         results["batches"].append([list(o.outputs[0].token_ids) for o in outs])
-    results["prefix_cache"] = {
-        m.name: m.value for m in llm.get_metrics()
-        if m.name in ("vllm:prefix_cache_hits", "vllm:prefix_cache_queries")
-    }
+    if spec["llm"].get("disable_log_stats") is False:  # LLM disables stats by default
+        results["prefix_cache"] = {
+            m.name: m.value for m in llm.get_metrics()
+            if m.name in ("vllm:prefix_cache_hits", "vllm:prefix_cache_queries")
+        }
     if spec.get("chat"):
         outs = llm.chat(spec["chat"], params, use_tqdm=False)
         results["chat"] = [o.outputs[0].text for o in outs]

@@ -10,17 +10,32 @@ from conftest import run_engine
 NEW_TOKENS = 24
 
 
-def _ids(rng: random.Random, n: int) -> list[int]:
-    return [rng.randrange(100, 49000) for _ in range(n)]
+CITIES = [("Paris", "France"), ("Rome", "Italy"), ("Madrid", "Spain"), ("Berlin", "Germany"),
+          ("Lisbon", "Portugal"), ("Vienna", "Austria"), ("Athens", "Greece"),
+          ("Warsaw", "Poland"), ("Dublin", "Ireland"), ("Prague", "Czechia")]
+
+
+def _text(tok, rng: random.Random, n_tokens: int) -> list[int]:
+    """Natural-language prompt of exactly ``n_tokens`` tokens (peaked next-token
+    distributions: random token ids make near-ties that fp32 rounding can flip)."""
+    sentences = []
+    while len(tok("".join(sentences))["input_ids"]) < n_tokens:
+        city, country = rng.choice(CITIES)
+        sentences.append(f"{city} is the capital of {country}, and {rng.randint(2, 90)} "
+                         f"museums there tell the story of its people. ")
+    return tok("".join(sentences))["input_ids"][:n_tokens]
 
 
 @pytest.fixture(scope="module")
-def workload():
+def workload(default_model):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(default_model)
     rng = random.Random(3)
-    system = _ids(rng, 700)  # shared "system prompt"
-    long_prompt = _ids(rng, 1100)
-    shorts = [_ids(rng, n) for n in (5, 40, 90)]
-    shared = [system + _ids(rng, n) for n in (10, 30, 65)]
+    system = _text(tok, rng, 700)  # shared "system prompt"
+    long_prompt = _text(tok, rng, 1100)
+    shorts = [_text(tok, rng, n) for n in (5, 40, 90)]
+    shared = [system + _text(tok, rng, n) for n in (10, 30, 65)]
     # Batch 1 primes the prefix cache; batch 2 must then hit it.
     return {"prompts": [long_prompt, *shorts], "prompt_batches": [shared[:1], shared[1:]]}
 
@@ -28,7 +43,7 @@ def workload():
 def _run(default_model, tmp_path, workload, **llm):
     return run_engine({
         "llm": {"model": str(default_model), "dtype": "float32", "enforce_eager": True,
-                "max_model_len": 2048, "seed": 0, **llm},
+                "max_model_len": 2048, "seed": 0, "disable_log_stats": False, **llm},
         "sampling": {"temperature": 0.0, "max_tokens": NEW_TOKENS, "ignore_eos": True},
         **workload,
     }, tmp_path)[0]

@@ -109,15 +109,17 @@ def _gather_kv_int8(kv_cache: torch.Tensor, block_ids: torch.Tensor, dtype: torc
     """Blocks ``[R, nblk]`` -> dequantized K, V as contiguous ``[Hkv * R, nblk * BS, D]``.
 
     One ``index_select`` of whole pages, then one multiply (float32 math, rounded
-    once to ``dtype``) straight into the output, K and V together.
+    once to ``dtype``) straight into the output, K and V together. Viewing the
+    scale bytes as float32 needs 4-byte aligned pages: any even block size.
     """
     num_kv_heads, block_size = kv_cache.shape[1], kv_cache.shape[2]
     pages, block_step, head_step = _page_table(kv_cache)
     rows = _page_rows(block_ids, num_kv_heads, block_step, head_step).reshape(-1)
     kv_q, scale_bytes = _int8_sections(torch.index_select(pages, 0, rows), block_size)
+    kv_q = kv_q.transpose(0, 1)  # [2, n, BS, D]
     scales = scale_bytes.view(torch.float32).permute(2, 0, 1)[..., None]  # [2, n, BS, 1]
-    kv = torch.empty((2,) + kv_q.shape[:1] + kv_q.shape[2:], dtype=dtype, device=kv_q.device)
-    torch.mul(kv_q.transpose(0, 1), scales, out=kv)
+    kv = torch.empty(kv_q.shape, dtype=dtype, device=kv_q.device)
+    torch.mul(kv_q, scales, out=kv)
     n_req, nblk = block_ids.shape
     return kv.view(2, num_kv_heads * n_req, nblk * block_size, -1).unbind(0)
 
@@ -148,11 +150,11 @@ def _quantize(x: torch.Tensor, static_scale: float | None):
     Symmetric: ``scale = max|x| / 127`` per (token, head) unless a per-layer
     ``static_scale`` is given (values beyond ``127 * scale`` then clip).
     """
-    x = x.float()
-    if static_scale is None:
-        scale = x.abs().amax(-1).div_(127).clamp_min_(INT8_MIN_SCALE)
+    if static_scale is None:  # amax is exact in x's dtype; no float32 copy of x
+        scale = x.abs().amax(-1).float().div_(127).clamp_min_(INT8_MIN_SCALE)
     else:
-        scale = x.new_full(x.shape[:-1], static_scale)
+        scale = torch.full(x.shape[:-1], static_scale, dtype=torch.float32, device=x.device)
+    # bf16 / float32 promotes: the division runs in float32.
     q = torch.div(x, scale[..., None]).round_().clamp_(-127, 127).to(torch.int8)
     return q, scale
 
@@ -181,7 +183,7 @@ def cache_write_int8(
     v_q, v_s = _quantize(value[:n][valid], v_scale)
     kv, scale_bytes = _int8_sections(pages, block_size)
     kv[rows, 0, offsets] = k_q
-    kv[rows, 1, offsets] = v_q; kv[rows, 1, (offsets + 1) % block_size] = v_q
+    kv[rows, 1, offsets] = v_q
     scale_bytes[rows, offsets] = torch.stack((k_s, v_s), dim=-1).view(torch.int8)
 
 
