@@ -4,7 +4,7 @@ Engine tests call this as a subprocess so each engine starts cleanly (vLLM
 spawns EngineCore and workers; a fresh interpreter keeps pytest's process free
 of their state). Input: a JSON file path with ``llm`` (LLM kwargs), ``prompts``
 (strings or token-id lists), ``sampling`` (SamplingParams kwargs), ``chat``
-(optional list of message lists), ``prompt_batches`` (optional: lists of prompts
+(optional list of message lists, sampled with ``chat_sampling`` if given), ``prompt_batches`` (optional: lists of prompts
 generated one batch after another, e.g. to hit the prefix cache). Output: one
 stdout line "ENGINE_RESULT <json>" (outputs, batch outputs, prefix-cache counters).
 """
@@ -29,7 +29,13 @@ def main() -> None:
     if prompts:
         outs = llm.generate(prompts, params, use_tqdm=False)
         results["outputs"] = [
-            {"token_ids": list(o.outputs[0].token_ids), "text": o.outputs[0].text}
+            {"token_ids": list(o.outputs[0].token_ids), "text": o.outputs[0].text,
+             "logprobs": [{str(t): lp.logprob for t, lp in step.items()}
+                          for step in (o.outputs[0].logprobs or [])],
+             # per prompt position: the top-ranked token id (None for position 0)
+             "prompt_top": [None if step is None else
+                            int(next(t for t, lp in step.items() if lp.rank == 1))
+                            for step in (o.prompt_logprobs or [])]}
             for o in outs
         ]
     results["batches"] = []
@@ -43,7 +49,8 @@ def main() -> None:
             if m.name in ("vllm:prefix_cache_hits", "vllm:prefix_cache_queries")
         }
     if spec.get("chat"):
-        outs = llm.chat(spec["chat"], params, use_tqdm=False)
+        chat_params = SamplingParams(**spec.get("chat_sampling", spec["sampling"]))
+        outs = llm.chat(spec["chat"], chat_params, use_tqdm=False)
         results["chat"] = [o.outputs[0].text for o in outs]
     print("ENGINE_RESULT " + json.dumps(results), flush=True)
 

@@ -111,3 +111,11 @@ def test_vllm_console_script_works_and_rejects_bad_device():
                          capture_output=True, text=True, timeout=300)
     assert bad.returncode == 2
     assert "choose one of: gcu" in bad.stderr
+
+
+def test_kv_cache_dtype_int8_alias_on_the_cli():
+    parser = _serve_parser()
+    assert parser.parse_args(["--model", "m", "--kv-cache-dtype", "int8"]).kv_cache_dtype == "int8_per_token_head"
+    assert parser.parse_args(["--model", "m", "--kv-cache-dtype", "bfloat16"]).kv_cache_dtype == "bfloat16"
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--model", "m", "--kv-cache-dtype", "int3"])

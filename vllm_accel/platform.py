@@ -57,6 +57,20 @@ class _DeviceAction(argparse.Action):
 _backend = get_backend()
 
 
+def _accept_kv_cache_dtype_aliases(action) -> None:
+    """Let ``--kv-cache-dtype int8`` through vLLM's choices as int8_per_token_head
+    (argparse checks ``choices`` after ``type`` converts the value)."""
+    if action is None:
+        return
+    convert = action.type or str
+
+    def kv_cache_dtype(value: str) -> str:
+        return convert(patches.KV_CACHE_DTYPE_ALIASES.get(value, value))
+
+    action.type = kv_cache_dtype
+    action.help = (action.help or "") + " vllm_accel also accepts `int8` (= int8_per_token_head)."
+
+
 class AccelPlatform(CpuPlatform):
     # Identity and distributed settings come from the active device backend.
     device_name: str = _backend.device_name
@@ -76,6 +90,7 @@ class AccelPlatform(CpuPlatform):
     def pre_register_and_update(cls, parser=None) -> None:
         if parser is None or "--device" in parser._option_string_actions:
             return  # runs twice per `vllm serve`
+        _accept_kv_cache_dtype_aliases(parser._option_string_actions.get("--kv-cache-dtype"))
         parser.add_argument(
             "--device",
             action=_DeviceAction,

@@ -6,7 +6,7 @@ tensor (K in the first half of the last dim, V in the second), contiguous per
 backend can replace ``cache_write`` / ``paged_decode`` / ``paged_prefill`` per op.
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import ClassVar
 
 import torch
@@ -24,7 +24,7 @@ from vllm.v1.attention.backend import (
     MultipleOf,
 )
 from vllm.v1.attention.backends.utils import split_decodes_and_prefills
-from vllm.v1.kv_cache_interface import AttentionSpec
+from vllm.v1.kv_cache_interface import AttentionSpec, KVQuantMode
 from vllm.v1.kv_cache_layout import KVCacheLayout
 
 from vllm_accel.ops import attention_kernels  # noqa: F401  (registers the kernels)
@@ -33,6 +33,9 @@ from vllm_accel.ops.registry import get_kernel
 logger = init_logger(__name__)
 
 BACKEND_NAME = "GCU_ATTN"
+#: the INT8 KV cache: int8 K and V plus an fp32 scale each per (token, head)
+INT8_KV = "int8_per_token_head"
+INT8_SCALE_BYTES = 8
 
 
 def reject_unsupported(features: dict[str, bool]) -> None:
@@ -59,7 +62,7 @@ class AccelAttentionBackend(AttentionBackend):
         torch.bfloat16,
         torch.float32,
     ]
-    supported_kv_cache_dtypes: ClassVar[list] = ["auto", "float16", "bfloat16"]
+    supported_kv_cache_dtypes: ClassVar[list] = ["auto", "float16", "bfloat16", INT8_KV]
     # vLLM then updates the cache through impl.do_kv_cache_update before forward.
     forward_includes_kv_cache_update: bool = False
 
@@ -87,6 +90,14 @@ class AccelAttentionBackend(AttentionBackend):
     def supported_kv_cache_layouts(cls) -> tuple[KVCacheLayout, ...]:
         # Head-major pages: a block gather per KV head is one contiguous index_select.
         return (KVCacheLayout.LHBNC,)
+
+    @classmethod
+    def customize_spec(cls, spec: AttentionSpec) -> AttentionSpec:
+        """Room for the INT8 cache's two fp32 scales per (token, head)."""
+        if spec.kv_quant_mode != KVQuantMode.INT8_PER_TOKEN_HEAD or spec.state_content_bytes:
+            return spec
+        return replace(spec, state_content_bytes=spec.head_size + spec.head_size_v
+                       + INT8_SCALE_BYTES)
 
     @classmethod
     def supports_attn_type(cls, attn_type: str) -> bool:
@@ -169,9 +180,10 @@ class AccelAttentionImpl(AttentionImpl):
         self.num_kv_heads = num_kv_heads
         self.kv_cache_dtype = kv_cache_dtype
         self.kv_sharing_target_layer_name = kv_sharing_target_layer_name
-        self._cache_write = get_kernel("cache_write")
-        self._paged_decode = get_kernel("paged_decode")
-        self._paged_prefill = get_kernel("paged_prefill")
+        suffix = "_int8" if kv_cache_dtype == INT8_KV else ""
+        self._cache_write = get_kernel("cache_write" + suffix)
+        self._paged_decode = get_kernel("paged_decode" + suffix)
+        self._paged_prefill = get_kernel("paged_prefill" + suffix)
         logger.info_once(
             "%s attention kernels: %s",
             BACKEND_NAME,

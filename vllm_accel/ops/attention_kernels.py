@@ -108,9 +108,12 @@ def _int8_sections(pages: torch.Tensor, block_size: int):
 def _gather_kv_int8(kv_cache: torch.Tensor, block_ids: torch.Tensor, dtype: torch.dtype):
     """Blocks ``[R, nblk]`` -> dequantized K, V as contiguous ``[Hkv * R, nblk * BS, D]``.
 
-    One ``index_select`` of whole pages, then one multiply (float32 math, rounded
-    once to ``dtype``) straight into the output, K and V together. Viewing the
-    scale bytes as float32 needs 4-byte aligned pages: any even block size.
+    One ``index_select`` of whole pages, then K and V together converted into one
+    contiguous output and scaled in place, all in ``dtype``: on CPU 2-4x faster
+    than float32 math (a mixed-dtype multiply takes a slow casting loop); bf16
+    rounding of the scales (<= 2**-8 relative) is below int8's 1/254 step.
+    Viewing the scale bytes as float32 needs 4-byte aligned pages: any even
+    block size.
     """
     num_kv_heads, block_size = kv_cache.shape[1], kv_cache.shape[2]
     pages, block_step, head_step = _page_table(kv_cache)
@@ -118,8 +121,8 @@ def _gather_kv_int8(kv_cache: torch.Tensor, block_ids: torch.Tensor, dtype: torc
     kv_q, scale_bytes = _int8_sections(torch.index_select(pages, 0, rows), block_size)
     kv_q = kv_q.transpose(0, 1)  # [2, n, BS, D]
     scales = scale_bytes.view(torch.float32).permute(2, 0, 1)[..., None]  # [2, n, BS, 1]
-    kv = torch.empty(kv_q.shape, dtype=dtype, device=kv_q.device)
-    torch.mul(kv_q, scales, out=kv)
+    kv = torch.empty(kv_q.shape, dtype=dtype, device=kv_q.device).copy_(kv_q)
+    kv.mul_(scales.to(dtype))
     n_req, nblk = block_ids.shape
     return kv.view(2, num_kv_heads * n_req, nblk * block_size, -1).unbind(0)
 
@@ -154,9 +157,9 @@ def _quantize(x: torch.Tensor, static_scale: float | None):
         scale = x.abs().amax(-1).float().div_(127).clamp_min_(INT8_MIN_SCALE)
     else:
         scale = torch.full(x.shape[:-1], static_scale, dtype=torch.float32, device=x.device)
-    # bf16 / float32 promotes: the division runs in float32.
-    q = torch.div(x, scale[..., None]).round_().clamp_(-127, 127).to(torch.int8)
-    return q, scale
+    # A float32 copy, then in place: a mixed bf16/float32 division is slower on CPU.
+    q = x.to(torch.float32, copy=True).div_(scale[..., None]).round_().clamp_(-127, 127)
+    return q.to(torch.int8), scale
 
 
 @register_kernel("cache_write_int8")
