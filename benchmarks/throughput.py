@@ -4,7 +4,7 @@
 Every (engine, workload) pair runs in a fresh subprocess (this script re-invoked
 with ``--worker SPEC.json``), one at a time, and prints one stdout line
 ``BENCH_RESULT <json>``. The parent collects them, prints a table and, per
-workload, the accel/stock ratio of output tokens/s.
+workload, the accel/stock (and accel-int8/accel) ratio of output tokens/s.
 
 Engines
   accel  the inherited environment: our platform plugin is active
@@ -21,6 +21,7 @@ Workloads (random prompt token ids in [100, vocab-100), fixed seed, passed as
 TokensPrompt; greedy, ignore_eos, so every request makes exactly output_len tokens)
   W1      64 prompts x 128 in / 128 out
   W3      1 prompt   x  32 in / 256 out
+  LONG    8 prompts  x 2000 in / 64 out (long context)
   custom  --num-prompts x --input-len / --output-len
 
 Only ``llm.generate`` is timed (after a short warm-up generate); engine start is
@@ -56,12 +57,16 @@ GiB = 1 << 30
 WORKLOADS: dict[str, dict[str, int]] = {
     "W1": {"num_prompts": 64, "input_len": 128, "output_len": 128},
     "W3": {"num_prompts": 1, "input_len": 32, "output_len": 256},
+    "LONG": {"num_prompts": 8, "input_len": 2000, "output_len": 64},
 }
 
 ENGINES: dict[str, dict[str, Any]] = {
-    # env: variables set for the run; None removes one.
-    "accel": {"platform": "AccelPlatform", "env": {}},
-    "stock": {"platform": "CpuPlatform", "env": {"VLLM_PLUGINS": "lora_filesystem_resolver"}},
+    # env: variables set for the run (None removes one); llm: LLM kwargs on top of
+    # the shared ones.
+    "accel": {"platform": "AccelPlatform", "env": {}, "llm": {}},
+    "accel-int8": {"platform": "AccelPlatform", "env": {}, "llm": {"kv_cache_dtype": "int8"}},
+    "stock": {"platform": "CpuPlatform", "env": {"VLLM_PLUGINS": "lora_filesystem_resolver"},
+              "llm": {}},
 }
 
 WARMUP_PROMPTS = 2
@@ -326,9 +331,10 @@ def compute_ratios(results: list[dict[str, Any]]) -> dict[str, float]:
     by = {(r["workload"], r["engine"]): r for r in results}
     ratios = {}
     for wl in dict.fromkeys(r["workload"] for r in results):
-        a, s = by.get((wl, "accel")), by.get((wl, "stock"))
-        if a and s and s["out_tok_s"] > 0:
-            ratios[wl] = a["out_tok_s"] / s["out_tok_s"]
+        for engine, base in (("accel", "stock"), ("accel-int8", "accel")):
+            a, s = by.get((wl, engine)), by.get((wl, base))
+            if a and s and s["out_tok_s"] > 0:
+                ratios[f"{wl} {engine}/{base}"] = a["out_tok_s"] / s["out_tok_s"]
     return ratios
 
 
@@ -338,8 +344,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--model", default=None,
                    help="model path/name (default: vllm_accel.models.default_model_path())")
     p.add_argument("--workloads", default="W1,W3",
-                   help="comma list of W1, W3, custom (default: %(default)s)")
-    p.add_argument("--engines", default="accel,stock", help="comma list of accel, stock (default: %(default)s)")
+                   help="comma list of W1, W3, LONG, custom (default: %(default)s)")
+    p.add_argument("--engines", default="accel,stock", help="comma list of accel, accel-int8, stock (default: %(default)s)")
     p.add_argument("--num-prompts", type=int, default=None, help="custom workload: prompts (default 1)")
     p.add_argument("--input-len", type=int, default=None, help="custom workload: input tokens (default 32)")
     p.add_argument("--output-len", type=int, default=None, help="custom workload: output tokens (default 32)")
@@ -385,7 +391,7 @@ def main(argv: list[str] | None = None) -> int:
     engines = [e.strip() for e in args.engines.split(",") if e.strip()]
     for name in wl_names:
         if name not in workloads:
-            raise SystemExit(f"unknown workload {name!r} (choose from W1, W3, custom)")
+            raise SystemExit(f"unknown workload {name!r} (choose from W1, W3, LONG, custom)")
         w = workloads[name]
         if min(w.values()) < 1:
             raise SystemExit(f"workload {name}: all sizes must be >= 1 ({w})")
@@ -454,7 +460,7 @@ def main(argv: list[str] | None = None) -> int:
                 "workload": wl,
                 "engine": engine,
                 "expected_platform": ENGINES[engine]["platform"],
-                "llm": llm_kwargs,
+                "llm": {**llm_kwargs, **ENGINES[engine]["llm"]},
                 "prompts": prompts,
                 "prompts_sha256": digest,
                 "warmup_prompts": warmup,
@@ -490,7 +496,7 @@ def main(argv: list[str] | None = None) -> int:
     ratios = compute_ratios(results)
     if ratios:
         print()
-        print("accel/stock output tok/s:")
+        print("output tok/s ratios:")
         for wl, ratio in ratios.items():
             print(f"  {wl}: {ratio:.3f}x")
     threads = sorted({fmt_threads(r) for r in results})

@@ -23,9 +23,17 @@ from vllm_accel.ops import attention_kernels
 from vllm_accel.ops.registry import get_kernel
 
 cache_write_int8 = get_kernel("cache_write_int8", "reference")
-paged_decode_int8 = get_kernel("paged_decode_int8", "reference")
-paged_prefill_int8 = get_kernel("paged_prefill_int8", "reference")
-paged_prefill = get_kernel("paged_prefill", "reference")
+
+#: every provider of the readers is held to the same oracle
+PROVIDERS = ["reference", "torch_fast"]
+
+
+@pytest.fixture(autouse=True, params=PROVIDERS)
+def provider(request):
+    """Points this module's reader names at one provider's kernels."""
+    for name in ['paged_decode_int8', 'paged_prefill_int8', 'paged_prefill']:
+        globals()[name] = get_kernel(name, request.param)
+    return request.param
 
 #: Bound: |out - ref| <= INT8_ERR * max|V of the request| + TOL[dtype] (the bf16/fp32
 #: tolerance of the unquantized kernels). Measured worst over the full cross product
@@ -219,5 +227,7 @@ def test_int8_matches_bf16_kernel_up_to_quantization(bs, dtype):
 
 
 def test_int8_kernels_registered():
-    for name in ("cache_write_int8", "paged_decode_int8", "paged_prefill_int8"):
-        assert get_kernel(name) is getattr(attention_kernels, name)
+    assert get_kernel("cache_write_int8", "reference") is attention_kernels.cache_write_int8
+    for name in ("paged_decode_int8", "paged_prefill_int8"):
+        assert get_kernel(name, "torch_fast") is getattr(attention_kernels, name)
+        assert get_kernel(name, "reference").__module__ == "vllm_accel.ops.attention_reference"

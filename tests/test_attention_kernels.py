@@ -14,12 +14,21 @@ import math
 import pytest
 import torch
 
-from vllm_accel.ops import attention_kernels  # noqa: F401  (registers kernels)
+from vllm_accel.ops import attention_kernels, attention_reference  # noqa: F401  (register)
 from vllm_accel.ops.registry import get_kernel
 
 cache_write = get_kernel("cache_write", "reference")
-paged_decode = get_kernel("paged_decode", "reference")
-paged_prefill = get_kernel("paged_prefill", "reference")
+
+#: every provider of the readers is held to the same oracle
+PROVIDERS = ["reference", "torch_fast"]
+
+
+@pytest.fixture(autouse=True, params=PROVIDERS)
+def provider(request):
+    """Points this module's reader names at one provider's kernels."""
+    for name in ['paged_decode', 'paged_prefill']:
+        globals()[name] = get_kernel(name, request.param)
+    return request.param
 
 TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.bfloat16: dict(atol=2e-2, rtol=2e-2)}
 HKV = 2
@@ -180,5 +189,7 @@ def test_paged_decode_padded_request_is_zero():
 
 
 def test_kernels_registered():
-    for name in ("cache_write", "paged_decode", "paged_prefill"):
-        assert get_kernel(name) is getattr(attention_kernels, name)
+    assert get_kernel("cache_write", "reference") is attention_kernels.cache_write
+    for name in ("paged_decode", "paged_prefill"):
+        assert get_kernel(name, "torch_fast") is getattr(attention_kernels, name)
+        assert get_kernel(name, "reference").__module__ == "vllm_accel.ops.attention_reference"

@@ -12,16 +12,19 @@ import pytest
 from conftest import build_tiny_model, hf_greedy, run_engine
 
 CASES = {
-    # name: (arch, heads, kv_heads, head_dim, block_size)
-    "llama-gqa4-bs16": ("llama", 4, 1, 16, 16),
-    "qwen2-gqa3-bs32": ("qwen2", 6, 2, 32, 32),
+    # name: (arch, heads, kv_heads, head_dim, block_size, kernel provider)
+    "llama-gqa4-bs16": ("llama", 4, 1, 16, 16, "torch_fast"),
+    "qwen2-gqa3-bs32": ("qwen2", 6, 2, 32, 32, "torch_fast"),
+    # the obvious per-request kernels, forced through ACCEL_KERNEL_PROVIDER
+    "llama-gqa2-bs128-reference": ("llama", 4, 2, 16, 128, "reference"),
 }
+KERNEL_MODULES = {"torch_fast": "attention_kernels", "reference": "attention_reference"}
 
 
 @pytest.mark.engine
 @pytest.mark.parametrize("case", list(CASES))
 def test_tiny_model_matches_hf(case, tmp_path):
-    arch, heads, kv_heads, head_dim, block_size = CASES[case]
+    arch, heads, kv_heads, head_dim, block_size, provider = CASES[case]
     model = build_tiny_model(tmp_path / case, arch=arch, num_heads=heads,
                              num_kv_heads=kv_heads, head_dim=head_dim)
     rng = random.Random(case)
@@ -35,9 +38,9 @@ def test_tiny_model_matches_hf(case, tmp_path):
         "prompts": prompts,
         "sampling": {"temperature": 0.0, "max_tokens": 16, "ignore_eos": True,
                      "detokenize": False},
-    }, tmp_path)
+    }, tmp_path, env={"ACCEL_KERNEL_PROVIDER": provider})
     assert results["platform"] == "AccelPlatform"
-    assert "GCU_ATTN attention kernels: vllm_accel.ops.attention_kernels" in log
+    assert f"vllm_accel.ops.{KERNEL_MODULES[provider]}.paged_decode" in log
     expected = hf_greedy(model, prompts, 16)
     got = [o["token_ids"] for o in results["outputs"]]
     assert got == expected

@@ -53,6 +53,12 @@ environment_variables: dict[str, tuple[Callable[[], Any], str]] = {
         "Force one kernel provider (e.g. `reference`) instead of the backend's "
         "preferred ones; empty means the backend's order.",
     ),
+    "ACCEL_KV_SCALES": (
+        lambda: os.environ.get("ACCEL_KV_SCALES", ""),
+        "Path of a JSON file with static per-layer INT8 KV scales "
+        "(`{\"<layer>\": {\"k_scale\": s, \"v_scale\": s}}`), used with "
+        "`--kv-cache-dtype int8` instead of dynamic per-token scales.",
+    ),
     "ACCEL_MODEL_CACHE": (
         lambda: os.path.expanduser(
             os.environ.get("ACCEL_MODEL_CACHE", "~/.cache/vllm-accel/models")

@@ -12,6 +12,7 @@ from typing import ClassVar
 import torch
 
 from vllm.config import VllmConfig
+from vllm_accel import envs
 from vllm_accel.logger import init_logger
 from vllm.v1.attention.backend import (
     AttentionBackend,
@@ -27,7 +28,8 @@ from vllm.v1.attention.backends.utils import split_decodes_and_prefills
 from vllm.v1.kv_cache_interface import AttentionSpec, KVQuantMode
 from vllm.v1.kv_cache_layout import KVCacheLayout
 
-from vllm_accel.ops import attention_kernels  # noqa: F401  (registers the kernels)
+from vllm_accel.ops import attention_kernels, attention_reference  # noqa: F401  (register kernels)
+from vllm_accel.ops.kv_scales import load_kv_scales
 from vllm_accel.ops.registry import get_kernel
 
 logger = init_logger(__name__)
@@ -53,6 +55,21 @@ def reject_unsupported(features: dict[str, bool]) -> None:
         "attention backend does not support yet. Serve a model without it, or "
         "exclude the plugin (VLLM_PLUGINS) to use vLLM's CPU backend."
     )
+
+
+def _static_kv_scales(kv_cache_dtype: str) -> dict[int, tuple[float, float]] | None:
+    """The ACCEL_KV_SCALES table for an INT8 cache (validated at model build)."""
+    path = envs.ACCEL_KV_SCALES
+    if not path:
+        return None
+    if kv_cache_dtype != INT8_KV:
+        logger.warning_once("ACCEL_KV_SCALES is set but the KV cache is %s, not int8; "
+                            "ignoring it.", kv_cache_dtype)
+        return None
+    from vllm.config import get_current_vllm_config
+
+    num_layers = get_current_vllm_config().model_config.hf_text_config.num_hidden_layers
+    return load_kv_scales(path, num_layers)
 
 
 class AccelAttentionBackend(AttentionBackend):
@@ -180,6 +197,7 @@ class AccelAttentionImpl(AttentionImpl):
         self.num_kv_heads = num_kv_heads
         self.kv_cache_dtype = kv_cache_dtype
         self.kv_sharing_target_layer_name = kv_sharing_target_layer_name
+        self._static_kv_scales = _static_kv_scales(kv_cache_dtype)
         suffix = "_int8" if kv_cache_dtype == INT8_KV else ""
         self._cache_write = get_kernel("cache_write" + suffix)
         self._paged_decode = get_kernel("paged_decode" + suffix)
@@ -200,7 +218,13 @@ class AccelAttentionImpl(AttentionImpl):
         slot_mapping: torch.Tensor,
     ) -> None:
         n = slot_mapping.shape[0]
-        self._cache_write(key[:n], value[:n], kv_cache, slot_mapping)
+        if self._static_kv_scales is None:
+            self._cache_write(key[:n], value[:n], kv_cache, slot_mapping)
+            return
+        from vllm.model_executor.models.utils import extract_layer_index
+
+        k_scale, v_scale = self._static_kv_scales[extract_layer_index(layer.layer_name)]
+        self._cache_write(key[:n], value[:n], kv_cache, slot_mapping, k_scale, v_scale)
 
     def forward(
         self,

@@ -1,4 +1,7 @@
-"""Reference paged-attention kernels in plain torch.
+"""Paged-attention kernels in plain torch: the KV-cache writers (the only
+implementation, provider ``reference``) and the batched readers the simulated GCU
+runs (provider ``torch_fast``; ``attention_reference`` holds the obvious version
+that tests compare them with, besides the float64 oracle).
 
 KV cache of one layer: logical ``[num_blocks, num_kv_heads, block_size, width]``
 (what vLLM hands the backend), each (block, head) page contiguous, pages in
@@ -29,6 +32,8 @@ import torch
 
 from vllm_accel.ops.registry import register_kernel
 
+#: provider name of the batched readers
+FAST = "torch_fast"
 #: query rows per matmul in prefill, bounding the float32 score matrix
 PREFILL_QUERY_CHUNK = 256
 #: bytes per token for the INT8 cache's float32 (k_scale, v_scale) pair
@@ -255,7 +260,7 @@ def _prefill(query, kv_cache, block_table, query_start_loc, seq_lens, scale, gat
     return out
 
 
-@register_kernel("paged_decode")
+@register_kernel("paged_decode", FAST)
 def paged_decode(
     query: torch.Tensor,
     kv_cache: torch.Tensor,
@@ -267,7 +272,7 @@ def paged_decode(
     return _decode(query, kv_cache, block_table, seq_lens, scale, _gather_kv)
 
 
-@register_kernel("paged_prefill")
+@register_kernel("paged_prefill", FAST)
 def paged_prefill(
     query: torch.Tensor,
     kv_cache: torch.Tensor,
@@ -281,7 +286,7 @@ def paged_prefill(
                     _gather_kv)
 
 
-@register_kernel("paged_decode_int8")
+@register_kernel("paged_decode_int8", FAST)
 def paged_decode_int8(
     query: torch.Tensor,
     kv_cache: torch.Tensor,
@@ -294,7 +299,7 @@ def paged_decode_int8(
     return _decode(query, kv_cache, block_table, seq_lens, scale, gather)
 
 
-@register_kernel("paged_prefill_int8")
+@register_kernel("paged_prefill_int8", FAST)
 def paged_prefill_int8(
     query: torch.Tensor,
     kv_cache: torch.Tensor,
