@@ -252,10 +252,11 @@ def _prefill(query, kv_cache, block_table, query_start_loc, seq_lens, scale, gat
             c1 = min(c0 + PREFILL_QUERY_CHUNK, end)
             q = query[c0:c1].view(c1 - c0, hkv, group, d).permute(1, 2, 0, 3)
             q = q.reshape(hkv, group * (c1 - c0), d).to(k.dtype)  # rows: (g, token)
-            q_pos = torch.arange(c0 - start + context, c1 - start + context,
-                                 device=query.device)
-            valid = (key_pos[None, :] <= q_pos[:, None]).repeat(group, 1)[None]
-            o = _attend(q, k, v, valid, scale).view(hkv, group, c1 - c0, d)
+            key_end = c1 - start + context  # keys after the chunk's last query: all masked
+            q_pos = torch.arange(c0 - start + context, key_end, device=query.device)
+            valid = (key_pos[None, :key_end] <= q_pos[:, None]).repeat(group, 1)[None]
+            o = _attend(q, k[:, :key_end], v[:, :key_end], valid, scale)
+            o = o.view(hkv, group, c1 - c0, d)
             out[c0:c1] = o.permute(2, 0, 1, 3).reshape(c1 - c0, h, d).to(query.dtype)
     return out
 
