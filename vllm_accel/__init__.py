@@ -35,5 +35,6 @@ def register_general() -> None:
     if BACKEND_NAME not in AttentionBackendEnum.__members__:
         register_backend(BACKEND_NAME, "vllm_accel.ops.attention.AccelAttentionBackend")
     import vllm_accel.ops.custom_ops  # noqa: F401  (register_oot at import)
+    import vllm_accel.quant  # noqa: F401  (registers gcu_gptq at import)
 
     patches.apply_all("general")

@@ -1,0 +1,595 @@
+"""GPTQ checkpoints on the GCU: ``gcu_gptq`` config, linear method and kernel.
+
+Checkpoint format (AutoGPTQ / GPTQModel), per Linear with ``in``/``out``
+features, ``bits`` in {4, 8}, ``pf = 32 // bits`` and ``G`` groups: ``qweight``
+int32 ``[in/pf, out]`` (input rows packed, lowest bits first), ``qzeros`` int32
+``[G, out/pf]`` (zero points packed along the output dim; ``checkpoint_format:
+gptq`` stores ``zero - 1``, ``gptq_v2`` stores ``zero``), ``scales`` ``[G, out]``
+and ``g_idx`` int32 ``[in]`` (the group of each input channel).
+``W[o, i] = (q[i, o] - zero[g_idx[i], o]) * scale[g_idx[i], o]``.
+
+Resident layout (what ``process_weights_after_loading`` keeps; no float copy of
+the weight survives loading):
+
+* ``gcu_qweight`` uint8, output-major: 8-bit ``[out, in]`` codes; 4-bit
+  ``[out, in/2]`` two codes per byte (even column in the low nibble), i.e. the
+  same 0.5 byte/weight as the checkpoint. Output-major rows are what a GEMM
+  tile reads (``x @ W.T``), and unsigned codes keep asym and sym alike.
+* ``gcu_scales`` ``[out, G]`` in fp16 when the loaded scales are exactly
+  representable in fp16 (always for GPTQ checkpoints, whose scales are fp16),
+  else fp32. Never the activation dtype: bf16 would round fp16 scales.
+* ``gcu_zeros`` ``[out, G]`` real zero points (v1 offset removed) in the scales
+  dtype (integers <= 256 are exact there), or absent when every zero point is
+  ``2**(bits-1)`` (symmetric): the kernel then uses that constant.
+* act-order (``desc_act``, non-trivial ``g_idx``): the weight's columns are
+  reordered once at load by a stable sort of ``g_idx``, so each group's columns
+  become contiguous and the grouped layout above applies unchanged (per-group
+  scale broadcast over a contiguous column block, the shape a device kernel
+  wants). The sort permutation is kept as ``gcu_perm`` (int64 ``[in]``) and
+  applied to the activations at run time (``x[..., perm]``, one gather of
+  ``tokens x in`` per call, negligible next to the GEMM). The alternative,
+  keeping columns in checkpoint order and gathering a scale per column, would
+  need a per-column scale gather inside every weight tile. Only when the sorted
+  groups are not uniform (act-order under row-parallel TP, where a rank holds a
+  scattered subset of the global groups) is the sorted ``g_idx`` kept too
+  (``gcu_g_idx``) and the kernel gathers scales per column.
+
+``gptq_linear`` (kernel registry, provider ``reference``) dequantizes one
+K-tile of the weight at a time (group-aligned, ``TILE_K`` columns) in fp32 and
+accumulates ``x_tile @ W_tile.T`` in fp32: no dequantized weight is kept
+between calls, and the peak temporary is ``out x TILE_K`` floats.
+
+This module imports ``vllm.model_executor``; import it only from the general
+plugin (never from the platform module).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from vllm.model_executor.layers.linear import (
+    LinearBase,
+    LinearMethodBase,
+    UnquantizedLinearMethod,
+    register_weight_loader_v2_supported_method,
+)
+from vllm.model_executor.layers.quantization import register_quantization_config
+from vllm.model_executor.layers.quantization.base_config import QuantizationConfig
+from vllm.model_executor.parameter import (
+    ChannelQuantScaleParameter,
+    GroupQuantScaleParameter,
+    PackedColumnParameter,
+    PackedvLLMParameter,
+    RowvLLMParameter,
+)
+
+from vllm_accel.logger import init_logger
+from vllm_accel.ops.registry import get_kernel, register_kernel
+
+logger = init_logger(__name__)
+
+QUANT_NAME = "gcu_gptq"
+SUPPORTED_BITS = (4, 8)
+SUPPORTED_FORMATS = ("gptq", "gptq_v2")
+#: user ``--quantization`` values under which gcu_gptq claims a GPTQ checkpoint
+CLAIMED_USER_QUANT = (None, "gptq", QUANT_NAME)
+#: weight columns dequantized per step in the reference kernel
+TILE_K = 512
+
+
+def _fail(prefix: str, problem: str, fix: str) -> ValueError:
+    return ValueError(f"{QUANT_NAME} cannot serve layer {prefix!r}: {problem}. Fix: {fix}")
+
+
+# ---------------------------------------------------------------------------
+# Checkpoint tensors -> resident layout (pure torch, no vLLM state)
+# ---------------------------------------------------------------------------
+
+
+def _unpack_int32(words: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
+    """Unpack ``32 // bits`` fields of each int32 along ``dim`` (lowest bits first)
+    into int32 values in ``[0, 2**bits)``."""
+    pf = 32 // bits
+    w = words.to(torch.int32).movedim(dim, -1)
+    shifts = torch.arange(0, 32, bits, dtype=torch.int32)
+    # Arithmetic shift of negative words fills with ones above bit 31; the mask
+    # keeps only the field.
+    v = torch.bitwise_and(w.unsqueeze(-1) >> shifts, (1 << bits) - 1)
+    return v.reshape(*w.shape[:-1], w.shape[-1] * pf).movedim(-1, dim)
+
+
+def pack_nibbles(codes: torch.Tensor) -> torch.Tensor:
+    """uint8 4-bit codes ``[out, in]`` (in even) -> ``[out, in/2]``, even column low."""
+    c = codes.to(torch.uint8)
+    return (c[:, 0::2] | (c[:, 1::2] << 4)).contiguous()
+
+
+def _codes(qweight: torch.Tensor, bits: int, k0: int, k1: int) -> torch.Tensor:
+    """Columns ``[k0, k1)`` of the resident weight as uint8 codes ``[out, k1-k0]``."""
+    if bits == 8:
+        return qweight[:, k0:k1]
+    b0, b1 = k0 // 2, (k1 + 1) // 2
+    p = qweight[:, b0:b1]
+    both = torch.stack((p & 0xF, p >> 4), dim=-1).reshape(p.shape[0], -1)
+    start = k0 - 2 * b0
+    return both[:, start:start + (k1 - k0)]
+
+
+@dataclass
+class GPTQResident:
+    """One layer's weight in the resident layout (see module doc)."""
+
+    qweight: torch.Tensor
+    scales: torch.Tensor
+    zeros: torch.Tensor | None
+    perm: torch.Tensor | None
+    g_idx: torch.Tensor | None
+    bits: int
+    group_size: int  # normalized (never -1)
+    in_features: int
+    out_features: int
+
+    def nbytes(self) -> dict[str, int]:
+        def size(t):
+            return 0 if t is None else t.numel() * t.element_size()
+
+        parts = {"qweight": size(self.qweight), "scales": size(self.scales),
+                 "zeros": size(self.zeros), "perm": size(self.perm) + size(self.g_idx)}
+        parts["total"] = sum(parts.values())
+        return parts
+
+
+def _compact_float(t: torch.Tensor) -> torch.Tensor:
+    """fp16 if that holds ``t`` exactly, else fp32."""
+    t32 = t.to(torch.float32)
+    t16 = t32.to(torch.float16)
+    return t16 if torch.equal(t16.to(torch.float32), t32) else t32
+
+
+def gptq_to_resident(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor,
+                     g_idx: torch.Tensor | None, *, bits: int, group_size: int,
+                     checkpoint_format: str = "gptq", group_offset: int = 0,
+                     prefix: str = "<layer>") -> GPTQResident:
+    """Convert one layer's checkpoint tensors (as loaded, possibly a TP shard) to
+    the resident layout. ``g_idx`` may be None or all -1 (absent in the
+    checkpoint: groups are contiguous). ``group_offset`` is subtracted from
+    ``g_idx`` (the first group of this rank when scales are sharded by input)."""
+    pf = 32 // bits
+    in_features, out_features = qweight.shape[0] * pf, qweight.shape[1]
+    gs = in_features if group_size == -1 else group_size
+    n_groups = scales.shape[0]
+
+    codes = _unpack_int32(qweight, bits, dim=0).t()  # [out, in]
+    zeros = _unpack_int32(qzeros, bits, dim=1)  # [G, out]
+    if checkpoint_format == "gptq":
+        zeros = zeros + 1  # v1 stores zero - 1
+    scales_r = _compact_float(scales.t().contiguous())  # [out, G]
+    zeros_r = None
+    if not bool((zeros == 2 ** (bits - 1)).all()):
+        zeros_r = zeros.t().contiguous().to(scales_r.dtype)
+
+    perm = g_sorted = None
+    trivial = torch.arange(in_features, dtype=torch.int64) // gs
+    if g_idx is not None and not bool((g_idx < 0).all()):
+        gi = g_idx.to(torch.int64) - group_offset
+        if int(gi.min()) < 0 or int(gi.max()) >= n_groups:
+            raise _fail(prefix, f"g_idx holds groups outside [0, {n_groups}) "
+                        f"(after offset {group_offset})",
+                        "the checkpoint's g_idx does not match its scales; re-export it")
+        if not torch.equal(gi, trivial):
+            perm = torch.argsort(gi, stable=True)
+            codes = codes[:, perm]
+            g_sorted = gi[perm]
+            if torch.equal(g_sorted, trivial):
+                g_sorted = None
+            else:
+                g_sorted = g_sorted.to(torch.int32)
+    codes = codes.to(torch.uint8)
+    packed = pack_nibbles(codes) if bits == 4 else codes.contiguous()
+    return GPTQResident(qweight=packed, scales=scales_r, zeros=zeros_r, perm=perm,
+                        g_idx=g_sorted, bits=bits, group_size=gs,
+                        in_features=in_features, out_features=out_features)
+
+
+# ---------------------------------------------------------------------------
+# Kernel
+# ---------------------------------------------------------------------------
+
+
+def _k_tiles(in_features: int, group_size: int, tile_k: int, uniform: bool):
+    """Column tiles ``(k0, k1)``: whole groups per tile when groups are small,
+    several tiles per group when a group is wider than ``tile_k``."""
+    if not uniform:
+        return [(k, min(k + tile_k, in_features)) for k in range(0, in_features, tile_k)]
+    if group_size <= tile_k:
+        step = (tile_k // group_size) * group_size
+        return [(k, min(k + step, in_features)) for k in range(0, in_features, step)]
+    return [(c, min(c + tile_k, g + group_size))
+            for g in range(0, in_features, group_size)
+            for c in range(g, g + group_size, tile_k)]
+
+
+@register_kernel("gptq_linear")
+def gptq_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
+                zeros: torch.Tensor | None, *, bits: int, group_size: int,
+                perm: torch.Tensor | None = None, g_idx: torch.Tensor | None = None,
+                bias: torch.Tensor | None = None, tile_k: int = TILE_K) -> torch.Tensor:
+    """``y = x @ W.T (+ bias)`` for a weight in the resident GPTQ layout.
+
+    ``x`` ``[..., in]`` (fp32/bf16/fp16); ``qweight`` uint8 ``[out, in]`` (8-bit)
+    or ``[out, in/2]`` (4-bit nibbles); ``scales``/``zeros`` ``[out, G]``
+    (``zeros`` None: symmetric, zero ``2**(bits-1)``); ``perm`` int ``[in]``:
+    resident column ``j`` multiplies ``x[..., perm[j]]``; ``g_idx`` int ``[in]``:
+    group of resident column ``j`` (None: ``j // group_size``). Dequantization
+    and accumulation run in fp32; the result is rounded to ``x.dtype`` once.
+    """
+    out_features = scales.shape[0]
+    in_features = x.shape[-1]
+    gs = in_features if group_size == -1 else group_size
+    x2 = x.reshape(-1, in_features)
+    if perm is not None:
+        x2 = x2.index_select(1, perm)
+    x2 = x2.to(torch.float32)
+    acc = torch.zeros(x2.shape[0], out_features, dtype=torch.float32, device=x.device)
+    sym_zero = float(2 ** (bits - 1))
+    for k0, k1 in _k_tiles(in_features, gs, tile_k, g_idx is None):
+        codes = _codes(qweight, bits, k0, k1).to(torch.float32)  # [out, T]
+        if g_idx is not None:
+            gi = g_idx[k0:k1].to(torch.int64)
+            s = scales[:, gi].to(torch.float32)
+            z = sym_zero if zeros is None else zeros[:, gi].to(torch.float32)
+            w = (codes - z) * s
+        elif k1 - k0 >= gs:  # whole groups g0 .. g0+n-1
+            g0, n = k0 // gs, (k1 - k0) // gs
+            s = scales[:, g0:g0 + n, None].to(torch.float32)
+            z = sym_zero if zeros is None else zeros[:, g0:g0 + n, None].to(torch.float32)
+            w = ((codes.view(out_features, n, gs) - z) * s).view(out_features, k1 - k0)
+        else:  # part of group k0 // gs
+            g = k0 // gs
+            s = scales[:, g:g + 1].to(torch.float32)
+            z = sym_zero if zeros is None else zeros[:, g:g + 1].to(torch.float32)
+            w = (codes - z) * s
+        acc.addmm_(x2[:, k0:k1], w.t())
+    if bias is not None:
+        acc += bias.to(torch.float32)
+    return acc.to(x.dtype).reshape(*x.shape[:-1], out_features)
+
+
+# ---------------------------------------------------------------------------
+# vLLM config and linear method
+# ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class GPTQLayerParams:
+    """GPTQ settings of one layer (the config's, after ``dynamic`` overrides)."""
+
+    bits: int
+    group_size: int
+    desc_act: bool
+    sym: bool
+    checkpoint_format: str
+
+
+def _validate(params: GPTQLayerParams, prefix: str) -> None:
+    if params.bits not in SUPPORTED_BITS:
+        raise _fail(prefix, f"{params.bits}-bit GPTQ weights are not supported "
+                    f"(supported: {', '.join(map(str, SUPPORTED_BITS))})",
+                    "re-quantize the model with bits=4 or bits=8")
+    if params.checkpoint_format not in SUPPORTED_FORMATS:
+        raise _fail(prefix, f"checkpoint_format {params.checkpoint_format!r} is a "
+                    "kernel-specific repacked layout, not the GPTQ format "
+                    f"(supported: {', '.join(SUPPORTED_FORMATS)})",
+                    "use the model's plain GPTQ export (GPTQModel saves "
+                    "checkpoint_format='gptq' by default)")
+    if params.group_size != -1 and params.group_size <= 0:
+        raise _fail(prefix, f"group_size {params.group_size} is invalid",
+                    "use -1 (per output channel) or a positive group size")
+
+
+def _is_moe(layer: torch.nn.Module) -> bool:
+    return any(c.__name__ in ("FusedMoE", "RoutedExperts") for c in type(layer).__mro__)
+
+
+@register_quantization_config(QUANT_NAME)
+class AccelGPTQConfig(QuantizationConfig):
+    """GPTQ (AutoGPTQ / GPTQModel format) on vllm_accel devices.
+
+    Claims every ``quant_method: gptq`` checkpoint (auto-detected, or with
+    ``--quantization gptq`` / ``gcu_gptq``); ``--quantization auto_gptq`` still
+    selects vLLM's own method. Supports 4/8-bit, any group size dividing the
+    layer's input, sym/asym, act-order, ``checkpoint_format`` gptq and gptq_v2,
+    GPTQModel ``dynamic`` per-module overrides and ``modules_in_block_to_quantize``.
+    """
+
+    def __init__(self, bits: int, group_size: int, desc_act: bool, sym: bool,
+                 checkpoint_format: str = "gptq", lm_head_quantized: bool = False,
+                 dynamic: dict[str, dict[str, Any]] | None = None,
+                 modules_in_block_to_quantize: list | None = None) -> None:
+        super().__init__()
+        self.weight_bits = bits
+        self.group_size = group_size
+        self.desc_act = desc_act and group_size != -1  # no-op for one group
+        self.is_sym = sym
+        self.checkpoint_format = checkpoint_format
+        self.lm_head_quantized = lm_head_quantized
+        self.dynamic = dynamic or {}
+        self.modules_in_block_to_quantize = modules_in_block_to_quantize or []
+
+    def __repr__(self) -> str:
+        return (f"AccelGPTQConfig(bits={self.weight_bits}, group_size={self.group_size}, "
+                f"desc_act={self.desc_act}, sym={self.is_sym}, "
+                f"checkpoint_format={self.checkpoint_format!r}, dynamic={self.dynamic})")
+
+    @classmethod
+    def get_name(cls) -> str:
+        return QUANT_NAME
+
+    @classmethod
+    def get_supported_act_dtypes(cls) -> list[torch.dtype]:
+        return [torch.float32, torch.bfloat16, torch.float16]
+
+    @classmethod
+    def get_min_capability(cls) -> int:
+        return -1
+
+    @staticmethod
+    def get_config_filenames() -> list[str]:
+        return ["quantize_config.json"]
+
+    @classmethod
+    def from_config(cls, config: dict[str, Any]) -> AccelGPTQConfig:
+        fmt = cls.get_from_keys_or(config, ["checkpoint_format", "format"], None) or "gptq"
+        return cls(
+            bits=int(cls.get_from_keys(config, ["bits"])),
+            group_size=int(cls.get_from_keys(config, ["group_size"])),
+            desc_act=bool(cls.get_from_keys_or(config, ["desc_act"], False)),
+            sym=bool(cls.get_from_keys_or(config, ["sym"], True)),
+            checkpoint_format=str(fmt).lower(),
+            lm_head_quantized=bool(cls.get_from_keys_or(config, ["lm_head"], False)),
+            dynamic=cls.get_from_keys_or(config, ["dynamic"], None),
+            modules_in_block_to_quantize=cls.get_from_keys_or(
+                config, ["modules_in_block_to_quantize"], None),
+        )
+
+    @classmethod
+    def override_quantization_method(cls, hf_quant_cfg, user_quant,
+                                     hf_config=None) -> str | None:
+        if str(hf_quant_cfg.get("quant_method", "")).lower() != "gptq":
+            return None
+        return QUANT_NAME if user_quant in CLAIMED_USER_QUANT else None
+
+    @staticmethod
+    def get_checkpoint_weight_mapper():
+        # The base class drops ``.g_idx`` (vLLM's kernels ignore act-order); we
+        # need it.
+        from vllm.model_executor.models.utils import WeightsMapper
+
+        return WeightsMapper()
+
+    def layer_params(self, prefix: str) -> GPTQLayerParams | None:
+        """This layer's settings after GPTQModel ``dynamic`` rules (first match
+        wins; ``-:regex`` leaves the layer unquantized), validated; None means
+        unquantized."""
+        values = {"bits": self.weight_bits, "group_size": self.group_size,
+                  "desc_act": self.desc_act, "sym": self.is_sym}
+        for pattern, overrides in self.dynamic.items():
+            if pattern.startswith("-:"):
+                if re.match(pattern[2:], prefix):
+                    return None
+                continue
+            if re.match(pattern.removeprefix("+:"), prefix):
+                values.update({k: v for k, v in (overrides or {}).items() if k in values})
+                break
+        params = GPTQLayerParams(
+            bits=int(values["bits"]), group_size=int(values["group_size"]),
+            desc_act=bool(values["desc_act"]) and int(values["group_size"]) != -1,
+            sym=bool(values["sym"]), checkpoint_format=self.checkpoint_format)
+        _validate(params, prefix)
+        return params
+
+    def get_quant_method(self, layer: torch.nn.Module, prefix: str):
+        from vllm.model_executor.layers.quantization.utils.gptq_utils import (
+            is_layer_gptq_quantized,
+        )
+        from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
+
+        if _is_moe(layer):
+            raise _fail(prefix, "GPTQ-quantized MoE experts are not supported yet",
+                        "serve a dense model, or leave the experts unquantized "
+                        "(GPTQModel dynamic rule '-:.*experts.*')")
+        if isinstance(layer, ParallelLMHead):
+            if self.lm_head_quantized:
+                raise _fail(prefix, "a GPTQ-quantized lm_head is not supported",
+                            "re-quantize with lm_head=False")
+            return None
+        if not isinstance(layer, LinearBase):
+            return None
+        params = self.layer_params(prefix)
+        if params is None or not is_layer_gptq_quantized(
+                prefix, self.modules_in_block_to_quantize, self.packed_modules_mapping):
+            return UnquantizedLinearMethod()
+        return AccelGPTQLinearMethod(params, prefix)
+
+    def apply_vllm_mapper(self, hf_to_vllm_mapper) -> None:
+        if self.modules_in_block_to_quantize:
+            self.modules_in_block_to_quantize = hf_to_vllm_mapper.apply_list(
+                self.modules_in_block_to_quantize)
+
+    def maybe_update_config(self, model_name: str, hf_config=None, revision=None) -> None:
+        """Learn which layers are quantized from the checkpoint (int32 tensors)
+        when the config does not list them (as vLLM's own GPTQ configs do)."""
+        from vllm.model_executor.layers.quantization.utils.gptq_utils import flatten_list
+
+        if self.modules_in_block_to_quantize:
+            self.modules_in_block_to_quantize = flatten_list(self.modules_in_block_to_quantize)
+            return
+        try:
+            from vllm.transformers_utils.config import get_safetensors_params_metadata
+
+            metadata = get_safetensors_params_metadata(model_name, revision=revision)
+        except Exception as e:  # no metadata: treat every Linear as quantized
+            logger.debug("gcu_gptq: no safetensors metadata for %s (%s)", model_name, e)
+            return
+        self.modules_in_block_to_quantize = sorted({
+            name.rsplit(".", 1)[0] for name, info in metadata.items()
+            if info.get("dtype") in ("I32", "I8", "U8", "I16")
+        })
+
+
+def _g_idx_loader(layer_loader, prefix: str):
+    """Weight loader for ``g_idx``: merged layers (qkv, gate_up) load one g_idx
+    per shard into a single tensor, which is only valid if all shards agree (they
+    do in real GPTQ checkpoints: those layers read the same input, so share one
+    act-order). A mismatch raises instead of silently keeping the last shard."""
+
+    def load_g_idx(param, loaded_weight, *args, **kwargs):
+        before = param.data.clone() if getattr(param, "_gcu_loaded", False) else None
+        layer_loader(param, loaded_weight, *args, **kwargs)
+        if before is not None and not torch.equal(before, param.data):
+            raise _fail(prefix, "its merged shards have different act-order g_idx",
+                        "re-quantize so that layers reading the same input share one "
+                        "act-order (as GPTQ does), or with desc_act=False")
+        param._gcu_loaded = True
+
+    return load_g_idx
+
+
+# Resident bytes over all GPTQ layers of this process, logged at the first apply.
+_totals = {"layers": 0, "resident": 0, "packed": 0, "fp16": 0}
+_logged_layer_types: set[str] = set()
+_apply_logged = False
+
+
+@register_weight_loader_v2_supported_method
+class AccelGPTQLinearMethod(LinearMethodBase):
+    """Loads GPTQ tensors through vLLM's loaders (TP sharding, qkv/gate_up
+    merging), converts them to the resident layout and runs ``gptq_linear``."""
+
+    def __init__(self, params: GPTQLayerParams, prefix: str = "") -> None:
+        self.params = params
+        self.prefix = prefix
+        self.pack_factor = 32 // params.bits
+        self.group_offset = 0
+
+    def create_weights(self, layer: torch.nn.Module, input_size_per_partition: int,
+                       output_partition_sizes: list[int], input_size: int,
+                       output_size: int, params_dtype: torch.dtype,
+                       **extra_weight_attrs) -> None:
+        p, pf, prefix = self.params, self.pack_factor, self.prefix
+        weight_loader = extra_weight_attrs.get("weight_loader")
+        out_pp = sum(output_partition_sizes)
+        is_row_parallel = input_size != input_size_per_partition
+        if input_size_per_partition % pf:
+            raise _fail(prefix, f"input size {input_size_per_partition} (per rank) is not a "
+                        f"multiple of {pf}, the {p.bits}-bit values per int32",
+                        "use a tensor-parallel size that keeps it a multiple")
+        if any(size % pf for size in output_partition_sizes):
+            raise _fail(prefix, f"output sizes {output_partition_sizes} (per rank) are not "
+                        f"multiples of {pf}, as the packed qzeros need",
+                        "use a tensor-parallel size that keeps them multiples")
+        gs = input_size if p.group_size == -1 else p.group_size
+        # Act-order groups are scattered over all input channels, and a single
+        # group (-1) spans them: a row-parallel rank then needs every group's
+        # scales. Otherwise the groups shard with the input rows.
+        replicate = is_row_parallel and (p.group_size == -1 or p.desc_act)
+        if input_size % gs or (not replicate and input_size_per_partition % gs):
+            raise _fail(prefix, f"group_size {p.group_size} does not divide the input size "
+                        f"{input_size_per_partition if not replicate else input_size}"
+                        + (" per rank" if is_row_parallel else ""),
+                        "use a checkpoint quantized with a group size that divides it "
+                        "(e.g. 32, 64 or -1)" + (", or a smaller tensor-parallel size"
+                                                 if is_row_parallel else ""))
+        n_groups = input_size // gs if replicate else input_size_per_partition // gs
+        self.group_offset = 0 if replicate else layer.tp_rank * (input_size_per_partition // gs)
+
+        qweight = PackedvLLMParameter(
+            data=torch.empty(input_size_per_partition // pf, out_pp, dtype=torch.int32),
+            input_dim=0, output_dim=1, packed_dim=0, packed_factor=pf,
+            weight_loader=weight_loader)
+        # fp32 holds fp16 or bf16 checkpoint scales exactly; compacted at load.
+        scale_data = torch.empty(n_groups, out_pp, dtype=torch.float32)
+        zeros_data = torch.empty(n_groups, out_pp // pf, dtype=torch.int32)
+        if replicate:
+            scales = ChannelQuantScaleParameter(data=scale_data, output_dim=1,
+                                                weight_loader=weight_loader)
+            qzeros = PackedColumnParameter(data=zeros_data, output_dim=1, packed_dim=1,
+                                           packed_factor=pf, weight_loader=weight_loader)
+        else:
+            scales = GroupQuantScaleParameter(data=scale_data, input_dim=0, output_dim=1,
+                                              weight_loader=weight_loader)
+            qzeros = PackedvLLMParameter(data=zeros_data, input_dim=0, output_dim=1,
+                                         packed_dim=1, packed_factor=pf,
+                                         weight_loader=weight_loader)
+        # -1 = "not in the checkpoint" (some exports omit g_idx without act-order)
+        g_idx = RowvLLMParameter(
+            data=torch.full((input_size_per_partition,), -1, dtype=torch.int32),
+            input_dim=0, weight_loader=_g_idx_loader(weight_loader, prefix))
+        layer.register_parameter("qweight", qweight)
+        layer.register_parameter("qzeros", qzeros)
+        layer.register_parameter("scales", scales)
+        layer.register_parameter("g_idx", g_idx)
+
+    def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
+        p = self.params
+        res = gptq_to_resident(
+            layer.qweight.data, layer.qzeros.data, layer.scales.data, layer.g_idx.data,
+            bits=p.bits, group_size=p.group_size, checkpoint_format=p.checkpoint_format,
+            group_offset=self.group_offset, prefix=self.prefix)
+        for name in ("qweight", "qzeros", "scales", "g_idx"):
+            delattr(layer, name)
+
+        def keep(name, t):
+            if t is None:
+                setattr(layer, name, None)
+            else:
+                layer.register_parameter(name, torch.nn.Parameter(t, requires_grad=False))
+
+        keep("gcu_qweight", res.qweight)
+        keep("gcu_scales", res.scales)
+        keep("gcu_zeros", res.zeros)
+        keep("gcu_perm", res.perm)
+        keep("gcu_g_idx", res.g_idx)
+        self.group_size = res.group_size
+        self._account(res)
+
+    def _account(self, res: GPTQResident) -> None:
+        p, nb = self.params, res.nbytes()
+        n_weights = res.in_features * res.out_features
+        packed = n_weights * p.bits // 8 + res.scales.shape[1] * res.out_features * (2 + p.bits / 8)
+        _totals["layers"] += 1
+        _totals["resident"] += nb["total"]
+        _totals["packed"] += int(packed) + res.in_features * 4
+        _totals["fp16"] += 2 * n_weights
+        kind = self.prefix.rsplit(".", 1)[-1] or "linear"
+        if kind in _logged_layer_types:
+            return
+        _logged_layer_types.add(kind)
+        logger.info(
+            "%s %s (e.g. %s): [%d x %d] %d-bit group %d%s%s -> resident %d B "
+            "(qweight %d uint8%s, scales %d %s, zeros %d, act-order perm %d) = %.3f B/weight "
+            "vs fp16 weight %d B", QUANT_NAME, kind, self.prefix, res.out_features,
+            res.in_features, p.bits, p.group_size, " sym" if p.sym else " asym",
+            " act-order" if res.perm is not None else "", nb["total"], nb["qweight"],
+            " nibbles" if p.bits == 4 else "", nb["scales"], str(res.scales.dtype).split(".")[-1],
+            nb["zeros"], nb["perm"], nb["total"] / n_weights, 2 * n_weights)
+
+    def apply(self, layer: torch.nn.Module, x: torch.Tensor,
+              bias: torch.Tensor | None = None) -> torch.Tensor:
+        kernel = get_kernel("gptq_linear")
+        global _apply_logged
+        if not _apply_logged:
+            _apply_logged = True
+            logger.info(
+                "AccelGPTQLinearMethod running: kernel gptq_linear = %s.%s on %d %s layers; "
+                "resident quantized weights %.2f MiB (checkpoint packing %.2f MiB, "
+                "fp16 %.2f MiB)", kernel.__module__, kernel.__qualname__, _totals["layers"],
+                QUANT_NAME, _totals["resident"] / 2**20, _totals["packed"] / 2**20,
+                _totals["fp16"] / 2**20)
+        return kernel(x, layer.gcu_qweight, layer.gcu_scales, layer.gcu_zeros,
+                      bits=self.params.bits, group_size=self.group_size,
+                      perm=layer.gcu_perm, g_idx=layer.gcu_g_idx, bias=bias)
