@@ -320,8 +320,7 @@ def test_rope_matches_vllm_native(dtype, neox, case, num_tokens):
 @pytest.mark.parametrize("neox", [True, False])
 @pytest.mark.parametrize("case", ROPE_CASES)
 def test_rope_matches_vllm_cpu_kernel(dtype, neox, case):
-    if not hasattr(torch.ops._C, "rotary_embedding"):
-        pytest.skip("vLLM's C++ CPU rotary_embedding op is not built")
+    assert hasattr(torch.ops._C, "rotary_embedding"), "vllm-cpu ships this C++ op"
     head_size, rotary_dim, nh, nkv = case
     ours, ref = make_ropes(head_size, rotary_dim, neox, dtype)
     positions, q, k = rope_inputs(19, head_size, nh, nkv, dtype, seed=head_size)
