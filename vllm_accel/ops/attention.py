@@ -12,8 +12,7 @@ from typing import ClassVar
 import torch
 
 from vllm.config import VllmConfig
-from vllm_accel import envs
-from vllm_accel.logger import init_logger
+from vllm.model_executor.models.utils import extract_layer_index
 from vllm.v1.attention.backend import (
     AttentionBackend,
     AttentionCGSupport,
@@ -28,7 +27,10 @@ from vllm.v1.attention.backends.utils import split_decodes_and_prefills
 from vllm.v1.kv_cache_interface import AttentionSpec, KVQuantMode
 from vllm.v1.kv_cache_layout import KVCacheLayout
 
-from vllm_accel.ops import attention_kernels, attention_reference  # noqa: F401  (register kernels)
+from vllm_accel import envs
+from vllm_accel.logger import init_logger
+from vllm_accel.ops import attention_reference  # noqa: F401  (registers the reference readers)
+from vllm_accel.ops.attention_kernels import INT8_SCALE_BYTES
 from vllm_accel.ops.kv_scales import load_kv_scales
 from vllm_accel.ops.registry import get_kernel
 
@@ -37,7 +39,6 @@ logger = init_logger(__name__)
 BACKEND_NAME = "GCU_ATTN"
 #: the INT8 KV cache: int8 K and V plus an fp32 scale each per (token, head)
 INT8_KV = "int8_per_token_head"
-INT8_SCALE_BYTES = 8
 
 
 def reject_unsupported(features: dict[str, bool]) -> None:
@@ -138,7 +139,7 @@ class AccelAttentionMetadataBuilder(AttentionMetadataBuilder[AccelAttentionMetad
     # Single-token requests first: they run as one batched decode.
     reorder_batch_threshold: int | None = 1
 
-    def __init__(
+    def __init__(  # the base declares it abstract
         self,
         kv_cache_spec: AttentionSpec,
         layer_names: list[str],
@@ -221,8 +222,6 @@ class AccelAttentionImpl(AttentionImpl):
         if self._static_kv_scales is None:
             self._cache_write(key[:n], value[:n], kv_cache, slot_mapping)
             return
-        from vllm.model_executor.models.utils import extract_layer_index
-
         k_scale, v_scale = self._static_kv_scales[extract_layer_index(layer.layer_name)]
         self._cache_write(key[:n], value[:n], kv_cache, slot_mapping, k_scale, v_scale)
 
