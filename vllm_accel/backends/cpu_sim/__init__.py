@@ -14,6 +14,13 @@ from vllm_accel import envs
 from vllm_accel.envs import GiB
 
 
+def _numa_nodes() -> list[int]:
+    """NUMA nodes this process may allocate on (what vLLM's CPU binding counts)."""
+    from vllm.utils.cpu_resource_utils import get_memory_affinity
+
+    return list(get_memory_affinity())
+
+
 class CpuSimBackend:
     name = "sim"
     device_name = "gcu"
@@ -22,8 +29,13 @@ class CpuSimBackend:
     visible_devices_env = "CPU_VISIBLE_MEMORY_NODES"
     # Batched torch CPU kernels; `reference` fills in whatever they lack.
     kernel_providers = ("torch_fast",)
+    is_real_card = False
+    dispatch_key = "CPU"
 
-    def process_env(self) -> dict[str, str]:
+    def load(self) -> None:
+        """No vendor library to import."""
+
+    def process_env(self, local_world_size: int) -> dict[str, str]:
         """Environment defaults for the processes that run the device.
 
         A card's caching allocator reuses freed device memory. The simulator's
@@ -32,12 +44,20 @@ class CpuSimBackend:
         the next step (measured: 7.5 ms instead of 0.6 ms to gather one decode
         batch's K/V). Keeping up to 32 MiB blocks on the heap and not trimming it
         gives the simulated device the same reuse.
+
+        Tensor parallel: each simulated device is one worker process with its own
+        share of the host's cores. vLLM's CPU path binds one NUMA node per local
+        rank and refuses more ranks than nodes; on a host with fewer nodes its
+        ``VLLM_CPU_SIM_MULTI_NUMA`` mode splits the cores evenly instead.
         """
-        return {
+        env = {
             "MALLOC_MMAP_THRESHOLD_": str(32 << 20),
             "MALLOC_TRIM_THRESHOLD_": str(1 << 30),
             "MALLOC_TOP_PAD_": str(256 << 20),
         }
+        if local_world_size > 1 and local_world_size > len(_numa_nodes()):
+            env["VLLM_CPU_SIM_MULTI_NUMA"] = "1"
+        return env
 
     def describe(self) -> str:
         return (
@@ -75,3 +95,18 @@ class CpuSimBackend:
 
     def profiler(self) -> contextlib.AbstractContextManager:
         return torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
+
+    def memory_allocated(self) -> int:
+        # Simulated device memory is host RSS; the model runner measures it.
+        return psutil.Process().memory_info().rss
+
+    def empty_cache(self) -> None:
+        """glibc's heap keeps freed blocks by design (see process_env)."""
+
+    def distributed_init(self, rank: int, local_rank: int, world_size: int):
+        """gloo needs nothing beyond vLLM's own init."""
+        return contextlib.nullcontext()
+
+    def op(self, qualname: str):
+        """The simulator has no vendor kernels."""
+        return None

@@ -1,0 +1,1 @@
+"""Fake TopsRider tops_extension (closed source; only imported before torch_gcu)."""

@@ -1,0 +1,82 @@
+"""Fake vllm_gcu._C: Enflame's vLLM ops with their GCU schemas (notes section 1.6).
+
+Like the real extension, a schema is defined only if vLLM has not defined it
+already (vllm-gcu's findSchema guard); implementations are registered for
+PrivateUse1 (what vllm_accel checks for) and, because the fake's tensors live on
+CPU, for CPU too -- replacing vLLM's CPU kernel in this (test) process. The math
+is the reference math in float32; every call is counted in ``CALLS``.
+"""
+
+import collections
+
+import torch
+
+CALLS: collections.Counter = collections.Counter()
+
+SCHEMAS = {
+    "rms_norm": "rms_norm(Tensor! result, Tensor input, Tensor weight, float epsilon) -> ()",
+    "fused_add_rms_norm": "fused_add_rms_norm(Tensor! input, Tensor! residual, Tensor weight, "
+                          "float epsilon) -> ()",
+    "silu_and_mul": "silu_and_mul(Tensor! result, Tensor input) -> ()",
+    "rotary_embedding": "rotary_embedding(Tensor positions, Tensor! query, Tensor! key, "
+                        "int head_size, Tensor cos_sin_cache, bool is_neox) -> ()",
+}
+
+_define = torch.library.Library("_C", "FRAGMENT")
+_impl = torch.library.Library("_C", "IMPL")
+
+
+def _exists(name):
+    try:
+        torch._C._dispatch_find_schema_or_throw(f"_C::{name}", "")
+        return True
+    except RuntimeError:
+        return False
+
+
+def _norm(h, weight, eps):
+    h = h.float()
+    return (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)).to(weight.dtype) * weight
+
+
+def rms_norm(result, input, weight, epsilon):
+    CALLS["rms_norm"] += 1
+    result.copy_(_norm(input, weight, epsilon))
+
+
+def fused_add_rms_norm(input, residual, weight, epsilon):
+    CALLS["fused_add_rms_norm"] += 1
+    h = input.float() + residual.float()
+    residual.copy_(h)
+    input.copy_(_norm(h, weight, epsilon))
+
+
+def silu_and_mul(result, input):
+    CALLS["silu_and_mul"] += 1
+    d = input.shape[-1] // 2
+    result.copy_(torch.nn.functional.silu(input[..., :d]) * input[..., d:])
+
+
+def rotary_embedding(positions, query, key, head_size, cos_sin_cache, is_neox,
+                     rope_dim_offset=0, inverse=False):
+    CALLS["rotary_embedding"] += 1
+    rot = cos_sin_cache.shape[-1]
+    cos, sin = cos_sin_cache[positions.flatten().long()].float().chunk(2, dim=-1)
+    for t in (query, key):
+        x = t.view(positions.numel(), -1, head_size).float()
+        r = x[..., :rot]
+        if is_neox:
+            x1, x2 = r.chunk(2, dim=-1)
+        else:
+            x1, x2 = r[..., 0::2], r[..., 1::2]
+        c, s = cos[:, None], sin[:, None]
+        o1, o2 = x1 * c - x2 * s, x2 * c + x1 * s
+        r = torch.cat((o1, o2), -1) if is_neox else torch.stack((o1, o2), -1).flatten(-2)
+        t.copy_(torch.cat((r, x[..., rot:]), -1).view(t.shape))
+
+
+for _name, _schema in SCHEMAS.items():
+    if not _exists(_name):
+        _define.define(_schema)
+    for _key in ("PrivateUse1", "CPU"):
+        _impl.impl(_name, globals()[_name], _key)

@@ -1,0 +1,208 @@
+"""Vendor kernels and xformers as kernel-registry providers.
+
+After the worker has loaded the vendor library, ``install_vendor_kernels`` asks
+the backend for each vendor op (``backend.op("ns::name")`` answers only when a
+kernel is registered for the device's dispatch key) and registers an adapter
+under the backend's provider name. The adapter translates our functional kernel
+signature to the vendor's in-place schema, and hands argument combinations the
+vendor op does not cover to the next provider (``fallback_kernel``), so every op
+keeps working with or without the vendor's build.
+
+Providers:
+
+* ``gcu_vendor``: Enflame's ``vllm_gcu._C`` ops (registered under vLLM's ``_C``
+  namespace for PrivateUse1): ``rms_norm``, ``fused_add_rms_norm``,
+  ``silu_and_mul``, ``rotary_embedding``. Its paged-attention and cache ops use
+  vLLM's ``[nb, H, D/x, bs, x]`` cache layout, not ours, so attention stays ours.
+* ``sophgo_vendor``: Sophgo's ``my_ops::rmsnorm_forward``. Its attention ops fuse
+  RoPE and use their own cache layout, so they are not plugged in.
+* ``xformers``: ``paged_prefill`` through ``xformers.ops.memory_efficient_attention``
+  (what Enflame's vLLM uses for prefill), registered only when a probe on the
+  device succeeds.
+"""
+
+from collections.abc import Callable
+
+import torch
+
+from vllm_accel.logger import init_logger
+from vllm_accel.ops.registry import fallback_kernel, register_kernel
+
+logger = init_logger(__name__)
+
+GCU_VENDOR = "gcu_vendor"
+SOPHGO_VENDOR = "sophgo_vendor"
+XFORMERS = "xformers"
+
+
+# ---------------------------------------------------------------------------
+# Enflame (vllm_gcu._C) adapters.
+# ---------------------------------------------------------------------------
+
+
+def _gcu_rms_norm(ops: dict[str, Callable]):
+    rms_norm, fused_add = ops.get("_C::rms_norm"), ops.get("_C::fused_add_rms_norm")
+
+    def gcu_rms_norm(x, weight, eps, residual=None, variance_size=None):
+        if weight is None or variance_size is not None or (
+                residual is None and rms_norm is None) or (
+                residual is not None and fused_add is None):
+            return fallback_kernel("rms_norm", GCU_VENDOR)(x, weight, eps, residual, variance_size)
+        if residual is None:
+            out = torch.empty_like(x)
+            rms_norm(out, x.contiguous(), weight, eps)
+            return out
+        h, r = x.clone(), residual.clone()  # the vendor op works in place
+        fused_add(h, r, weight, eps)
+        return h, r
+
+    return gcu_rms_norm
+
+
+def _gcu_silu_and_mul(ops):
+    op = ops["_C::silu_and_mul"]
+
+    def gcu_silu_and_mul(x):
+        out = torch.empty(x.shape[:-1] + (x.shape[-1] // 2,), dtype=x.dtype, device=x.device)
+        op(out, x.contiguous())
+        return out
+
+    return gcu_silu_and_mul
+
+
+def _gcu_rotary_embedding(ops):
+    op = ops["_C::rotary_embedding"]
+
+    def gcu_rotary_embedding(positions, query, key, cos_sin_cache, head_size, rotary_dim,
+                             is_neox_style):
+        # The GCU schema needs a key and derives rotary_dim from the cache width.
+        if key is None or cos_sin_cache.shape[-1] != rotary_dim:
+            return fallback_kernel("rotary_embedding", GCU_VENDOR)(
+                positions, query, key, cos_sin_cache, head_size, rotary_dim, is_neox_style)
+        q, k = query.clone(), key.clone()
+        op(positions, q, k, head_size, cos_sin_cache, is_neox_style)
+        return q, k
+
+    return gcu_rotary_embedding
+
+
+# ---------------------------------------------------------------------------
+# Sophgo (torch_tpu my_ops) adapters.
+# ---------------------------------------------------------------------------
+
+
+def _sophgo_rms_norm(ops):
+    op = ops["my_ops::rmsnorm_forward"]
+
+    def sophgo_rms_norm(x, weight, eps, residual=None, variance_size=None):
+        if residual is not None or variance_size is not None:
+            return fallback_kernel("rms_norm", SOPHGO_VENDOR)(x, weight, eps, residual,
+                                                              variance_size)
+        out = torch.empty_like(x)
+        op(x.contiguous(), weight, None, out, x.dim() - 1, eps)
+        return out
+
+    return sophgo_rms_norm
+
+
+# (provider, kernel name, vendor ops it needs -- any one suffices for "any", all
+#  for "all", adapter factory)
+VENDOR_KERNELS: tuple[tuple[str, str, tuple[str, ...], str, Callable], ...] = (
+    (GCU_VENDOR, "rms_norm", ("_C::rms_norm", "_C::fused_add_rms_norm"), "any", _gcu_rms_norm),
+    (GCU_VENDOR, "silu_and_mul", ("_C::silu_and_mul",), "all", _gcu_silu_and_mul),
+    (GCU_VENDOR, "rotary_embedding", ("_C::rotary_embedding",), "all", _gcu_rotary_embedding),
+    (SOPHGO_VENDOR, "rms_norm", ("my_ops::rmsnorm_forward",), "all", _sophgo_rms_norm),
+)
+
+
+# ---------------------------------------------------------------------------
+# xformers.
+# ---------------------------------------------------------------------------
+
+
+def probe_xformers(device: torch.device) -> tuple[bool, str]:
+    """Whether xformers' memory_efficient_attention runs on ``device``, and why not.
+
+    A tiny causal call on the device is the only reliable test: wheels differ in
+    which devices they have kernels for (PyPI xformers has none for CPU; Enflame's
+    fork targets the GCU).
+    """
+    try:
+        import xformers.ops as xops
+        from xformers.ops.fmha.attn_bias import LowerTriangularFromBottomRightMask
+    except Exception as exc:  # ImportError, or a build that fails to import
+        return False, (f"xformers not usable on {device.type}: not importable "
+                       f"({type(exc).__name__}: {exc})")
+    q = torch.zeros(1, 2, 1, 1, 8, device=device, dtype=torch.float32)
+    try:
+        xops.memory_efficient_attention(q, q, q, attn_bias=LowerTriangularFromBottomRightMask())
+    except Exception as exc:
+        first_line = (str(exc).strip().splitlines() or [""])[0]
+        return False, (f"xformers not usable on {device.type}: no kernel for it "
+                       f"({type(exc).__name__}: {first_line})")
+    return True, "xformers memory_efficient_attention runs on " + device.type
+
+
+def xformers_paged_prefill(query, kv_cache, block_table, query_start_loc, seq_lens, scale):
+    """``paged_prefill`` with xformers doing the attention of each request.
+
+    K/V are gathered from our cache, then attention runs in xformers' grouped
+    ``[B, M, G, H, K]`` form (G = KV heads, H = query heads per KV head) with a
+    bottom-right causal mask: the request's new queries are its last tokens.
+    """
+    import xformers.ops as xops
+    from xformers.ops.fmha.attn_bias import LowerTriangularFromBottomRightMask
+
+    from vllm_accel.ops.attention_kernels import _gather_kv
+
+    t, h, d = query.shape
+    hkv, block_size = kv_cache.shape[1], kv_cache.shape[2]
+    group = h // hkv
+    out = torch.zeros_like(query)
+    starts = query_start_loc.tolist()
+    for i, seq_len in enumerate(seq_lens.tolist()):
+        start, end = starts[i], starts[i + 1]
+        if end == start:
+            continue
+        k, v, _ = _gather_kv(kv_cache, block_table[i:i + 1, :-(-seq_len // block_size)])
+        k = k[:, :seq_len].transpose(0, 1)[None, :, :, None].expand(1, seq_len, hkv, group, d)
+        v = v[:, :seq_len].transpose(0, 1)[None, :, :, None].expand(1, seq_len, hkv, group, d)
+        q = query[start:end].view(1, end - start, hkv, group, d).to(k.dtype)
+        o = xops.memory_efficient_attention(
+            q, k, v, attn_bias=LowerTriangularFromBottomRightMask(), scale=scale)
+        out[start:end] = o.reshape(end - start, h, d).to(query.dtype)
+    return out
+
+
+# ---------------------------------------------------------------------------
+# Installation.
+# ---------------------------------------------------------------------------
+
+
+def install_vendor_kernels(backend) -> dict[str, str]:
+    """Register the providers the loaded backend can back; returns a report
+    ``{"provider:kernel": "registered" | why not}`` (also logged)."""
+    report: dict[str, str] = {}
+    providers = set(backend.kernel_providers)
+    for provider, name, qualnames, need, factory in VENDOR_KERNELS:
+        if provider not in providers:
+            continue
+        ops = {q: op for q in qualnames if (op := backend.op(q)) is not None}
+        ok = bool(ops) if need == "any" else len(ops) == len(qualnames)
+        key = f"{provider}:{name}"
+        if ok:
+            register_kernel(name, provider)(factory(ops))
+            report[key] = "registered (" + ", ".join(sorted(ops)) + ")"
+        else:
+            missing = sorted(set(qualnames) - set(ops))
+            report[key] = "not registered by the vendor library: " + ", ".join(missing)
+    if XFORMERS in providers:
+        usable, why = probe_xformers(backend.torch_device())
+        if usable:
+            register_kernel("paged_prefill", XFORMERS)(xformers_paged_prefill)
+            report[f"{XFORMERS}:paged_prefill"] = "registered (" + why + ")"
+        else:
+            report[f"{XFORMERS}:paged_prefill"] = why
+    for key, status in report.items():
+        logger.info("Kernel provider %s: %s", key, status)
+    return report
