@@ -14,6 +14,13 @@ TESTS = Path(__file__).parent
 ENGINE_ENV = {"ACCEL_SIM_DEVICE_MEMORY_GB": "4", "VLLM_LOGGING_LEVEL": "INFO"}
 
 
+@pytest.fixture(autouse=True, scope="session")
+def _private_repack_cache(tmp_path_factory):
+    """Keep the tests' repack-cache entries out of the user's cache (engine
+    subprocesses inherit it); tests about the cache set their own directory."""
+    os.environ.setdefault("ACCEL_REPACK_CACHE", str(tmp_path_factory.mktemp("repack-cache")))
+
+
 def run_engine(spec: dict, tmp_path: Path, env: dict | None = None, timeout: int = 600):
     """Run tests/engine_run.py with ``spec``; returns (results, combined log)."""
     spec_file = tmp_path / f"spec-{os.getpid()}-{len(list(tmp_path.iterdir()))}.json"

@@ -182,7 +182,7 @@ def test_gptq_linear_kernel(bits, sym, desc_act, shape, dtype):
     assert (res.zeros is None) == sym and res.g_idx is None
     x = torch.randn(3, 5, k, generator=gen).to(dtype)
     bias = torch.randn(out, generator=gen).to(dtype)
-    y = get_kernel("gptq_linear")(x, res.qweight, res.scales, res.zeros, bits=bits,
+    y = get_kernel("wint_linear")(x, res.qweight, res.scales, res.zeros, bits=bits,
                                   group_size=res.group_size, perm=res.perm, bias=bias,
                                   tile_k=tile_k)
     assert y.shape == (3, 5, out)
@@ -228,7 +228,7 @@ def test_resident_layout_and_v2():
                               torch.full((128,), -1, dtype=torch.int32), bits=4, group_size=32,
                               checkpoint_format="gptq_v2")
     assert res2.perm is None
-    assert "reference" in providers_of("gptq_linear")
+    assert "reference" in providers_of("wint_linear")
 
 
 # ---------------------------------------------------------------------------
@@ -393,7 +393,7 @@ def test_engine_gptq_matches_hf_on_dequantized(case, tmp_path):
     }, tmp_path)
     assert results["platform"] == "AccelPlatform"
     assert "quantization=gcu_gptq" in log
-    assert "AccelGPTQLinearMethod running: kernel gptq_linear" in log
+    assert "AccelGPTQLinearMethod running: kernel wint_linear" in log
     assert "gcu_gptq qkv_proj" in log and "gcu_gptq down_proj" in log
     expected = hf_greedy(tmp_path / "dequant", prompts, 16)
     got = [o["token_ids"] for o in results["outputs"]]

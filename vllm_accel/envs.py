@@ -30,13 +30,15 @@ def _float(name: str, default: float) -> Callable[[], float]:
 environment_variables: dict[str, tuple[Callable[[], Any], str]] = {
     "ACCEL_DEVICE": (
         lambda: os.environ.get("ACCEL_DEVICE", "gcu").strip().lower(),
-        "Device kind the plugin serves (`gcu`). Set by `--device`; the spawned "
+        "Device kind the plugin serves (`gcu` or `sophtpu`; must match the backend). "
+        "Set by `--device`; the spawned "
         "EngineCore and workers inherit it.",
     ),
     "ACCEL_BACKEND": (
         lambda: os.environ.get("ACCEL_BACKEND", "auto").strip().lower(),
-        "Device backend: `auto` or `sim`. Today both select the simulated GCU; "
-        "`auto` will pick a real card once the torch_gcu/torch_tpu hooks land.",
+        "Device backend: `auto` (Enflame torch_gcu if installed, else Sophgo "
+        "torch_tpu, else the simulator), `sim`, `gcu` or `sophtpu`. Forcing a real "
+        "backend whose library is missing is an error.",
     ),
     "ACCEL_SIM_DEVICE_MEMORY_GB": (
         _float("ACCEL_SIM_DEVICE_MEMORY_GB", 48.0),
@@ -64,6 +66,14 @@ environment_variables: dict[str, tuple[Callable[[], Any], str]] = {
             os.environ.get("ACCEL_MODEL_CACHE", "~/.cache/vllm-accel/models")
         ),
         "Where `vllm-accel prepare-default` writes converted models.",
+    ),
+    "ACCEL_REPACK_CACHE": (
+        lambda: os.path.expanduser(
+            os.environ.get("ACCEL_REPACK_CACHE", "~/.cache/vllm-accel/repack").strip()
+        ),
+        "Directory of the on-disk cache of quantized weights repacked at load "
+        "(GPTQ/AWQ/compressed-tensors), keyed by tensor content; `off` (or `0`, "
+        "`none`, empty) disables it.",
     ),
 }
 

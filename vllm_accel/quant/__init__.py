@@ -7,6 +7,18 @@ Importing this package registers the quantization configs with vLLM (the
   GPTQModel format), 4/8-bit, grouped or per-channel, sym/asym, act-order. Its
   ``override_quantization_method`` claims every ``quant_method: gptq``
   checkpoint, also when the user passes ``--quantization gptq``.
+* ``gcu_awq`` (:mod:`vllm_accel.quant.awq`): AutoAWQ GEMM checkpoints (4-bit,
+  zero point); claims ``quant_method: awq`` (also ``--quantization awq``).
+* ``gcu_compressed_tensors`` (:mod:`vllm_accel.quant.compressed_tensors`):
+  llmcompressor checkpoints; claims ``quant_method: compressed-tensors``.
+  ``pack-quantized`` W4A16/W8A16 run here, ``int-quantized`` W8A8 layers are
+  handed to :mod:`vllm_accel.quant.w8a8`.
+* ``w8a16`` (:mod:`vllm_accel.quant.w8a16`): online per-channel int8 weights
+  made at load from a float checkpoint (``--quantization w8a16``).
+
+The weight-only methods share one resident layout and kernel
+(:mod:`vllm_accel.quant.packed`) and an on-disk repack cache
+(:mod:`vllm_accel.quant.repack_cache`).
 
 This package imports ``vllm.model_executor``; never import it from the platform
 module (circular import while vLLM resolves ``current_platform``).
@@ -14,5 +26,17 @@ module (circular import while vLLM resolves ``current_platform``).
 
 from vllm_accel.quant import gptq  # noqa: F401  (registers gcu_gptq at import)
 from vllm_accel.quant.gptq import AccelGPTQConfig, AccelGPTQLinearMethod
+from vllm_accel.quant import awq  # noqa: F401,E402  (registers gcu_awq at import)
+from vllm_accel.quant import compressed_tensors  # noqa: F401,E402  (gcu_compressed_tensors)
+from vllm_accel.quant.awq import AccelAWQConfig, AccelAWQLinearMethod  # noqa: E402
+from vllm_accel.quant.compressed_tensors import (  # noqa: E402
+    AccelCompressedTensorsConfig,
+    AccelCTWNA16LinearMethod,
+)
+from vllm_accel.quant import w8a16  # noqa: F401,E402  (registers w8a16 at import)
+from vllm_accel.quant.w8a8 import AccelW8A8LinearMethod  # noqa: E402
+from vllm_accel.quant.w8a16 import AccelW8A16Config, AccelW8A16LinearMethod  # noqa: E402
 
-__all__ = ["AccelGPTQConfig", "AccelGPTQLinearMethod"]
+__all__ = ["AccelGPTQConfig", "AccelGPTQLinearMethod", "AccelAWQConfig",
+           "AccelAWQLinearMethod", "AccelCompressedTensorsConfig", "AccelCTWNA16LinearMethod",
+           "AccelW8A8LinearMethod", "AccelW8A16Config", "AccelW8A16LinearMethod"]

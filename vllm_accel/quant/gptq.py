@@ -34,10 +34,9 @@ the weight survives loading):
   scattered subset of the global groups) is the sorted ``g_idx`` kept too
   (``gcu_g_idx``) and the kernel gathers scales per column.
 
-``gptq_linear`` (kernel registry, provider ``reference``) dequantizes one
-K-tile of the weight at a time (group-aligned, ``TILE_K`` columns) in fp32 and
-accumulates ``x_tile @ W_tile.T`` in fp32: no dequantized weight is kept
-between calls, and the peak temporary is ``out x TILE_K`` floats.
+The layout, its kernel ``wint_linear`` and the resident-bytes accounting are
+shared with AWQ and compressed-tensors (:mod:`vllm_accel.quant.packed`); the
+conversion result is cached on disk (:mod:`vllm_accel.quant.repack_cache`).
 
 This module imports ``vllm.model_executor``; import it only from the general
 plugin (never from the platform module).
@@ -68,7 +67,19 @@ from vllm.model_executor.parameter import (
 )
 
 from vllm_accel.logger import init_logger
-from vllm_accel.ops.registry import get_kernel, register_kernel
+from vllm_accel.quant import repack_cache
+from vllm_accel.quant.packed import (
+    TILE_K,  # noqa: F401  (re-exported)
+    ResidentStats,
+    WIntResident,
+    apply_resident,
+    codes_of,
+    compact_float,
+    install_resident,
+    pack_nibbles,
+    unpack_int32,
+    wint_linear,
+)
 
 logger = init_logger(__name__)
 
@@ -77,8 +88,6 @@ SUPPORTED_BITS = (4, 8)
 SUPPORTED_FORMATS = ("gptq", "gptq_v2")
 #: user ``--quantization`` values under which gcu_gptq claims a GPTQ checkpoint
 CLAIMED_USER_QUANT = (None, "gptq", QUANT_NAME)
-#: weight columns dequantized per step in the reference kernel
-TILE_K = 512
 
 
 def _fail(prefix: str, problem: str, fix: str) -> ValueError:
@@ -90,64 +99,11 @@ def _fail(prefix: str, problem: str, fix: str) -> ValueError:
 # ---------------------------------------------------------------------------
 
 
-def _unpack_int32(words: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
-    """Unpack ``32 // bits`` fields of each int32 along ``dim`` (lowest bits first)
-    into int32 values in ``[0, 2**bits)``."""
-    pf = 32 // bits
-    w = words.to(torch.int32).movedim(dim, -1)
-    shifts = torch.arange(0, 32, bits, dtype=torch.int32)
-    # Arithmetic shift of negative words fills with ones above bit 31; the mask
-    # keeps only the field.
-    v = torch.bitwise_and(w.unsqueeze(-1) >> shifts, (1 << bits) - 1)
-    return v.reshape(*w.shape[:-1], w.shape[-1] * pf).movedim(-1, dim)
-
-
-def pack_nibbles(codes: torch.Tensor) -> torch.Tensor:
-    """uint8 4-bit codes ``[out, in]`` (in even) -> ``[out, in/2]``, even column low."""
-    c = codes.to(torch.uint8)
-    return (c[:, 0::2] | (c[:, 1::2] << 4)).contiguous()
-
-
-def _codes(qweight: torch.Tensor, bits: int, k0: int, k1: int) -> torch.Tensor:
-    """Columns ``[k0, k1)`` of the resident weight as uint8 codes ``[out, k1-k0]``."""
-    if bits == 8:
-        return qweight[:, k0:k1]
-    b0, b1 = k0 // 2, (k1 + 1) // 2
-    p = qweight[:, b0:b1]
-    both = torch.stack((p & 0xF, p >> 4), dim=-1).reshape(p.shape[0], -1)
-    start = k0 - 2 * b0
-    return both[:, start:start + (k1 - k0)]
-
-
-@dataclass
-class GPTQResident:
-    """One layer's weight in the resident layout (see module doc)."""
-
-    qweight: torch.Tensor
-    scales: torch.Tensor
-    zeros: torch.Tensor | None
-    perm: torch.Tensor | None
-    g_idx: torch.Tensor | None
-    bits: int
-    group_size: int  # normalized (never -1)
-    in_features: int
-    out_features: int
-
-    def nbytes(self) -> dict[str, int]:
-        def size(t):
-            return 0 if t is None else t.numel() * t.element_size()
-
-        parts = {"qweight": size(self.qweight), "scales": size(self.scales),
-                 "zeros": size(self.zeros), "perm": size(self.perm) + size(self.g_idx)}
-        parts["total"] = sum(parts.values())
-        return parts
-
-
-def _compact_float(t: torch.Tensor) -> torch.Tensor:
-    """fp16 if that holds ``t`` exactly, else fp32."""
-    t32 = t.to(torch.float32)
-    t16 = t32.to(torch.float16)
-    return t16 if torch.equal(t16.to(torch.float32), t32) else t32
+# The shared pieces under their historical names (tests and callers use them).
+_unpack_int32 = unpack_int32
+_codes = codes_of
+_compact_float = compact_float
+GPTQResident = WIntResident
 
 
 def gptq_to_resident(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor,
@@ -195,68 +151,8 @@ def gptq_to_resident(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.
                         in_features=in_features, out_features=out_features)
 
 
-# ---------------------------------------------------------------------------
-# Kernel
-# ---------------------------------------------------------------------------
-
-
-def _k_tiles(in_features: int, group_size: int, tile_k: int, uniform: bool):
-    """Column tiles ``(k0, k1)``: whole groups per tile when groups are small,
-    several tiles per group when a group is wider than ``tile_k``."""
-    if not uniform:
-        return [(k, min(k + tile_k, in_features)) for k in range(0, in_features, tile_k)]
-    if group_size <= tile_k:
-        step = (tile_k // group_size) * group_size
-        return [(k, min(k + step, in_features)) for k in range(0, in_features, step)]
-    return [(c, min(c + tile_k, g + group_size))
-            for g in range(0, in_features, group_size)
-            for c in range(g, g + group_size, tile_k)]
-
-
-@register_kernel("gptq_linear")
-def gptq_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
-                zeros: torch.Tensor | None, *, bits: int, group_size: int,
-                perm: torch.Tensor | None = None, g_idx: torch.Tensor | None = None,
-                bias: torch.Tensor | None = None, tile_k: int = TILE_K) -> torch.Tensor:
-    """``y = x @ W.T (+ bias)`` for a weight in the resident GPTQ layout.
-
-    ``x`` ``[..., in]`` (fp32/bf16/fp16); ``qweight`` uint8 ``[out, in]`` (8-bit)
-    or ``[out, in/2]`` (4-bit nibbles); ``scales``/``zeros`` ``[out, G]``
-    (``zeros`` None: symmetric, zero ``2**(bits-1)``); ``perm`` int ``[in]``:
-    resident column ``j`` multiplies ``x[..., perm[j]]``; ``g_idx`` int ``[in]``:
-    group of resident column ``j`` (None: ``j // group_size``). Dequantization
-    and accumulation run in fp32; the result is rounded to ``x.dtype`` once.
-    """
-    out_features = scales.shape[0]
-    in_features = x.shape[-1]
-    gs = in_features if group_size == -1 else group_size
-    x2 = x.reshape(-1, in_features)
-    if perm is not None:
-        x2 = x2.index_select(1, perm)
-    x2 = x2.to(torch.float32)
-    acc = torch.zeros(x2.shape[0], out_features, dtype=torch.float32, device=x.device)
-    sym_zero = float(2 ** (bits - 1))
-    for k0, k1 in _k_tiles(in_features, gs, tile_k, g_idx is None):
-        codes = _codes(qweight, bits, k0, k1).to(torch.float32)  # [out, T]
-        if g_idx is not None:
-            gi = g_idx[k0:k1].to(torch.int64)
-            s = scales[:, gi].to(torch.float32)
-            z = sym_zero if zeros is None else zeros[:, gi].to(torch.float32)
-            w = (codes - z) * s
-        elif k1 - k0 >= gs:  # whole groups g0 .. g0+n-1
-            g0, n = k0 // gs, (k1 - k0) // gs
-            s = scales[:, g0:g0 + n, None].to(torch.float32)
-            z = sym_zero if zeros is None else zeros[:, g0:g0 + n, None].to(torch.float32)
-            w = ((codes.view(out_features, n, gs) - z) * s).view(out_features, k1 - k0)
-        else:  # part of group k0 // gs
-            g = k0 // gs
-            s = scales[:, g:g + 1].to(torch.float32)
-            z = sym_zero if zeros is None else zeros[:, g:g + 1].to(torch.float32)
-            w = (codes - z) * s
-        acc.addmm_(x2[:, k0:k1], w.t())
-    if bias is not None:
-        acc += bias.to(torch.float32)
-    return acc.to(x.dtype).reshape(*x.shape[:-1], out_features)
+#: the shared kernel (registered as ``wint_linear``), kept under its old name
+gptq_linear = wint_linear
 
 
 # ---------------------------------------------------------------------------
@@ -460,15 +356,13 @@ def _g_idx_loader(layer_loader, prefix: str):
 
 
 # Resident bytes over all GPTQ layers of this process, logged at the first apply.
-_totals = {"layers": 0, "resident": 0, "packed": 0, "fp16": 0}
-_logged_layer_types: set[str] = set()
-_apply_logged = False
+_stats = ResidentStats(QUANT_NAME, "AccelGPTQLinearMethod")
 
 
 @register_weight_loader_v2_supported_method
 class AccelGPTQLinearMethod(LinearMethodBase):
     """Loads GPTQ tensors through vLLM's loaders (TP sharding, qkv/gate_up
-    merging), converts them to the resident layout and runs ``gptq_linear``."""
+    merging), converts them to the resident layout and runs ``wint_linear``."""
 
     def __init__(self, params: GPTQLayerParams, prefix: str = "") -> None:
         self.params = params
@@ -505,7 +399,10 @@ class AccelGPTQLinearMethod(LinearMethodBase):
                         "(e.g. 32, 64 or -1)" + (", or a smaller tensor-parallel size"
                                                  if is_row_parallel else ""))
         n_groups = input_size // gs if replicate else input_size_per_partition // gs
-        self.group_offset = 0 if replicate else layer.tp_rank * (input_size_per_partition // gs)
+        # A row-parallel rank holds input rows [rank * in_pp, ...) and, unless
+        # replicated, only their groups; column-parallel ranks hold every input row.
+        self.group_offset = (layer.tp_rank * (input_size_per_partition // gs)
+                             if is_row_parallel and not replicate else 0)
 
         qweight = PackedvLLMParameter(
             data=torch.empty(input_size_per_partition // pf, out_pp, dtype=torch.int32),
@@ -536,60 +433,27 @@ class AccelGPTQLinearMethod(LinearMethodBase):
 
     def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
         p = self.params
-        res = gptq_to_resident(
-            layer.qweight.data, layer.qzeros.data, layer.scales.data, layer.g_idx.data,
-            bits=p.bits, group_size=p.group_size, checkpoint_format=p.checkpoint_format,
-            group_offset=self.group_offset, prefix=self.prefix)
+        sources = {n: getattr(layer, n).data for n in ("qweight", "qzeros", "scales", "g_idx")}
+
+        def convert() -> WIntResident:
+            return gptq_to_resident(
+                sources["qweight"], sources["qzeros"], sources["scales"], sources["g_idx"],
+                bits=p.bits, group_size=p.group_size, checkpoint_format=p.checkpoint_format,
+                group_offset=self.group_offset, prefix=self.prefix)
+
+        res = repack_cache.cached_resident(
+            "gptq", {"bits": p.bits, "group_size": p.group_size,
+                     "checkpoint_format": p.checkpoint_format,
+                     "group_offset": self.group_offset}, sources, convert)
         for name in ("qweight", "qzeros", "scales", "g_idx"):
             delattr(layer, name)
-
-        def keep(name, t):
-            if t is None:
-                setattr(layer, name, None)
-            else:
-                layer.register_parameter(name, torch.nn.Parameter(t, requires_grad=False))
-
-        keep("gcu_qweight", res.qweight)
-        keep("gcu_scales", res.scales)
-        keep("gcu_zeros", res.zeros)
-        keep("gcu_perm", res.perm)
-        keep("gcu_g_idx", res.g_idx)
+        install_resident(layer, res)
         self.group_size = res.group_size
-        self._account(res)
-
-    def _account(self, res: GPTQResident) -> None:
-        p, nb = self.params, res.nbytes()
-        n_weights = res.in_features * res.out_features
-        packed = n_weights * p.bits // 8 + res.scales.shape[1] * res.out_features * (2 + p.bits / 8)
-        _totals["layers"] += 1
-        _totals["resident"] += nb["total"]
-        _totals["packed"] += int(packed) + res.in_features * 4
-        _totals["fp16"] += 2 * n_weights
-        kind = self.prefix.rsplit(".", 1)[-1] or "linear"
-        if kind in _logged_layer_types:
-            return
-        _logged_layer_types.add(kind)
-        logger.info(
-            "%s %s (e.g. %s): [%d x %d] %d-bit group %d%s%s -> resident %d B "
-            "(qweight %d uint8%s, scales %d %s, zeros %d, act-order perm %d) = %.3f B/weight "
-            "vs fp16 weight %d B", QUANT_NAME, kind, self.prefix, res.out_features,
-            res.in_features, p.bits, p.group_size, " sym" if p.sym else " asym",
-            " act-order" if res.perm is not None else "", nb["total"], nb["qweight"],
-            " nibbles" if p.bits == 4 else "", nb["scales"], str(res.scales.dtype).split(".")[-1],
-            nb["zeros"], nb["perm"], nb["total"] / n_weights, 2 * n_weights)
+        _stats.account(self.prefix, res, f"{p.bits}-bit group {p.group_size}"
+                       f"{' sym' if p.sym else ' asym'}"
+                       f"{' act-order' if res.perm is not None else ''}")
 
     def apply(self, layer: torch.nn.Module, x: torch.Tensor,
               bias: torch.Tensor | None = None) -> torch.Tensor:
-        kernel = get_kernel("gptq_linear")
-        global _apply_logged
-        if not _apply_logged:
-            _apply_logged = True
-            logger.info(
-                "AccelGPTQLinearMethod running: kernel gptq_linear = %s.%s on %d %s layers; "
-                "resident quantized weights %.2f MiB (checkpoint packing %.2f MiB, "
-                "fp16 %.2f MiB)", kernel.__module__, kernel.__qualname__, _totals["layers"],
-                QUANT_NAME, _totals["resident"] / 2**20, _totals["packed"] / 2**20,
-                _totals["fp16"] / 2**20)
-        return kernel(x, layer.gcu_qweight, layer.gcu_scales, layer.gcu_zeros,
-                      bits=self.params.bits, group_size=self.group_size,
-                      perm=layer.gcu_perm, g_idx=layer.gcu_g_idx, bias=bias)
+        _stats.log_running_once()
+        return apply_resident(layer, x, self.params.bits, self.group_size, bias)

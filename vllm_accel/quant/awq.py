@@ -1,0 +1,300 @@
+"""AutoAWQ checkpoints on the GCU: ``gcu_awq`` config and linear method.
+
+Checkpoint format (AutoAWQ ``version: gemm``, ``zero_point: true``), per Linear
+with ``in``/``out`` features, 4-bit, ``G = in / group_size`` groups:
+
+* ``qweight`` int32 ``[in, out/8]``: packed along the *output* dim; word
+  ``c`` of row ``i`` holds columns ``8c .. 8c+7`` in AutoAWQ's interleaved
+  order: bit field ``f`` (bits ``4f .. 4f+3``) holds column ``8c + ORDER[f]``,
+  ``ORDER = [0, 2, 4, 6, 1, 3, 5, 7]``.
+* ``qzeros`` int32 ``[G, out/8]``: zero points packed the same way (real
+  values, no offset).
+* ``scales`` fp16 ``[G, out]``.
+
+``W[o, i] = (q[i, o] - zero[i // group_size, o]) * scale[i // group_size, o]``.
+There is no ``g_idx`` (AWQ has no act-order). The load converts this into the
+shared resident layout of :mod:`vllm_accel.quant.packed` (uint8 output-major
+nibbles, ``[out, G]`` scales and zeros) and runs ``wint_linear``; the
+conversion is cached on disk (:mod:`vllm_accel.quant.repack_cache`).
+
+Layers listed in ``modules_to_not_convert`` (substring match, as AutoAWQ and
+transformers do) and layers without a ``qweight`` in the checkpoint stay in
+full precision, and so does ``lm_head``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from vllm.model_executor.layers.linear import (
+    LinearBase,
+    LinearMethodBase,
+    UnquantizedLinearMethod,
+    register_weight_loader_v2_supported_method,
+)
+from vllm.model_executor.layers.quantization import register_quantization_config
+from vllm.model_executor.layers.quantization.base_config import QuantizationConfig
+from vllm.model_executor.parameter import GroupQuantScaleParameter, PackedvLLMParameter
+
+from vllm_accel.logger import init_logger
+from vllm_accel.quant import repack_cache
+from vllm_accel.quant.packed import (
+    ResidentStats,
+    WIntResident,
+    apply_resident,
+    install_resident,
+    resident_from_codes,
+    unpack_int32,
+)
+
+logger = init_logger(__name__)
+
+QUANT_NAME = "gcu_awq"
+#: user ``--quantization`` values under which gcu_awq claims an AWQ checkpoint
+CLAIMED_USER_QUANT = (None, "awq", QUANT_NAME)
+SUPPORTED_BITS = (4,)
+SUPPORTED_VERSIONS = ("gemm",)
+#: bit field f of a packed word holds column 8c + AWQ_PACK_ORDER[f]
+AWQ_PACK_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
+
+
+def _fail(prefix: str, problem: str, fix: str) -> ValueError:
+    return ValueError(f"{QUANT_NAME} cannot serve layer {prefix!r}: {problem}. Fix: {fix}")
+
+
+def unpack_awq(words: torch.Tensor, bits: int = 4) -> torch.Tensor:
+    """AWQ-packed int32 ``[R, C/8]`` -> int32 values ``[R, C]`` in column order."""
+    fields = unpack_int32(words, bits, dim=1)  # [R, C] in bit-field order per word
+    r, c = fields.shape
+    pf = 32 // bits
+    order = torch.tensor(AWQ_PACK_ORDER[:pf], dtype=torch.long)
+    out = torch.empty_like(fields).view(r, c // pf, pf)
+    out[:, :, order] = fields.view(r, c // pf, pf)
+    return out.view(r, c)
+
+
+def awq_to_resident(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor, *,
+                    bits: int, group_size: int) -> WIntResident:
+    """One layer's AWQ tensors (as loaded, possibly a TP shard) -> resident layout."""
+    codes = unpack_awq(qweight, bits).t()  # [out, in]
+    zeros = unpack_awq(qzeros, bits).t()  # [out, G]
+    return resident_from_codes(codes, scales.t().contiguous(), zeros.contiguous(), bits=bits,
+                               group_size=group_size)
+
+
+def _is_moe(layer: torch.nn.Module) -> bool:
+    return any(c.__name__ in ("FusedMoE", "RoutedExperts") for c in type(layer).__mro__)
+
+
+@register_quantization_config(QUANT_NAME)
+class AccelAWQConfig(QuantizationConfig):
+    """AWQ (AutoAWQ GEMM format) on vllm_accel devices.
+
+    Claims every ``quant_method: awq`` checkpoint (auto-detected, or with
+    ``--quantization awq`` / ``gcu_awq``); ``--quantization auto_awq`` or
+    ``awq_marlin`` still select vLLM's own methods. Supports 4-bit, zero point,
+    any group size dividing the layer's input (per rank).
+    """
+
+    def __init__(self, bits: int, group_size: int, zero_point: bool, version: str = "gemm",
+                 modules_to_not_convert: list[str] | None = None,
+                 lm_head_quantized: bool = False) -> None:
+        super().__init__()
+        self.weight_bits = bits
+        self.group_size = group_size
+        self.zero_point = zero_point
+        self.version = version
+        self.modules_to_not_convert = list(modules_to_not_convert or [])
+        self.lm_head_quantized = lm_head_quantized
+        #: layers with a ``qweight`` in the checkpoint (learnt from its metadata)
+        self.quantized_modules: list[str] = []
+
+    def __repr__(self) -> str:
+        return (f"AccelAWQConfig(bits={self.weight_bits}, group_size={self.group_size}, "
+                f"zero_point={self.zero_point}, version={self.version!r}, "
+                f"modules_to_not_convert={self.modules_to_not_convert})")
+
+    @classmethod
+    def get_name(cls) -> str:
+        return QUANT_NAME
+
+    @classmethod
+    def get_supported_act_dtypes(cls) -> list[torch.dtype]:
+        return [torch.float32, torch.bfloat16, torch.float16]
+
+    @classmethod
+    def get_min_capability(cls) -> int:
+        return -1
+
+    @staticmethod
+    def get_config_filenames() -> list[str]:
+        return ["quant_config.json", "quantize_config.json"]
+
+    @classmethod
+    def from_config(cls, config: dict[str, Any]) -> AccelAWQConfig:
+        return cls(
+            bits=int(cls.get_from_keys(config, ["w_bit", "bits"])),
+            group_size=int(cls.get_from_keys(config, ["q_group_size", "group_size"])),
+            zero_point=bool(cls.get_from_keys_or(config, ["zero_point"], True)),
+            version=str(cls.get_from_keys_or(config, ["version"], "gemm")).lower(),
+            modules_to_not_convert=cls.get_from_keys_or(config, ["modules_to_not_convert"],
+                                                        None),
+            lm_head_quantized=bool(cls.get_from_keys_or(config, ["lm_head"], False)),
+        )
+
+    @classmethod
+    def override_quantization_method(cls, hf_quant_cfg, user_quant,
+                                     hf_config=None) -> str | None:
+        if str(hf_quant_cfg.get("quant_method", "")).lower() != "awq":
+            return None
+        return QUANT_NAME if user_quant in CLAIMED_USER_QUANT else None
+
+    def validate(self, prefix: str) -> None:
+        """Reject what the format or the kernel cannot serve, naming the layer."""
+        if self.weight_bits not in SUPPORTED_BITS:
+            raise _fail(prefix, f"{self.weight_bits}-bit AWQ weights are not supported "
+                        "(AutoAWQ GEMM is 4-bit)", "re-quantize the model with w_bit=4")
+        if self.version not in SUPPORTED_VERSIONS:
+            raise _fail(prefix, f"AWQ version {self.version!r} is a kernel-specific layout "
+                        f"(supported: {', '.join(SUPPORTED_VERSIONS)})",
+                        "export the model with AutoAWQ version='GEMM'")
+        if not self.zero_point:
+            raise _fail(prefix, "AWQ without zero points (zero_point: false) is not "
+                        "supported", "re-quantize with zero_point=True (AutoAWQ's default)")
+        if self.group_size <= 0 and self.group_size != -1:
+            raise _fail(prefix, f"group_size {self.group_size} is invalid",
+                        "use a positive group size (e.g. 128) or -1")
+
+    def get_quant_method(self, layer: torch.nn.Module, prefix: str):
+        from vllm.model_executor.layers.quantization.utils.gptq_utils import (
+            is_layer_gptq_quantized,
+        )
+        from vllm.model_executor.layers.quantization.utils.quant_utils import (
+            is_layer_skipped,
+        )
+        from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
+
+        if _is_moe(layer):
+            raise _fail(prefix, "AWQ-quantized MoE experts are not supported yet",
+                        "serve a dense model, or list the experts in "
+                        "modules_to_not_convert")
+        if isinstance(layer, ParallelLMHead):
+            if self.lm_head_quantized:
+                raise _fail(prefix, "an AWQ-quantized lm_head is not supported",
+                            "re-quantize with lm_head left in full precision")
+            return None
+        if not isinstance(layer, LinearBase):
+            return None
+        if is_layer_skipped(prefix, self.modules_to_not_convert,
+                            self.packed_modules_mapping, match_mode="substring"):
+            return UnquantizedLinearMethod()
+        if not is_layer_gptq_quantized(prefix, self.quantized_modules,
+                                       self.packed_modules_mapping):
+            return UnquantizedLinearMethod()
+        self.validate(prefix)
+        return AccelAWQLinearMethod(self, prefix)
+
+    def apply_vllm_mapper(self, hf_to_vllm_mapper) -> None:
+        if self.modules_to_not_convert:
+            self.modules_to_not_convert = hf_to_vllm_mapper.apply_list(
+                self.modules_to_not_convert)
+        if self.quantized_modules:
+            self.quantized_modules = hf_to_vllm_mapper.apply_list(self.quantized_modules)
+
+    def maybe_update_config(self, model_name: str, hf_config=None, revision=None) -> None:
+        """Learn which layers hold AWQ tensors (int32 ``qweight``) so that layers
+        the export left in float load unquantized even when the config does not
+        list them."""
+        try:
+            from vllm.transformers_utils.config import get_safetensors_params_metadata
+
+            metadata = get_safetensors_params_metadata(model_name, revision=revision)
+        except Exception as e:  # no metadata: every Linear is quantized
+            logger.debug("gcu_awq: no safetensors metadata for %s (%s)", model_name, e)
+            return
+        self.quantized_modules = sorted({
+            name.rsplit(".", 1)[0] for name, info in metadata.items()
+            if name.endswith(".qweight") and info.get("dtype") == "I32"
+        })
+
+
+# Resident bytes over all AWQ layers of this process, logged at the first apply.
+_stats = ResidentStats(QUANT_NAME, "AccelAWQLinearMethod")
+
+
+@register_weight_loader_v2_supported_method
+class AccelAWQLinearMethod(LinearMethodBase):
+    """Loads AWQ tensors through vLLM's loaders (TP sharding, qkv/gate_up
+    merging), converts them to the resident layout and runs ``wint_linear``."""
+
+    def __init__(self, config: AccelAWQConfig, prefix: str = "") -> None:
+        self.config = config
+        self.prefix = prefix
+        self.bits = config.weight_bits
+        self.pack_factor = 32 // config.weight_bits
+        self.group_size = config.group_size
+
+    def create_weights(self, layer: torch.nn.Module, input_size_per_partition: int,
+                       output_partition_sizes: list[int], input_size: int,
+                       output_size: int, params_dtype: torch.dtype,
+                       **extra_weight_attrs) -> None:
+        pf, prefix = self.pack_factor, self.prefix
+        weight_loader = extra_weight_attrs.get("weight_loader")
+        out_pp = sum(output_partition_sizes)
+        is_row_parallel = input_size != input_size_per_partition
+        if any(size % pf for size in output_partition_sizes):
+            raise _fail(prefix, f"output sizes {output_partition_sizes} (per rank) are not "
+                        f"multiples of {pf}, the {self.bits}-bit values per int32 of "
+                        "AWQ's output-packed qweight",
+                        "use a tensor-parallel size that keeps them multiples")
+        if self.config.group_size == -1 and is_row_parallel:
+            raise _fail(prefix, "a single AWQ group (group_size -1) cannot be split over "
+                        "tensor-parallel ranks", "use tensor-parallel size 1 or a "
+                        "checkpoint with a positive group size")
+        gs = input_size_per_partition if self.config.group_size == -1 else self.config.group_size
+        if input_size_per_partition % gs:
+            raise _fail(prefix, f"group_size {self.config.group_size} does not divide the "
+                        f"input size {input_size_per_partition}"
+                        + (" per rank" if is_row_parallel else ""),
+                        "use a checkpoint quantized with a group size that divides it "
+                        "(e.g. 32, 64 or 128)" + (", or a smaller tensor-parallel size"
+                                                  if is_row_parallel else ""))
+        self.group_size = gs
+        n_groups = input_size_per_partition // gs
+        qweight = PackedvLLMParameter(
+            data=torch.empty(input_size_per_partition, out_pp // pf, dtype=torch.int32),
+            input_dim=0, output_dim=1, packed_dim=1, packed_factor=pf,
+            weight_loader=weight_loader)
+        qzeros = PackedvLLMParameter(
+            data=torch.empty(n_groups, out_pp // pf, dtype=torch.int32),
+            input_dim=0, output_dim=1, packed_dim=1, packed_factor=pf,
+            weight_loader=weight_loader)
+        # fp32 holds fp16/bf16 checkpoint scales exactly; compacted at load.
+        scales = GroupQuantScaleParameter(
+            data=torch.empty(n_groups, out_pp, dtype=torch.float32), input_dim=0,
+            output_dim=1, weight_loader=weight_loader)
+        layer.register_parameter("qweight", qweight)
+        layer.register_parameter("qzeros", qzeros)
+        layer.register_parameter("scales", scales)
+
+    def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
+        sources = {n: getattr(layer, n).data for n in ("qweight", "qzeros", "scales")}
+
+        def convert() -> WIntResident:
+            return awq_to_resident(sources["qweight"], sources["qzeros"], sources["scales"],
+                                   bits=self.bits, group_size=self.group_size)
+
+        res = repack_cache.cached_resident(
+            "awq", {"bits": self.bits, "group_size": self.group_size}, sources, convert)
+        for name in sources:
+            delattr(layer, name)
+        install_resident(layer, res)
+        _stats.account(self.prefix, res, f"{self.bits}-bit group {self.config.group_size} "
+                       f"{'asym' if res.zeros is not None else 'sym'}")
+
+    def apply(self, layer: torch.nn.Module, x: torch.Tensor,
+              bias: torch.Tensor | None = None) -> torch.Tensor:
+        _stats.log_running_once()
+        return apply_resident(layer, x, self.bits, self.group_size, bias)

@@ -1,0 +1,439 @@
+"""llmcompressor (compressed-tensors) checkpoints on the GCU: ``gcu_compressed_tensors``.
+
+The config (``quant_method: compressed-tensors``) maps layers to schemes through
+``config_groups`` (each with ``targets``: module class names such as ``Linear``
+or ``re:<regex>`` layer names, and ``weights``/``input_activations`` args) minus
+``ignore``; each scheme has a ``format`` (or the config's global one). Per layer:
+
+* ``pack-quantized``, integer weights of 4 or 8 bits, no input quantization
+  (W4A16 / W8A16), strategy ``group`` or ``channel``, symmetric or not:
+  :class:`AccelCTWNA16LinearMethod` (shared resident layout and ``wint_linear``
+  of :mod:`vllm_accel.quant.packed`, conversion cached on disk).
+* ``int-quantized`` with 8-bit integer weights (channel/tensor) and 8-bit
+  integer input activations (dynamic per-token or static per-tensor):
+  ``vllm_accel.quant.w8a8.AccelW8A8LinearMethod``.
+* anything else (fp8, nvfp4/mxfp4, 2:4 sparsity, W4A8, group act-order,
+  block strategy, transforms, KV-cache schemes, ...): a startup error naming the
+  layer and the fix.
+
+``pack-quantized`` on disk, per Linear (``pf = 32 // bits``, ``G`` groups):
+
+* ``weight_packed`` int32 ``[out, ceil(in/pf)]``: packed along the *input* dim,
+  lowest bits first; each field holds ``q + 2**(bits-1)`` for the signed code
+  ``q`` (i.e. an unsigned code);
+* ``weight_scale`` ``[out, G]`` (``G = 1`` for ``channel``), model dtype;
+* ``weight_zero_point`` (asymmetric only) int32 ``[ceil(out/pf), G]``: signed
+  zero points offset by ``2**(bits-1)``, packed along the *output* dim;
+* ``weight_shape`` int64 ``[2]`` = ``(out, in)``.
+
+``W = (q - zp) * scale``; with both offset, ``W = (code - zero) * scale`` on the
+unsigned fields, which is the resident layout's formula directly.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from vllm.model_executor.layers.linear import (
+    LinearBase,
+    LinearMethodBase,
+    UnquantizedLinearMethod,
+    register_weight_loader_v2_supported_method,
+)
+from vllm.model_executor.layers.quantization import register_quantization_config
+from vllm.model_executor.layers.quantization.base_config import QuantizationConfig
+from vllm.model_executor.parameter import (
+    BasevLLMParameter,
+    ChannelQuantScaleParameter,
+    GroupQuantScaleParameter,
+    PackedColumnParameter,
+    PackedvLLMParameter,
+)
+
+from vllm_accel.logger import init_logger
+from vllm_accel.quant import repack_cache
+from vllm_accel.quant.packed import (
+    ResidentStats,
+    WIntResident,
+    apply_resident,
+    install_resident,
+    resident_from_codes,
+    unpack_int32,
+)
+
+logger = init_logger(__name__)
+
+QUANT_NAME = "gcu_compressed_tensors"
+CT_METHOD = "compressed-tensors"
+#: user ``--quantization`` values under which we claim a compressed-tensors checkpoint
+CLAIMED_USER_QUANT = (None, CT_METHOD, "compressed_tensors", QUANT_NAME)
+WEIGHT_ONLY_FORMATS = ("pack-quantized",)
+W8A8_FORMATS = ("int-quantized",)
+WNA16_BITS = (4, 8)
+
+
+def _fail(prefix: str, problem: str, fix: str) -> ValueError:
+    return ValueError(f"{QUANT_NAME} cannot serve layer {prefix!r}: {problem}. Fix: {fix}")
+
+
+def _is_moe(layer: torch.nn.Module) -> bool:
+    return any(c.__name__ in ("FusedMoE", "RoutedExperts") for c in type(layer).__mro__)
+
+
+@dataclass(frozen=True)
+class CTScheme:
+    """One config group, as the loader needs it."""
+
+    name: str
+    targets: tuple[str, ...]
+    weights: dict | None
+    input_activations: dict | None
+    output_activations: dict | None
+    format: str | None
+
+    def describe(self) -> str:
+        def args(a):
+            if not a:
+                return "none"
+            return (f"{a.get('type')}{a.get('num_bits')} {a.get('strategy')}"
+                    f"{'' if a.get('symmetric', True) else ' asym'}"
+                    f"{' dynamic' if a.get('dynamic') else ''}")
+
+        return (f"group {self.name!r} (format {self.format}, weights {args(self.weights)}, "
+                f"input activations {args(self.input_activations)})")
+
+
+@dataclass(frozen=True)
+class WNA16Params:
+    """Weight-only settings of one layer."""
+
+    bits: int
+    strategy: str  # group | channel
+    group_size: int  # -1 for channel
+    symmetric: bool
+
+
+def _unsupported_fix(scheme: CTScheme) -> str:
+    return ("re-export the model with llmcompressor using a supported scheme: W4A16 / "
+            "W8A16 (pack-quantized, group or channel, sym or asym) or W8A8 int8 "
+            "(int-quantized, channel/tensor weights, dynamic per-token or static "
+            "per-tensor activations), or list this layer in `ignore`")
+
+
+def wna16_params(scheme: CTScheme, prefix: str) -> WNA16Params:
+    """Validate a weight-only scheme for one layer (errors name the layer)."""
+    w = scheme.weights or {}
+    bits = int(w.get("num_bits", 0))
+    strategy = str(w.get("strategy", ""))
+    if w.get("type", "int") != "int":
+        raise _fail(prefix, f"{w.get('type')} weights ({scheme.describe()}) are not "
+                    "supported", _unsupported_fix(scheme))
+    if bits not in WNA16_BITS:
+        raise _fail(prefix, f"{bits}-bit weights ({scheme.describe()}) are not supported "
+                    f"(supported: {', '.join(map(str, WNA16_BITS))})",
+                    "re-quantize with num_bits 4 (W4A16) or 8 (W8A16)")
+    if strategy not in ("group", "channel"):
+        raise _fail(prefix, f"weight strategy {strategy!r} ({scheme.describe()}) is not "
+                    "supported for weight-only layers", "re-quantize with strategy "
+                    "'group' (e.g. group_size 128) or 'channel'")
+    if w.get("actorder") in ("group", "dynamic"):
+        raise _fail(prefix, f"activation ordering actorder={w.get('actorder')!r} stores a "
+                    "per-layer g_idx that this plugin does not support",
+                    "re-quantize with actorder 'static' (same accuracy, no g_idx) or none")
+    if w.get("dynamic"):
+        raise _fail(prefix, "dynamic weight quantization is not a stored checkpoint",
+                    "re-export the model with static weights")
+    if w.get("block_structure"):
+        raise _fail(prefix, "block-structured weight scales are not supported",
+                    "re-quantize with strategy 'group' or 'channel'")
+    gs = -1
+    if strategy == "group":
+        gs = int(w.get("group_size") or 0)
+        if gs <= 0:
+            raise _fail(prefix, f"strategy 'group' with group_size {w.get('group_size')}",
+                        "set a positive group_size in the scheme")
+    return WNA16Params(bits=bits, strategy=strategy, group_size=gs,
+                       symmetric=bool(w.get("symmetric", True)))
+
+
+def ct_to_resident(weight_packed: torch.Tensor, weight_scale: torch.Tensor,
+                   weight_zero_point: torch.Tensor | None, *, bits: int, group_size: int,
+                   in_features: int) -> WIntResident:
+    """One layer's pack-quantized tensors (possibly a TP shard) -> resident layout."""
+    out_features = weight_packed.shape[0]
+    codes = unpack_int32(weight_packed, bits, dim=1)[:, :in_features]  # [out, in]
+    zeros = None
+    if weight_zero_point is not None:
+        zeros = unpack_int32(weight_zero_point, bits, dim=0)[:out_features]  # [out, G]
+    return resident_from_codes(codes, weight_scale, zeros, bits=bits, group_size=group_size)
+
+
+@register_quantization_config(QUANT_NAME)
+class AccelCompressedTensorsConfig(QuantizationConfig):
+    """compressed-tensors (llmcompressor) checkpoints on vllm_accel devices.
+
+    Claims every ``quant_method: compressed-tensors`` checkpoint (auto-detected,
+    or with ``--quantization compressed-tensors`` / ``gcu_compressed_tensors``).
+    """
+
+    def __init__(self, schemes: list[CTScheme], ignore: list[str], quant_format: str | None,
+                 kv_cache_scheme: dict | None = None, sparsity_config: dict | None = None,
+                 transform_config: dict | None = None) -> None:
+        super().__init__()
+        self.schemes = schemes
+        self.ignore = list(ignore or [])
+        self.quant_format = quant_format
+        self.kv_cache_scheme = kv_cache_scheme
+        self.sparsity_config = sparsity_config or {}
+        self.transform_config = transform_config or {}
+
+    def __repr__(self) -> str:
+        return (f"AccelCompressedTensorsConfig(format={self.quant_format!r}, "
+                f"groups={[s.describe() for s in self.schemes]}, ignore={self.ignore})")
+
+    @classmethod
+    def get_name(cls) -> str:
+        return QUANT_NAME
+
+    @classmethod
+    def get_supported_act_dtypes(cls) -> list[torch.dtype]:
+        return [torch.float32, torch.bfloat16, torch.float16]
+
+    @classmethod
+    def get_min_capability(cls) -> int:
+        return -1
+
+    @staticmethod
+    def get_config_filenames() -> list[str]:
+        return []
+
+    @classmethod
+    def from_config(cls, config: dict[str, Any]) -> AccelCompressedTensorsConfig:
+        quant_format = config.get("format")
+        schemes = []
+        for name, group in (config.get("config_groups") or {}).items():
+            if not isinstance(group, dict):
+                raise ValueError(
+                    f"{QUANT_NAME}: config group {name!r} is a preset reference "
+                    f"({group!r}), not a stored scheme. Fix: load and re-save the model "
+                    "with llmcompressor/compressed-tensors so config.json holds the "
+                    "expanded scheme")
+            schemes.append(CTScheme(
+                name=name, targets=tuple(group.get("targets") or ()),
+                weights=group.get("weights"),
+                input_activations=group.get("input_activations"),
+                output_activations=group.get("output_activations"),
+                format=group.get("format") or quant_format))
+        return cls(schemes=schemes, ignore=config.get("ignore") or [],
+                   quant_format=quant_format, kv_cache_scheme=config.get("kv_cache_scheme"),
+                   sparsity_config=config.get("sparsity_config"),
+                   transform_config=config.get("transform_config"))
+
+    @classmethod
+    def override_quantization_method(cls, hf_quant_cfg, user_quant,
+                                     hf_config=None) -> str | None:
+        if str(hf_quant_cfg.get("quant_method", "")).lower() != CT_METHOD:
+            return None
+        return QUANT_NAME if user_quant in CLAIMED_USER_QUANT else None
+
+    # -- layer -> scheme ---------------------------------------------------
+
+    def scheme_for(self, layer: torch.nn.Module, prefix: str) -> CTScheme | None:
+        """The config group of this layer, or None when it stays unquantized."""
+        from vllm.model_executor.layers.quantization.compressed_tensors.utils import (
+            find_matched_target,
+            should_ignore_layer,
+        )
+
+        if should_ignore_layer(prefix, ignore=self.ignore,
+                               fused_mapping=self.packed_modules_mapping):
+            return None
+        for scheme in self.schemes:
+            if find_matched_target(prefix, layer, scheme.targets,
+                                   fused_mapping=self.packed_modules_mapping):
+                return scheme
+        return None
+
+    def _check_global(self, prefix: str) -> None:
+        if self.sparsity_config:
+            raise _fail(prefix, f"sparsity ({self.sparsity_config.get('format', 'sparse')}) "
+                        "is not supported", "re-export the model without sparsity")
+        if self.transform_config:
+            raise _fail(prefix, "compressed-tensors transforms (e.g. SpinQuant/QuIP "
+                        "rotations) are not supported", "re-export without transforms")
+
+    def get_quant_method(self, layer: torch.nn.Module, prefix: str):
+        from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
+
+        self._check_global(prefix)
+        if _is_moe(layer):
+            raise _fail(prefix, "compressed-tensors quantized MoE experts are not supported "
+                        "yet", "serve a dense model, or add the experts to `ignore`")
+        if type(layer).__name__ == "Attention" and self.kv_cache_scheme:
+            raise _fail(prefix, "a compressed-tensors kv_cache_scheme (quantized KV cache "
+                        "with stored scales) is not supported",
+                        "re-export without kv_cache_scheme and use --kv-cache-dtype "
+                        "int8_per_token_head for a quantized KV cache")
+        if isinstance(layer, ParallelLMHead):
+            if self.scheme_for(layer, prefix) is not None:
+                raise _fail(prefix, "a quantized lm_head is not supported",
+                            "add 'lm_head' to `ignore` and re-export")
+            return None
+        if not isinstance(layer, LinearBase):
+            return None
+        scheme = self.scheme_for(layer, prefix)
+        if scheme is None:
+            return UnquantizedLinearMethod()
+        return self._linear_method(scheme, prefix)
+
+    def _linear_method(self, scheme: CTScheme, prefix: str) -> LinearMethodBase:
+        w, a = scheme.weights, scheme.input_activations
+        if scheme.output_activations:
+            raise _fail(prefix, f"output activation quantization ({scheme.describe()}) is "
+                        "not supported", _unsupported_fix(scheme))
+        if w is None:
+            raise _fail(prefix, f"{scheme.describe()} quantizes activations only",
+                        _unsupported_fix(scheme))
+        if a is None:
+            if scheme.format not in WEIGHT_ONLY_FORMATS:
+                raise _fail(prefix, f"weight-only format {scheme.format!r} "
+                            f"({scheme.describe()}) is not supported (supported: "
+                            f"{', '.join(WEIGHT_ONLY_FORMATS)})", _unsupported_fix(scheme))
+            return AccelCTWNA16LinearMethod(wna16_params(scheme, prefix), prefix)
+        is_w8a8 = (scheme.format in W8A8_FORMATS and w.get("type") == "int"
+                   and int(w.get("num_bits", 0)) == 8 and a.get("type") == "int"
+                   and int(a.get("num_bits", 0)) == 8)
+        if not is_w8a8:
+            raise _fail(prefix, f"scheme {scheme.describe()} is not supported",
+                        _unsupported_fix(scheme))
+        return self._w8a8_method(scheme, prefix)
+
+    def _w8a8_method(self, scheme: CTScheme, prefix: str) -> LinearMethodBase:
+        w, a = scheme.weights, scheme.input_activations
+        if w.get("strategy") not in ("channel", "tensor") or not w.get("symmetric", True):
+            raise _fail(prefix, f"W8A8 weights must be symmetric with strategy channel or "
+                        f"tensor ({scheme.describe()})", _unsupported_fix(scheme))
+        dynamic = bool(a.get("dynamic"))
+        strategy = a.get("strategy")
+        if (dynamic and strategy != "token") or (not dynamic and strategy != "tensor"):
+            raise _fail(prefix, f"W8A8 input activations must be dynamic per-token or "
+                        f"static per-tensor ({scheme.describe()})", _unsupported_fix(scheme))
+        if dynamic and not a.get("symmetric", True):
+            raise _fail(prefix, "asymmetric dynamic input activations are not supported",
+                        _unsupported_fix(scheme))
+        try:
+            from vllm_accel.quant.w8a8 import AccelW8A8LinearMethod
+        except ImportError as e:
+            raise _fail(prefix, f"the W8A8 method is unavailable ({e})",
+                        "install a vllm_accel build that includes quant/w8a8.py") from e
+        return AccelW8A8LinearMethod(weight_strategy=w["strategy"], input_dynamic=dynamic,
+                                     input_symmetric=bool(a.get("symmetric", True)),
+                                     prefix=prefix)
+
+
+# Resident bytes over all weight-only CT layers of this process.
+_stats = ResidentStats(QUANT_NAME, "AccelCTWNA16LinearMethod")
+
+
+@register_weight_loader_v2_supported_method
+class AccelCTWNA16LinearMethod(LinearMethodBase):
+    """Loads pack-quantized W4A16/W8A16 tensors through vLLM's loaders (TP
+    sharding, qkv/gate_up merging), converts them to the resident layout and
+    runs ``wint_linear``."""
+
+    def __init__(self, params: WNA16Params, prefix: str = "") -> None:
+        self.params = params
+        self.prefix = prefix
+        self.pack_factor = 32 // params.bits
+        self.group_size = params.group_size
+        self.in_features = 0
+
+    def create_weights(self, layer: torch.nn.Module, input_size_per_partition: int,
+                       output_partition_sizes: list[int], input_size: int,
+                       output_size: int, params_dtype: torch.dtype,
+                       **extra_weight_attrs) -> None:
+        p, pf, prefix = self.params, self.pack_factor, self.prefix
+        weight_loader = extra_weight_attrs.get("weight_loader")
+        out_pp = sum(output_partition_sizes)
+        is_row_parallel = input_size != input_size_per_partition
+        if p.bits == 4 and input_size_per_partition % 2:
+            raise _fail(prefix, f"input size {input_size_per_partition} is odd",
+                        "4-bit weights need an even input size per rank")
+        if is_row_parallel and input_size_per_partition % pf:
+            raise _fail(prefix, f"input size {input_size_per_partition} per rank is not a "
+                        f"multiple of {pf}, the {p.bits}-bit values per int32",
+                        "use a tensor-parallel size that keeps it a multiple")
+        if not p.symmetric and len(output_partition_sizes) > 1 and any(
+                size % pf for size in output_partition_sizes):
+            raise _fail(prefix, f"merged output sizes {output_partition_sizes} (per rank) "
+                        f"are not multiples of {pf}, as the packed zero points need",
+                        "use a tensor-parallel size that keeps them multiples")
+        channel = p.group_size == -1
+        gs = input_size_per_partition if channel else p.group_size
+        if input_size_per_partition % gs:
+            raise _fail(prefix, f"group_size {p.group_size} does not divide the input size "
+                        f"{input_size_per_partition}" + (" per rank" if is_row_parallel
+                                                         else ""),
+                        "use a checkpoint quantized with a group size that divides it "
+                        "(e.g. 32, 64 or 128) or strategy 'channel'"
+                        + (", or a smaller tensor-parallel size" if is_row_parallel else ""))
+        self.group_size = gs
+        self.in_features = input_size_per_partition
+        n_groups = 1 if channel else input_size_per_partition // gs
+
+        weight = PackedvLLMParameter(
+            data=torch.empty(out_pp, -(-input_size_per_partition // pf), dtype=torch.int32),
+            input_dim=1, output_dim=0, packed_dim=1, packed_factor=pf,
+            weight_loader=weight_loader)
+        # fp32 holds fp16/bf16/fp32 checkpoint scales exactly; compacted at load.
+        scale_data = torch.empty(out_pp, n_groups, dtype=torch.float32)
+        if channel:
+            scale = ChannelQuantScaleParameter(data=scale_data, output_dim=0,
+                                               weight_loader=weight_loader)
+        else:
+            scale = GroupQuantScaleParameter(data=scale_data, output_dim=0, input_dim=1,
+                                             weight_loader=weight_loader)
+        shape = BasevLLMParameter(data=torch.empty(2, dtype=torch.int64),
+                                  weight_loader=weight_loader)
+        layer.register_parameter("weight_packed", weight)
+        layer.register_parameter("weight_scale", scale)
+        layer.register_parameter("weight_shape", shape)
+        if not p.symmetric:
+            zp_data = torch.zeros(-(-out_pp // pf), n_groups, dtype=torch.int32)
+            if channel:
+                zp = PackedColumnParameter(data=zp_data, output_dim=0, packed_dim=0,
+                                           packed_factor=pf, weight_loader=weight_loader)
+            else:
+                zp = PackedvLLMParameter(data=zp_data, input_dim=1, output_dim=0,
+                                         packed_dim=0, packed_factor=pf,
+                                         weight_loader=weight_loader)
+            layer.register_parameter("weight_zero_point", zp)
+
+    def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
+        p = self.params
+        names = ["weight_packed", "weight_scale"] + ([] if p.symmetric
+                                                     else ["weight_zero_point"])
+        sources = {n: getattr(layer, n).data for n in names}
+
+        def convert() -> WIntResident:
+            return ct_to_resident(sources["weight_packed"], sources["weight_scale"],
+                                  sources.get("weight_zero_point"), bits=p.bits,
+                                  group_size=self.group_size, in_features=self.in_features)
+
+        res = repack_cache.cached_resident(
+            "ct-pack", {"bits": p.bits, "group_size": self.group_size,
+                        "in_features": self.in_features}, sources, convert)
+        for name in names + ["weight_shape"]:
+            delattr(layer, name)
+        install_resident(layer, res)
+        _stats.account(self.prefix, res, f"{p.bits}-bit {p.strategy}"
+                       f"{'' if p.strategy == 'channel' else ' ' + str(p.group_size)}"
+                       f"{' sym' if p.symmetric else ' asym'}")
+
+    def apply(self, layer: torch.nn.Module, x: torch.Tensor,
+              bias: torch.Tensor | None = None) -> torch.Tensor:
+        _stats.log_running_once()
+        return apply_resident(layer, x, self.params.bits, self.group_size, bias)
