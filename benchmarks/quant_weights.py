@@ -163,7 +163,9 @@ def kernel_times(config: dict, iters: int) -> dict:
     gs = w4_group_size(config)
     int8_linear = get_kernel("int8_linear")
     w8a16_linear = get_kernel("w8a16_linear")
-    wint = get_kernel(WINT)
+    wint = get_kernel(WINT, "reference")
+    prepare_fast = get_kernel("wint_prepare", "torch_fast")
+    linear_fast = get_kernel("wint_prepared_linear", "torch_fast")
     gen = torch.Generator().manual_seed(0)
     results: dict = {}
     for name, (n, k) in shapes.items():
@@ -174,15 +176,18 @@ def kernel_times(config: dict, iters: int) -> dict:
         packed = quantize_weight(w, 4, gs, True).pack("gptq")
         r4 = G.gptq_to_resident(packed["qweight"], packed["qzeros"], packed["scales"],
                                 packed["g_idx"], bits=4, group_size=gs)
+        r4_fast = prepare_fast(r4, torch.bfloat16)
         for bs in (1, 64):
             x = torch.randn(bs, k, generator=gen)
             xb = x.to(torch.bfloat16)
             row = {
                 "bf16 dense": _time(lambda: xb @ wb.t(), iters),
                 "fp32 dense": _time(lambda: x @ w.t(), iters),
-                f"W4A16 g{gs} wint_linear (bf16 in)": _time(
+                f"W4A16 g{gs} wint_linear[reference] (bf16 in)": _time(
                     lambda: wint(xb, r4.qweight, r4.scales, r4.zeros, bits=4,
                                  group_size=r4.group_size), iters),
+                f"W4A16 g{gs} wint_prepared_linear[torch_fast] (bf16 in)": _time(
+                    lambda: linear_fast(xb, r4_fast), iters),
                 "W8A16 w8a16_linear (bf16 in, int8pack)": _time(
                     lambda: w8a16_linear(xb, c16, s16), iters),
                 "W8A16 w8a16_linear (fp32 in, tiles)": _time(

@@ -357,6 +357,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="default: 4096, raised if a workload needs more")
     p.add_argument("--block-size", type=int, default=None,
                    help="default: each platform's own default")
+    p.add_argument("--quantization", default=None,
+                   help="vLLM --quantization for every engine (e.g. w8a16); quantized "
+                        "checkpoints are detected without it")
     p.add_argument("--compile", action="store_true",
                    help="use vLLM's default compilation for both (default: enforce_eager)")
     p.add_argument("--seed", type=int, default=0, help="engine seed and prompt RNG seed (default: %(default)s)")
@@ -419,6 +422,8 @@ def main(argv: list[str] | None = None) -> int:
     }
     if args.block_size is not None:
         llm_kwargs["block_size"] = args.block_size
+    if args.quantization is not None:
+        llm_kwargs["quantization"] = args.quantization
 
     import torch
 

@@ -367,16 +367,23 @@ def test_group_size_must_divide_input(tp1):
 # ---------------------------------------------------------------------------
 
 ENGINE_CASES = {
-    # name: (quantize kwargs, user --quantization)
-    "w4-g32-asym-actorder": (dict(bits=4, group_size=32, sym=False, desc_act=True), None),
-    "w8-perchannel-sym": (dict(bits=8, group_size=-1, sym=True, desc_act=False), "gptq"),
+    # name: (quantize kwargs, user --quantization, kernel provider)
+    "w4-g32-asym-actorder": (dict(bits=4, group_size=32, sym=False, desc_act=True), None,
+                             "torch_fast"),
+    "w8-perchannel-sym": (dict(bits=8, group_size=-1, sym=True, desc_act=False), "gptq",
+                          "torch_fast"),
+    # the generic layout and the tile-dequantizing kernel, forced
+    "w4-g32-asym-actorder-reference": (dict(bits=4, group_size=32, sym=False, desc_act=True),
+                                       None, "reference"),
 }
+RUNNING_KERNEL = {"torch_fast": "wint_prepared_linear[torch_fast] x",
+                  "reference": "wint_linear[reference] x"}
 
 
 @pytest.mark.engine
 @pytest.mark.parametrize("case", list(ENGINE_CASES))
 def test_engine_gptq_matches_hf_on_dequantized(case, tmp_path):
-    qkw, user_quant = ENGINE_CASES[case]
+    qkw, user_quant, provider = ENGINE_CASES[case]
     src = build_tiny_model(tmp_path / "float", num_heads=4, num_kv_heads=2, head_dim=32,
                            hidden_size=128)
     quantize_checkpoint(src, tmp_path / "gptq", dequant_dst=tmp_path / "dequant", **qkw)
@@ -390,10 +397,11 @@ def test_engine_gptq_matches_hf_on_dequantized(case, tmp_path):
         "llm": llm, "prompts": prompts,
         "sampling": {"temperature": 0.0, "max_tokens": 16, "ignore_eos": True,
                      "detokenize": False},
-    }, tmp_path)
+    }, tmp_path, env={"ACCEL_KERNEL_PROVIDER": provider})
     assert results["platform"] == "AccelPlatform"
     assert "quantization=gcu_gptq" in log
-    assert "AccelGPTQLinearMethod running: kernel wint_linear" in log
+    running = next(line for line in log.splitlines() if "AccelGPTQLinearMethod running on" in line)
+    assert RUNNING_KERNEL[provider] in running and "kernels" in running, running
     assert "gcu_gptq qkv_proj" in log and "gcu_gptq down_proj" in log
     expected = hf_greedy(tmp_path / "dequant", prompts, 16)
     got = [o["token_ids"] for o in results["outputs"]]
@@ -402,3 +410,30 @@ def test_engine_gptq_matches_hf_on_dequantized(case, tmp_path):
     print(f"{case}: {agree:.1%} of {len(pairs)} positions agree; exact sequences "
           f"{sum(g == e for g, e in zip(got, expected))}/{len(got)}")
     assert agree >= 0.9, (got, expected)
+
+
+@pytest.mark.engine
+def test_engine_gptq_default_model(default_model, tmp_path):
+    """SmolLM2-135M, GPTQ 4-bit group 64 asym act-order (the most involved GPTQ
+    variant): 8 prompts x 32 greedy tokens vs HF on the dequantized weights."""
+    from test_quant_awq import DEFAULT_PROMPTS, LOGPROB_BOUND, _agreement, logprob_gap
+    from transformers import AutoTokenizer
+
+    quantize_checkpoint(default_model, tmp_path / "gptq", bits=4, group_size=64, sym=False,
+                        desc_act=True, dequant_dst=tmp_path / "dequant")
+    tok = AutoTokenizer.from_pretrained(default_model)
+    prompts = [tok(p)["input_ids"] for p in DEFAULT_PROMPTS]
+    results, log = run_engine({
+        "llm": {"model": str(tmp_path / "gptq"), "dtype": "float32", "enforce_eager": True,
+                "max_model_len": 512, "seed": 0},
+        "prompts": prompts,
+        "sampling": {"temperature": 0.0, "max_tokens": 32, "ignore_eos": True, "logprobs": 1},
+    }, tmp_path)
+    assert "quantization=gcu_gptq" in log and "on 120 gcu_gptq layers" in log
+    expected = hf_greedy(tmp_path / "dequant", prompts, 32)
+    got = [o["token_ids"] for o in results["outputs"]]
+    agree, n = _agreement(got, expected)
+    gap = logprob_gap(tmp_path / "dequant", prompts, results)
+    print(f"gptq default model: {agree:.1%} of {n} positions agree; max logprob gap {gap:.2e}")
+    assert agree >= 0.9, [tok.decode(g) for g in got]
+    assert gap <= LOGPROB_BOUND

@@ -49,6 +49,16 @@ def fallback_kernel(name: str, provider: str) -> Callable[..., Any]:
     return impls[REFERENCE]
 
 
+def resolve_provider(name: str) -> str:
+    """The provider ``get_kernel(name)`` picks (to pair a provider's kernels)."""
+    impls = _KERNELS.get(name)
+    if not impls:
+        raise KeyError(f"no kernel named {name!r} is registered; known: {sorted(_KERNELS)}")
+    forced = envs.ACCEL_KERNEL_PROVIDER
+    order = ((forced,) if forced else ()) + _preferred_providers
+    return next((p for p in order if p in impls), REFERENCE)
+
+
 def get_kernel(name: str, provider: str | None = None) -> Callable[..., Any]:
     """The implementation of ``name`` for ``provider`` or the preferred order.
 
@@ -63,9 +73,4 @@ def get_kernel(name: str, provider: str | None = None) -> Callable[..., Any]:
                 f"kernel {name!r} has no provider {provider!r}; it has {sorted(impls)}"
             )
         return impls[provider]
-    forced = envs.ACCEL_KERNEL_PROVIDER
-    order = ((forced,) if forced else ()) + _preferred_providers
-    for p in order:
-        if p in impls:
-            return impls[p]
-    return impls[REFERENCE]
+    return impls[resolve_provider(name)]

@@ -17,13 +17,15 @@ Importing this package registers the quantization configs with vLLM (the
   made at load from a float checkpoint (``--quantization w8a16``).
 
 The weight-only methods share one resident layout and kernel
-(:mod:`vllm_accel.quant.packed`) and an on-disk repack cache
+(:mod:`vllm_accel.quant.packed`), the simulator's fused int4/int8 GEMM provider
+(:mod:`vllm_accel.quant.cpu_fast`) and an on-disk repack cache
 (:mod:`vllm_accel.quant.repack_cache`).
 
 This package imports ``vllm.model_executor``; never import it from the platform
 module (circular import while vLLM resolves ``current_platform``).
 """
 
+from vllm_accel.quant import cpu_fast  # noqa: F401  (registers the torch_fast GEMM)
 from vllm_accel.quant import gptq  # noqa: F401  (registers gcu_gptq at import)
 from vllm_accel.quant.gptq import AccelGPTQConfig, AccelGPTQLinearMethod
 from vllm_accel.quant import awq  # noqa: F401,E402  (registers gcu_awq at import)

@@ -30,6 +30,12 @@ accumulates ``x_tile @ W_tile.T`` in fp32: no dequantized weight is kept between
 calls, and the peak temporary is ``out x TILE_K`` floats. A device backend
 registers its own provider of ``wint_linear`` to plug in its GEMM.
 
+Fused kernels usually want their own weight layout. A provider that has one
+registers ``wint_prepare`` (resident weight -> its layout, or None when it cannot
+express the layer) and ``wint_prepared_linear``; :func:`install_resident` then
+keeps only the prepared layout and :func:`apply_resident` calls that provider's
+GEMM (see quant/cpu_fast.py, the simulator's ``torch_fast`` provider).
+
 This module is pure torch (no vLLM imports) so it can be used anywhere.
 """
 
@@ -40,11 +46,13 @@ from dataclasses import dataclass
 import torch
 
 from vllm_accel.logger import init_logger
-from vllm_accel.ops.registry import get_kernel, register_kernel
+from vllm_accel.ops.registry import get_kernel, register_kernel, resolve_provider
 
 logger = init_logger(__name__)
 
 KERNEL_NAME = "wint_linear"
+PREPARE_NAME = "wint_prepare"
+PREPARED_KERNEL_NAME = "wint_prepared_linear"
 #: weight columns dequantized per step in the reference kernel
 TILE_K = 512
 #: bump when the resident layout changes (invalidates the repack cache)
@@ -111,14 +119,22 @@ class WIntResident:
     in_features: int
     out_features: int
 
+    #: ``(provider, tensors)`` when a provider's own layout replaced the generic
+    #: one in the layer (set by :func:`install_resident`)
+    prepared: tuple[str, dict[str, torch.Tensor]] | None = None
+
     TENSORS = ("qweight", "scales", "zeros", "perm", "g_idx")
 
     def nbytes(self) -> dict[str, int]:
+        """Bytes of what the layer keeps: the generic layout, or the prepared one."""
         def size(t):
             return 0 if t is None else t.numel() * t.element_size()
 
-        parts = {"qweight": size(self.qweight), "scales": size(self.scales),
-                 "zeros": size(self.zeros), "perm": size(self.perm) + size(self.g_idx)}
+        if self.prepared is not None:
+            parts = {"prepared": sum(size(t) for t in self.prepared[1].values())}
+        else:
+            parts = {"qweight": size(self.qweight), "scales": size(self.scales),
+                     "zeros": size(self.zeros), "perm": size(self.perm) + size(self.g_idx)}
         parts["total"] = sum(parts.values())
         return parts
 
@@ -236,6 +252,12 @@ def wint_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
     return acc.to(x.dtype).reshape(*x.shape[:-1], out_features)
 
 
+@register_kernel(PREPARE_NAME)
+def keep_generic_layout(res: WIntResident, act_dtype: torch.dtype) -> None:
+    """The reference provider has no layout of its own."""
+    return None
+
+
 def int_weight_linear(x: torch.Tensor, res: WIntResident,
                       bias: torch.Tensor | None = None) -> torch.Tensor:
     """``x @ W.T (+ bias)`` for a resident weight, through the kernel registry."""
@@ -249,21 +271,39 @@ def int_weight_linear(x: torch.Tensor, res: WIntResident,
 # ---------------------------------------------------------------------------
 
 
+def _register(layer: torch.nn.Module, attr: str, t: torch.Tensor | None) -> None:
+    if t is None:
+        setattr(layer, attr, None)
+    else:
+        layer.register_parameter(attr, torch.nn.Parameter(t, requires_grad=False))
+
+
 def install_resident(layer: torch.nn.Module, res: WIntResident) -> None:
-    """Register the resident tensors on ``layer`` as ``gcu_<name>`` (None kept
-    as a plain attribute so ``apply`` can pass it)."""
+    """Register the weight on ``layer``: the preferred provider's prepared layout
+    (``gcu_fast_<name>``) when it has one for this layer (called while vLLM
+    loads the model, so the default dtype is the activation dtype), else the
+    generic tensors as ``gcu_<name>`` (None kept as a plain attribute)."""
+    provider = resolve_provider(PREPARE_NAME)
+    prepared = get_kernel(PREPARE_NAME, provider)(res, torch.get_default_dtype())
+    if prepared is not None:
+        res.prepared = (provider, prepared)
+        layer.gcu_fast_provider = provider
+        layer.gcu_fast_names = tuple(prepared)
+        for name, t in prepared.items():
+            _register(layer, f"gcu_fast_{name}", t)
+        return
+    layer.gcu_fast_provider = None
     for name in WIntResident.TENSORS:
-        t = getattr(res, name)
-        attr = f"gcu_{name}"
-        if t is None:
-            setattr(layer, attr, None)
-        else:
-            layer.register_parameter(attr, torch.nn.Parameter(t, requires_grad=False))
+        _register(layer, f"gcu_{name}", getattr(res, name))
 
 
 def apply_resident(layer: torch.nn.Module, x: torch.Tensor, bits: int, group_size: int,
                    bias: torch.Tensor | None = None) -> torch.Tensor:
-    """Run ``wint_linear`` on the tensors :func:`install_resident` registered."""
+    """Run the GEMM that matches what :func:`install_resident` registered."""
+    provider = layer.gcu_fast_provider
+    if provider is not None:
+        prepared = {name: getattr(layer, f"gcu_fast_{name}") for name in layer.gcu_fast_names}
+        return get_kernel(PREPARED_KERNEL_NAME, provider)(x, prepared, bias)
     return get_kernel(KERNEL_NAME)(x, layer.gcu_qweight, layer.gcu_scales, layer.gcu_zeros,
                                    bits=bits, group_size=group_size, perm=layer.gcu_perm,
                                    g_idx=layer.gcu_g_idx, bias=bias)
@@ -277,6 +317,7 @@ class ResidentStats:
         self.quant_name = quant_name
         self.method_name = method_name
         self.layers = self.resident = self.packed = self.fp16 = 0
+        self.kernels: dict[str, int] = {}  # "kernel[provider]" -> layers
         self._kinds: set[str] = set()
         self._running_logged = False
 
@@ -290,28 +331,36 @@ class ResidentStats:
         self.packed += int(n_weights * res.bits / 8 + n_groups * res.out_features
                            * (2 + res.bits / 8))
         self.fp16 += 2 * n_weights
+        if res.prepared is not None:
+            kernel = f"{PREPARED_KERNEL_NAME}[{res.prepared[0]}]"
+            layout = "prepared " + ", ".join(
+                f"{name} {t.numel() * t.element_size()} {str(t.dtype).split('.')[-1]}"
+                for name, t in res.prepared[1].items())
+        else:
+            kernel = f"{KERNEL_NAME}[{resolve_provider(KERNEL_NAME)}]"
+            layout = (f"qweight {nb['qweight']} uint8{' nibbles' if res.bits == 4 else ''}, "
+                      f"scales {nb['scales']} {str(res.scales.dtype).split('.')[-1]}, "
+                      f"zeros {nb['zeros']}, perm {nb['perm']}")
+        self.kernels[kernel] = self.kernels.get(kernel, 0) + 1
         kind = prefix.rsplit(".", 1)[-1] or "linear"
         if kind in self._kinds:
             return
         self._kinds.add(kind)
         logger.info(
-            "%s %s (e.g. %s): [%d x %d] %s -> resident %d B (qweight %d uint8%s, "
-            "scales %d %s, zeros %d, perm %d) = %.3f B/weight vs fp16 weight %d B",
-            self.quant_name, kind, prefix, res.out_features, res.in_features, describe,
-            nb["total"], nb["qweight"], " nibbles" if res.bits == 4 else "", nb["scales"],
-            str(res.scales.dtype).split(".")[-1], nb["zeros"], nb["perm"],
-            nb["total"] / n_weights, 2 * n_weights)
+            "%s %s (e.g. %s): [%d x %d] %s -> resident %d B (%s) = %.3f B/weight vs fp16 "
+            "weight %d B; kernel %s", self.quant_name, kind, prefix, res.out_features,
+            res.in_features, describe, nb["total"], layout, nb["total"] / n_weights,
+            2 * n_weights, kernel)
 
     def log_running_once(self) -> None:
         if self._running_logged:
             return
         self._running_logged = True
-        kernel = get_kernel(KERNEL_NAME)
         logger.info(
-            "%s running: kernel %s = %s.%s on %d %s layers; resident quantized weights "
-            "%.2f MiB (checkpoint packing %.2f MiB, fp16 %.2f MiB)", self.method_name,
-            KERNEL_NAME, kernel.__module__, kernel.__qualname__, self.layers,
-            self.quant_name, self.resident / 2**20, self.packed / 2**20, self.fp16 / 2**20)
+            "%s running on %d %s layers: kernels %s; resident quantized weights %.2f MiB "
+            "(checkpoint packing %.2f MiB, fp16 %.2f MiB)", self.method_name, self.layers,
+            self.quant_name, ", ".join(f"{k} x{n}" for k, n in sorted(self.kernels.items())),
+            self.resident / 2**20, self.packed / 2**20, self.fp16 / 2**20)
         from vllm_accel.quant import repack_cache
 
         repack_cache.log_summary_once()

@@ -1,0 +1,84 @@
+"""The ``torch_fast`` weight-only GEMM (torch's fused int4/int8 CPU kernels)
+vs ``x @ W.T`` in float64, ``W`` dequantized from the generic resident layout
+(whose own tests hold it to the checkpoint formats)."""
+
+import pytest
+import torch
+
+from vllm_accel.ops.registry import get_kernel
+from vllm_accel.quant import cpu_fast
+from vllm_accel.quant.packed import resident_from_codes
+
+prepare = get_kernel("wint_prepare", "torch_fast")
+linear = get_kernel("wint_prepared_linear", "torch_fast")
+
+
+def make_resident(n, k, bits, group_size, sym, act_order, seed):
+    g = torch.Generator().manual_seed(seed)
+    gs = k if group_size == -1 else group_size
+    codes = torch.randint(0, 2 ** bits, (n, k), generator=g)
+    scales = torch.rand(n, k // gs, generator=g) * 0.02 + 0.002
+    zeros = None if sym else torch.randint(0, 2 ** bits, (n, k // gs), generator=g).float()
+    perm = torch.randperm(k, generator=g) if act_order else None
+    return resident_from_codes(codes, scales, zeros, bits=bits, group_size=group_size,
+                               perm=perm)
+
+
+# fp32: scales exact, fp32 accumulation; bf16/fp16: scales (and 4-bit's folded
+# zero term) rounded to the activation dtype once, plus the output rounding.
+REL = {torch.float32: 2e-5, torch.bfloat16: 1.2e-2, torch.float16: 2e-3}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("tokens", [1, 7, 64])
+@pytest.mark.parametrize("bits,group_size,sym,act_order", [
+    (4, 32, True, False), (4, 64, False, False), (4, 128, False, True),
+    (4, -1, False, False),  # per channel: K = 576 tiled by 64-groups
+    (4, 192, True, False),  # 192 = 3 x 64: repeated scales
+    (8, -1, True, False), (8, -1, False, True),
+])
+def test_matches_float64(bits, group_size, sym, act_order, tokens, dtype):
+    n, k = 96, 576 if group_size != 128 else 512
+    res = make_resident(n, k, bits, group_size, sym, act_order, seed=bits * 1000 + tokens)
+    prepared = prepare(res, dtype)
+    assert prepared is not None
+    x = torch.randn(tokens, k, generator=torch.Generator().manual_seed(tokens)).to(dtype)
+    bias = torch.randn(n).to(dtype)
+    y = linear(x, prepared, bias)
+    w = res.dequantize()
+    ref = x.double() @ w.t() + bias.double()
+    magnitude = x.double().abs() @ w.abs().t() + bias.double().abs()
+    err = (y.double() - ref).abs()
+    assert y.dtype == dtype and y.shape == (tokens, n)
+    assert bool((err <= REL[dtype] * magnitude + 1e-6).all()), (err / magnitude).max()
+
+
+def test_prepared_weight_is_as_compact_as_generic():
+    res = make_resident(256, 1024, 4, 128, False, False, seed=1)
+    prepared = prepare(res, torch.bfloat16)
+    assert prepared["int4_weight"].nbytes == res.qweight.nbytes == 256 * 1024 // 2
+
+
+@pytest.mark.parametrize("case", ["n-not-16", "8bit-grouped", "8bit-k-not-16", "group-16",
+                                  "scattered-groups"])
+def test_unsupported_layouts_keep_the_generic_kernel(case):
+    if case == "n-not-16":
+        res = make_resident(40, 128, 4, 32, True, False, seed=0)
+    elif case == "8bit-grouped":
+        res = make_resident(32, 128, 8, 32, True, False, seed=0)
+    elif case == "8bit-k-not-16":
+        res = make_resident(32, 72, 8, -1, True, False, seed=0)
+    elif case == "group-16":
+        res = make_resident(32, 128, 4, 16, True, False, seed=0)
+    else:
+        res = make_resident(32, 128, 4, 32, True, False, seed=0)
+        res.g_idx = torch.arange(128, dtype=torch.int32) % 4
+    assert prepare(res, torch.float32) is None
+    assert get_kernel("wint_prepare", "reference")(res, torch.float32) is None
+
+
+def test_int4_group_size_choice():
+    assert cpu_fast._int4_group_size(128, 512) == 128
+    assert cpu_fast._int4_group_size(576, 576) == 64
+    assert cpu_fast._int4_group_size(96, 576) == 32
+    assert cpu_fast._int4_group_size(16, 576) is None

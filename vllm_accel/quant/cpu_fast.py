@@ -1,0 +1,112 @@
+"""``torch_fast`` provider of the weight-only integer GEMM: torch's fused CPU kernels.
+
+The ``reference`` ``wint_linear`` dequantizes fp32 tiles of the weight on every
+call: exact and general, but at batch 1 it moves ~10 bytes per weight where a
+bf16 GEMV moves 2. torch ships fused CPU kernels that read the packed weight
+directly: ``_weight_int4pack_mm_for_cpu`` (4-bit, groups of 32/64/128/256) and
+``_weight_int8pack_mm`` (8-bit, one scale per output channel). They need their
+own weight layouts, so this provider works in two steps, both through the kernel
+registry:
+
+* ``wint_prepare(res, act_dtype)`` at load: the resident weight in the fused
+  kernel's layout, or None when the kernel cannot express it (the layer then
+  keeps the generic layout and the ``reference`` kernel). Prepared layouts are
+  as compact as the generic one (0.5 byte/weight at 4-bit), and the generic
+  copy is dropped.
+* ``wint_prepared_linear(x, prepared, bias)`` per call.
+
+Both kernels evaluate ``W = (q - z) * s`` exactly as the generic layout does:
+4-bit uses torch's form ``(q - 8) * s + z'`` with ``z' = (8 - z) * s``; 8-bit
+asymmetric adds the zero-point term as a rank-1 correction
+``x.sum(-1) * ((128 - z) * s)``. Scales (and ``z'``) are held in the activation
+dtype, as the kernels require: exact for fp32 models, rounded to bf16/fp16
+otherwise (relative error <= 2**-9 per group, below the output rounding).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from vllm_accel.ops.registry import register_kernel
+from vllm_accel.quant.packed import codes_of
+
+PROVIDER = "torch_fast"
+#: group sizes torch's int4 CPU kernel accepts
+INT4_GROUP_SIZES = (256, 128, 64, 32)
+#: output features must be a multiple of this for the int4 weight layout
+INT4_N_MULTIPLE = 16
+#: input features must be a multiple of this for the int8 kernel
+INT8_K_MULTIPLE = 16
+
+
+def _int4_group_size(group_size: int, in_features: int) -> int | None:
+    """The largest kernel group size that tiles every checkpoint group (scales
+    are then repeated per sub-group, which is exact)."""
+    for gs in INT4_GROUP_SIZES:
+        if group_size % gs == 0 and in_features % gs == 0:
+            return gs
+    return None
+
+
+@register_kernel("wint_prepare", PROVIDER)
+def prepare(res, act_dtype: torch.dtype) -> dict[str, torch.Tensor] | None:
+    """The fused kernel's layout of a :class:`~vllm_accel.quant.packed.WIntResident`,
+    or None if it has none (non-uniform act-order groups, unsupported shapes)."""
+    if res.g_idx is not None or act_dtype not in (torch.float32, torch.bfloat16,
+                                                  torch.float16):
+        return None
+    n, k = res.out_features, res.in_features
+    codes = codes_of(res.qweight, res.bits, 0, k)  # uint8 [N, K]
+    scales = res.scales.to(torch.float32)  # [N, G]
+    zeros = (torch.full_like(scales, float(2 ** (res.bits - 1))) if res.zeros is None
+             else res.zeros.to(torch.float32))
+    prepared: dict[str, torch.Tensor] = {}
+    if res.bits == 4:
+        gs = _int4_group_size(res.group_size, k)
+        if gs is None or n % INT4_N_MULTIPLE:
+            return None
+        repeat = res.group_size // gs
+        s = scales.repeat_interleave(repeat, dim=1)
+        z = ((8.0 - zeros) * scales).repeat_interleave(repeat, dim=1)
+        prepared["int4_weight"] = torch.ops.aten._convert_weight_to_int4pack_for_cpu(
+            codes.to(torch.int32), 1)
+        prepared["int4_scales_zeros"] = torch.stack((s.t(), z.t()), dim=-1).to(
+            act_dtype).contiguous()  # [K/gs, N, 2]
+    elif res.bits == 8:
+        # torch 2.13's CPU _weight_int8pack_mm returns wrong values (or crashes)
+        # unless K is a multiple of 16 (probed over 486 shapes).
+        if scales.shape[1] != 1 or k % INT8_K_MULTIPLE:
+            return None
+        prepared["int8_weight"] = (codes.to(torch.int16) - 128).to(torch.int8).contiguous()
+        prepared["int8_scales"] = scales[:, 0].to(act_dtype).contiguous()
+        if res.zeros is not None:
+            prepared["int8_zero_term"] = ((128.0 - zeros[:, 0]) * scales[:, 0]).contiguous()
+    else:
+        return None
+    if res.perm is not None:
+        prepared["perm"] = res.perm
+    return prepared
+
+
+@register_kernel("wint_prepared_linear", PROVIDER)
+def prepared_linear(x: torch.Tensor, prepared: dict[str, torch.Tensor],
+                    bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ W.T (+ bias)`` with a weight :func:`prepare` made."""
+    in_features = x.shape[-1]
+    x2 = x.reshape(-1, in_features)
+    if "perm" in prepared:
+        x2 = x2.index_select(1, prepared["perm"])
+    x2 = x2.contiguous()
+    if "int4_weight" in prepared:
+        scales_zeros = prepared["int4_scales_zeros"]  # [K / group, N, 2]
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(
+            x2, prepared["int4_weight"], in_features // scales_zeros.shape[0], scales_zeros)
+    else:
+        y = torch.ops.aten._weight_int8pack_mm(x2, prepared["int8_weight"],
+                                               prepared["int8_scales"])
+        if "int8_zero_term" in prepared:  # rank-1 zero-point term, summed in fp32
+            term = x2.sum(dim=-1, keepdim=True, dtype=torch.float32) * prepared["int8_zero_term"]
+            y = (y.to(torch.float32) + term).to(x.dtype)
+    if bias is not None:
+        y = y + bias
+    return y.reshape(*x.shape[:-1], y.shape[-1])
