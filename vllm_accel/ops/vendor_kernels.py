@@ -133,8 +133,8 @@ def probe_xformers(device: torch.device) -> tuple[bool, str]:
     except Exception as exc:  # ImportError, or a build that fails to import
         return False, (f"xformers not usable on {device.type}: not importable "
                        f"({type(exc).__name__}: {exc})")
-    q = torch.zeros(1, 2, 1, 1, 8, device=device, dtype=torch.float32)
-    try:
+    try:  # allocation too: a device without the ops xformers needs fails here
+        q = torch.zeros(1, 2, 1, 1, 8, device=device, dtype=torch.float32)
         xops.memory_efficient_attention(q, q, q, attn_bias=LowerTriangularFromBottomRightMask())
     except Exception as exc:
         first_line = (str(exc).strip().splitlines() or [""])[0]
