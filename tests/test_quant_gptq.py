@@ -276,7 +276,12 @@ def test_model_config_resolves_gcu_gptq(tiny_gptq):
 
 @pytest.fixture
 def tp1(monkeypatch):
-    """vLLM linear layers outside an engine: a single rank, no process groups."""
+    """vLLM linear layers outside an engine: a single rank, no process groups.
+    Pins the ``reference`` kernel provider, whose generic resident layout these
+    layer tests inspect (an earlier in-process test may have set the simulator's
+    preference for ``torch_fast``, whose prepared layout test_quant_cpu_fast and
+    the engine tests cover)."""
+    monkeypatch.setenv("ACCEL_KERNEL_PROVIDER", "reference")
     import vllm.model_executor.layers.linear as L
     import vllm.model_executor.parameter as P
     from vllm.config import VllmConfig, set_current_vllm_config
