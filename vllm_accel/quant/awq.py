@@ -35,10 +35,10 @@ from vllm.model_executor.layers.linear import (
     register_weight_loader_v2_supported_method,
 )
 from vllm.model_executor.layers.quantization import register_quantization_config
-from vllm.model_executor.layers.quantization.base_config import QuantizationConfig
 from vllm.model_executor.parameter import GroupQuantScaleParameter, PackedvLLMParameter
 
 from vllm_accel.logger import init_logger
+from vllm_accel.quant.base import AccelQuantConfig, is_moe, layer_error
 from vllm_accel.quant import repack_cache
 from vllm_accel.quant.packed import (
     ResidentStats,
@@ -61,7 +61,7 @@ AWQ_PACK_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
 
 
 def _fail(prefix: str, problem: str, fix: str) -> ValueError:
-    return ValueError(f"{QUANT_NAME} cannot serve layer {prefix!r}: {problem}. Fix: {fix}")
+    return layer_error(QUANT_NAME, prefix, problem, fix)
 
 
 def unpack_awq(words: torch.Tensor, bits: int = 4) -> torch.Tensor:
@@ -84,12 +84,8 @@ def awq_to_resident(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.T
                                group_size=group_size)
 
 
-def _is_moe(layer: torch.nn.Module) -> bool:
-    return any(c.__name__ in ("FusedMoE", "RoutedExperts") for c in type(layer).__mro__)
-
-
 @register_quantization_config(QUANT_NAME)
-class AccelAWQConfig(QuantizationConfig):
+class AccelAWQConfig(AccelQuantConfig):
     """AWQ (AutoAWQ GEMM format) on vllm_accel devices.
 
     Claims every ``quant_method: awq`` checkpoint (auto-detected, or with
@@ -97,6 +93,8 @@ class AccelAWQConfig(QuantizationConfig):
     ``awq_marlin`` still select vLLM's own methods. Supports 4-bit, zero point,
     any group size dividing the layer's input (per rank).
     """
+
+    quant_name = QUANT_NAME
 
     def __init__(self, bits: int, group_size: int, zero_point: bool, version: str = "gemm",
                  modules_to_not_convert: list[str] | None = None,
@@ -115,18 +113,6 @@ class AccelAWQConfig(QuantizationConfig):
         return (f"AccelAWQConfig(bits={self.weight_bits}, group_size={self.group_size}, "
                 f"zero_point={self.zero_point}, version={self.version!r}, "
                 f"modules_to_not_convert={self.modules_to_not_convert})")
-
-    @classmethod
-    def get_name(cls) -> str:
-        return QUANT_NAME
-
-    @classmethod
-    def get_supported_act_dtypes(cls) -> list[torch.dtype]:
-        return [torch.float32, torch.bfloat16, torch.float16]
-
-    @classmethod
-    def get_min_capability(cls) -> int:
-        return -1
 
     @staticmethod
     def get_config_filenames() -> list[str]:
@@ -176,7 +162,7 @@ class AccelAWQConfig(QuantizationConfig):
         )
         from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
 
-        if _is_moe(layer):
+        if is_moe(layer):
             raise _fail(prefix, "AWQ-quantized MoE experts are not supported yet",
                         "serve a dense model, or list the experts in "
                         "modules_to_not_convert")

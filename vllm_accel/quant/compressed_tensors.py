@@ -44,7 +44,6 @@ from vllm.model_executor.layers.linear import (
     register_weight_loader_v2_supported_method,
 )
 from vllm.model_executor.layers.quantization import register_quantization_config
-from vllm.model_executor.layers.quantization.base_config import QuantizationConfig
 from vllm.model_executor.parameter import (
     BasevLLMParameter,
     ChannelQuantScaleParameter,
@@ -54,6 +53,7 @@ from vllm.model_executor.parameter import (
 )
 
 from vllm_accel.logger import init_logger
+from vllm_accel.quant.base import AccelQuantConfig, is_moe, layer_error
 from vllm_accel.quant import repack_cache
 from vllm_accel.quant.packed import (
     ResidentStats,
@@ -76,11 +76,7 @@ WNA16_BITS = (4, 8)
 
 
 def _fail(prefix: str, problem: str, fix: str) -> ValueError:
-    return ValueError(f"{QUANT_NAME} cannot serve layer {prefix!r}: {problem}. Fix: {fix}")
-
-
-def _is_moe(layer: torch.nn.Module) -> bool:
-    return any(c.__name__ in ("FusedMoE", "RoutedExperts") for c in type(layer).__mro__)
+    return layer_error(QUANT_NAME, prefix, problem, fix)
 
 
 @dataclass(frozen=True)
@@ -172,12 +168,14 @@ def ct_to_resident(weight_packed: torch.Tensor, weight_scale: torch.Tensor,
 
 
 @register_quantization_config(QUANT_NAME)
-class AccelCompressedTensorsConfig(QuantizationConfig):
+class AccelCompressedTensorsConfig(AccelQuantConfig):
     """compressed-tensors (llmcompressor) checkpoints on vllm_accel devices.
 
     Claims every ``quant_method: compressed-tensors`` checkpoint (auto-detected,
     or with ``--quantization compressed-tensors`` / ``gcu_compressed_tensors``).
     """
+
+    quant_name = QUANT_NAME
 
     def __init__(self, schemes: list[CTScheme], ignore: list[str], quant_format: str | None,
                  kv_cache_scheme: dict | None = None, sparsity_config: dict | None = None,
@@ -193,18 +191,6 @@ class AccelCompressedTensorsConfig(QuantizationConfig):
     def __repr__(self) -> str:
         return (f"AccelCompressedTensorsConfig(format={self.quant_format!r}, "
                 f"groups={[s.describe() for s in self.schemes]}, ignore={self.ignore})")
-
-    @classmethod
-    def get_name(cls) -> str:
-        return QUANT_NAME
-
-    @classmethod
-    def get_supported_act_dtypes(cls) -> list[torch.dtype]:
-        return [torch.float32, torch.bfloat16, torch.float16]
-
-    @classmethod
-    def get_min_capability(cls) -> int:
-        return -1
 
     @staticmethod
     def get_config_filenames() -> list[str]:
@@ -269,7 +255,7 @@ class AccelCompressedTensorsConfig(QuantizationConfig):
         from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
 
         self._check_global(prefix)
-        if _is_moe(layer):
+        if is_moe(layer):
             raise _fail(prefix, "compressed-tensors quantized MoE experts are not supported "
                         "yet", "serve a dense model, or add the experts to `ignore`")
         if type(layer).__name__ == "Attention" and self.kv_cache_scheme:

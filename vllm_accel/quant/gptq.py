@@ -57,7 +57,6 @@ from vllm.model_executor.layers.linear import (
     register_weight_loader_v2_supported_method,
 )
 from vllm.model_executor.layers.quantization import register_quantization_config
-from vllm.model_executor.layers.quantization.base_config import QuantizationConfig
 from vllm.model_executor.parameter import (
     ChannelQuantScaleParameter,
     GroupQuantScaleParameter,
@@ -67,6 +66,7 @@ from vllm.model_executor.parameter import (
 )
 
 from vllm_accel.logger import init_logger
+from vllm_accel.quant.base import AccelQuantConfig, is_moe, layer_error
 from vllm_accel.quant import repack_cache
 from vllm_accel.quant.packed import (
     TILE_K,  # noqa: F401  (re-exported)
@@ -91,7 +91,7 @@ CLAIMED_USER_QUANT = (None, "gptq", QUANT_NAME)
 
 
 def _fail(prefix: str, problem: str, fix: str) -> ValueError:
-    return ValueError(f"{QUANT_NAME} cannot serve layer {prefix!r}: {problem}. Fix: {fix}")
+    return layer_error(QUANT_NAME, prefix, problem, fix)
 
 
 # ---------------------------------------------------------------------------
@@ -187,12 +187,8 @@ def _validate(params: GPTQLayerParams, prefix: str) -> None:
                     "use -1 (per output channel) or a positive group size")
 
 
-def _is_moe(layer: torch.nn.Module) -> bool:
-    return any(c.__name__ in ("FusedMoE", "RoutedExperts") for c in type(layer).__mro__)
-
-
 @register_quantization_config(QUANT_NAME)
-class AccelGPTQConfig(QuantizationConfig):
+class AccelGPTQConfig(AccelQuantConfig):
     """GPTQ (AutoGPTQ / GPTQModel format) on vllm_accel devices.
 
     Claims every ``quant_method: gptq`` checkpoint (auto-detected, or with
@@ -201,6 +197,8 @@ class AccelGPTQConfig(QuantizationConfig):
     layer's input, sym/asym, act-order, ``checkpoint_format`` gptq and gptq_v2,
     GPTQModel ``dynamic`` per-module overrides and ``modules_in_block_to_quantize``.
     """
+
+    quant_name = QUANT_NAME
 
     def __init__(self, bits: int, group_size: int, desc_act: bool, sym: bool,
                  checkpoint_format: str = "gptq", lm_head_quantized: bool = False,
@@ -220,18 +218,6 @@ class AccelGPTQConfig(QuantizationConfig):
         return (f"AccelGPTQConfig(bits={self.weight_bits}, group_size={self.group_size}, "
                 f"desc_act={self.desc_act}, sym={self.is_sym}, "
                 f"checkpoint_format={self.checkpoint_format!r}, dynamic={self.dynamic})")
-
-    @classmethod
-    def get_name(cls) -> str:
-        return QUANT_NAME
-
-    @classmethod
-    def get_supported_act_dtypes(cls) -> list[torch.dtype]:
-        return [torch.float32, torch.bfloat16, torch.float16]
-
-    @classmethod
-    def get_min_capability(cls) -> int:
-        return -1
 
     @staticmethod
     def get_config_filenames() -> list[str]:
@@ -294,7 +280,7 @@ class AccelGPTQConfig(QuantizationConfig):
         )
         from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
 
-        if _is_moe(layer):
+        if is_moe(layer):
             raise _fail(prefix, "GPTQ-quantized MoE experts are not supported yet",
                         "serve a dense model, or leave the experts unquantized "
                         "(GPTQModel dynamic rule '-:.*experts.*')")

@@ -45,10 +45,10 @@ from vllm.model_executor.layers.linear import (
     register_weight_loader_v2_supported_method,
 )
 from vllm.model_executor.layers.quantization import register_quantization_config
-from vllm.model_executor.layers.quantization.base_config import QuantizationConfig
 from vllm.model_executor.parameter import ModelWeightParameter
 
 from vllm_accel.logger import init_logger
+from vllm_accel.quant.base import AccelQuantConfig, is_moe, layer_error
 from vllm_accel.ops.registry import get_kernel, register_kernel
 
 logger = init_logger(__name__)
@@ -60,7 +60,7 @@ TILE_N = 1024
 
 
 def _fail(prefix: str, problem: str, fix: str) -> ValueError:
-    return ValueError(f"{QUANT_NAME} cannot serve layer {prefix!r}: {problem}. Fix: {fix}")
+    return layer_error(QUANT_NAME, prefix, problem, fix)
 
 
 def _round_up_to(s: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -124,12 +124,8 @@ def w8a16_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
     return y.to(x.dtype).reshape(*x.shape[:-1], n)
 
 
-def _is_moe(layer: torch.nn.Module) -> bool:
-    return any(c.__name__ in ("FusedMoE", "RoutedExperts") for c in type(layer).__mro__)
-
-
 @register_quantization_config(QUANT_NAME)
-class AccelW8A16Config(QuantizationConfig):
+class AccelW8A16Config(AccelQuantConfig):
     """Online per-channel int8 weights, float activations (``--quantization w8a16``).
 
     Needs no checkpoint config: vLLM builds it with no arguments when the
@@ -137,23 +133,13 @@ class AccelW8A16Config(QuantizationConfig):
     quantized keeps its own method (vLLM rejects the mismatch at startup).
     """
 
+    quant_name = QUANT_NAME
+
     def __init__(self) -> None:
         super().__init__()
 
     def __repr__(self) -> str:
         return "AccelW8A16Config(per-channel symmetric int8 weights, online)"
-
-    @classmethod
-    def get_name(cls) -> str:
-        return QUANT_NAME
-
-    @classmethod
-    def get_supported_act_dtypes(cls) -> list[torch.dtype]:
-        return [torch.float32, torch.bfloat16, torch.float16]
-
-    @classmethod
-    def get_min_capability(cls) -> int:
-        return -1
 
     @staticmethod
     def get_config_filenames() -> list[str]:
@@ -164,7 +150,7 @@ class AccelW8A16Config(QuantizationConfig):
         return cls()
 
     def get_quant_method(self, layer: torch.nn.Module, prefix: str):
-        if _is_moe(layer):
+        if is_moe(layer):
             raise _fail(prefix, "online W8A16 of MoE experts is not supported",
                         "serve the model without --quantization w8a16, or a dense model")
         if isinstance(layer, LinearBase):
