@@ -1,6 +1,6 @@
 """The ``torch_fast`` weight-only GEMM (torch's fused int4/int8 CPU kernels)
-vs ``x @ W.T`` in float64, ``W`` dequantized from the generic resident layout
-(whose own tests hold it to the checkpoint formats)."""
+vs ``x @ W.T`` in float64, ``W`` built in the test from the random codes, scales
+and zero points it packed (independent of the library's unpacking)."""
 
 import pytest
 import torch
@@ -14,14 +14,23 @@ linear = get_kernel("wint_prepared_linear", "torch_fast")
 
 
 def make_resident(n, k, bits, group_size, sym, act_order, seed):
+    """A random resident weight and its float64 ``[out, in]`` in checkpoint column
+    order, computed here from the raw codes (resident column ``j`` multiplies
+    ``x[..., perm[j]]``)."""
     g = torch.Generator().manual_seed(seed)
     gs = k if group_size == -1 else group_size
     codes = torch.randint(0, 2 ** bits, (n, k), generator=g)
     scales = torch.rand(n, k // gs, generator=g) * 0.02 + 0.002
     zeros = None if sym else torch.randint(0, 2 ** bits, (n, k // gs), generator=g).float()
     perm = torch.randperm(k, generator=g) if act_order else None
-    return resident_from_codes(codes, scales, zeros, bits=bits, group_size=group_size,
-                               perm=perm)
+    res = resident_from_codes(codes, scales, zeros, bits=bits, group_size=group_size,
+                              perm=perm)
+    z = torch.full_like(scales, 2.0 ** (bits - 1)) if zeros is None else zeros
+    w_resident = ((codes.double() - z.double().repeat_interleave(gs, 1))
+                  * scales.double().repeat_interleave(gs, 1))
+    w = torch.empty_like(w_resident)
+    w[:, perm if perm is not None else torch.arange(k)] = w_resident
+    return res, w
 
 
 # fp32: scales exact, fp32 accumulation; bf16/fp16: scales (and 4-bit's folded
@@ -39,13 +48,12 @@ REL = {torch.float32: 2e-5, torch.bfloat16: 1.2e-2, torch.float16: 2e-3}
 ])
 def test_matches_float64(bits, group_size, sym, act_order, tokens, dtype):
     n, k = 96, 576 if group_size != 128 else 512
-    res = make_resident(n, k, bits, group_size, sym, act_order, seed=bits * 1000 + tokens)
+    res, w = make_resident(n, k, bits, group_size, sym, act_order, seed=bits * 1000 + tokens)
     prepared = prepare(res, dtype)
     assert prepared is not None
     x = torch.randn(tokens, k, generator=torch.Generator().manual_seed(tokens)).to(dtype)
     bias = torch.randn(n).to(dtype)
     y = linear(x, prepared, bias)
-    w = res.dequantize()
     ref = x.double() @ w.t() + bias.double()
     magnitude = x.double().abs() @ w.abs().t() + bias.double().abs()
     err = (y.double() - ref).abs()
@@ -54,7 +62,7 @@ def test_matches_float64(bits, group_size, sym, act_order, tokens, dtype):
 
 
 def test_prepared_weight_is_as_compact_as_generic():
-    res = make_resident(256, 1024, 4, 128, False, False, seed=1)
+    res, _ = make_resident(256, 1024, 4, 128, False, False, seed=1)
     prepared = prepare(res, torch.bfloat16)
     assert prepared["int4_weight"].nbytes == res.qweight.nbytes == 256 * 1024 // 2
 
@@ -63,15 +71,15 @@ def test_prepared_weight_is_as_compact_as_generic():
                                   "scattered-groups"])
 def test_unsupported_layouts_keep_the_generic_kernel(case):
     if case == "n-not-16":
-        res = make_resident(40, 128, 4, 32, True, False, seed=0)
+        res, _ = make_resident(40, 128, 4, 32, True, False, seed=0)
     elif case == "8bit-grouped":
-        res = make_resident(32, 128, 8, 32, True, False, seed=0)
+        res, _ = make_resident(32, 128, 8, 32, True, False, seed=0)
     elif case == "8bit-k-not-16":
-        res = make_resident(32, 72, 8, -1, True, False, seed=0)
+        res, _ = make_resident(32, 72, 8, -1, True, False, seed=0)
     elif case == "group-16":
-        res = make_resident(32, 128, 4, 16, True, False, seed=0)
+        res, _ = make_resident(32, 128, 4, 16, True, False, seed=0)
     else:
-        res = make_resident(32, 128, 4, 32, True, False, seed=0)
+        res, _ = make_resident(32, 128, 4, 32, True, False, seed=0)
         res.g_idx = torch.arange(128, dtype=torch.int32) % 4
     assert prepare(res, torch.float32) is None
     assert get_kernel("wint_prepare", "reference")(res, torch.float32) is None
