@@ -5,7 +5,10 @@ they ask ``get_kernel(name)``. Every kernel has a ``reference`` provider written
 in plain torch (the oracle tests compare against). A backend lists the providers
 it prefers (e.g. ``("gcu_vendor", "torch_fast", "reference")``); the first one
 that registered the kernel wins, so a real card can plug its own kernel in per op
-and fall back to ours for the rest.
+and fall back to ours for the rest. The one exception to "every kernel has a
+reference": a kernel that runs on a provider's own weight layout
+(``wint_prepared_linear``) exists only for providers whose ``wint_prepare``
+makes that layout; callers pair the two with :func:`resolve_provider`.
 """
 
 from collections.abc import Callable
