@@ -19,13 +19,13 @@ import torch
 # tests/ has no __init__: pytest's default (prepend) import mode puts it on sys.path.
 from test_attention_kernels import GQA, HKV, TOL, batch_mix, make_case, reference
 
-from vllm_accel.ops import attention_kernels
+from vllm_accel.ops import attention_kernels, attention_native  # noqa: F401  (register)
 from vllm_accel.ops.registry import get_kernel
 
 cache_write_int8 = get_kernel("cache_write_int8", "reference")
 
 #: every provider of the readers is held to the same oracle
-PROVIDERS = ["reference", "torch_fast"]
+PROVIDERS = ["reference", "torch_fast", "cpu_native"]
 
 
 @pytest.fixture(autouse=True, params=PROVIDERS)

@@ -14,13 +14,17 @@ import math
 import pytest
 import torch
 
-from vllm_accel.ops import attention_kernels, attention_reference  # noqa: F401  (register)
+from vllm_accel.ops import (  # noqa: F401  (register)
+    attention_kernels,
+    attention_native,
+    attention_reference,
+)
 from vllm_accel.ops.registry import get_kernel
 
 cache_write = get_kernel("cache_write", "reference")
 
 #: every provider of the readers is held to the same oracle
-PROVIDERS = ["reference", "torch_fast"]
+PROVIDERS = ["reference", "torch_fast", "cpu_native"]
 
 
 @pytest.fixture(autouse=True, params=PROVIDERS)

@@ -44,7 +44,7 @@ def test_default_model_matches_hf_and_answers_paris(default_model, tmp_path):
 
     assert results["platform"] == "AccelPlatform"
     # Our kernels and memory accounting ran in the worker.
-    assert "GCU_ATTN attention kernels: vllm_accel.ops.attention_kernels" in log
+    assert "GCU_ATTN attention kernels: vllm_accel.ops.attention_native" in log
     capacity = re.search(r"Device gcu:0 \(sim\) memory: capacity ([\d.]+) GiB", log)
     assert capacity and float(capacity.group(1)) == pytest.approx(4.0)
     weights = re.search(r"weights ([\d.]+) GiB", log)

@@ -14,11 +14,13 @@ from conftest import build_tiny_model, hf_greedy, run_engine
 CASES = {
     # name: (arch, heads, kv_heads, head_dim, block_size, kernel provider)
     "llama-gqa4-bs16": ("llama", 4, 1, 16, 16, "torch_fast"),
-    "qwen2-gqa3-bs32": ("qwen2", 6, 2, 32, 32, "torch_fast"),
+    # the simulated GCU's default: C++ kernels (head size 32: the AVX-512 path)
+    "qwen2-gqa3-bs32": ("qwen2", 6, 2, 32, 32, "cpu_native"),
     # the obvious per-request kernels, forced through ACCEL_KERNEL_PROVIDER
     "llama-gqa2-bs128-reference": ("llama", 4, 2, 16, 128, "reference"),
 }
-KERNEL_MODULES = {"torch_fast": "attention_kernels", "reference": "attention_reference"}
+KERNEL_MODULES = {"cpu_native": "attention_native", "torch_fast": "attention_kernels",
+                  "reference": "attention_reference"}
 
 
 @pytest.mark.engine

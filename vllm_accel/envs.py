@@ -26,6 +26,13 @@ def _float(name: str, default: float) -> Callable[[], float]:
     return read
 
 
+def _path(name: str, default: str) -> Callable[[], str]:
+    def read() -> str:
+        return os.path.expanduser(os.environ.get(name, default).strip())
+
+    return read
+
+
 # name -> (reader, one-line documentation)
 environment_variables: dict[str, tuple[Callable[[], Any], str]] = {
     "ACCEL_DEVICE": (
@@ -67,10 +74,14 @@ environment_variables: dict[str, tuple[Callable[[], Any], str]] = {
         ),
         "Where `vllm-accel prepare-default` writes converted models.",
     ),
+    "ACCEL_NATIVE_CACHE": (
+        _path("ACCEL_NATIVE_CACHE", "~/.cache/vllm-accel/native"),
+        "Directory where the simulated GCU's C++ kernels (`cpu_native`) "
+        "are built on first use, for this CPU, with `$CXX` (else `c++`/`g++`); "
+        "`off` (or `0`, `none`, empty) disables them and the torch kernels run.",
+    ),
     "ACCEL_REPACK_CACHE": (
-        lambda: os.path.expanduser(
-            os.environ.get("ACCEL_REPACK_CACHE", "~/.cache/vllm-accel/repack").strip()
-        ),
+        _path("ACCEL_REPACK_CACHE", "~/.cache/vllm-accel/repack"),
         "Directory of the on-disk cache of quantized weights repacked at load "
         "(GPTQ/AWQ/compressed-tensors), keyed by tensor content; `off` (or `0`, "
         "`none`, empty) disables it.",

@@ -29,7 +29,10 @@ from vllm.v1.kv_cache_layout import KVCacheLayout
 
 from vllm_accel import envs
 from vllm_accel.logger import init_logger
-from vllm_accel.ops import attention_reference  # noqa: F401  (registers the reference readers)
+from vllm_accel.ops import (  # noqa: F401  (register their providers' kernels)
+    attention_native,
+    attention_reference,
+)
 from vllm_accel.ops.attention_kernels import INT8_SCALE_BYTES
 from vllm_accel.ops.kv_scales import load_kv_scales
 from vllm_accel.ops.registry import get_kernel

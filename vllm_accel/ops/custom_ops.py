@@ -38,6 +38,7 @@ from vllm.model_executor.layers.layernorm import RMSNorm
 from vllm.model_executor.layers.rotary_embedding.base import RotaryEmbedding
 
 from vllm_accel.logger import init_logger
+from vllm_accel.ops import custom_ops_native  # noqa: F401  (registers the cpu_native provider)
 from vllm_accel.ops.registry import get_kernel, register_kernel
 
 logger = init_logger(__name__)

@@ -27,8 +27,9 @@ class CpuSimBackend:
     torch_device_type = "cpu"
     dist_backend = "gloo"
     visible_devices_env = "CPU_VISIBLE_MEMORY_NODES"
-    # Batched torch CPU kernels; `reference` fills in whatever they lack.
-    kernel_providers = ("torch_fast",)
+    # C++ attention built for this CPU, then batched torch CPU kernels; each
+    # falls back to the next per call, `reference` fills in whatever they lack.
+    kernel_providers = ("cpu_native", "torch_fast")
     is_real_card = False
     dispatch_key = "CPU"
 

@@ -1,0 +1,261 @@
+"""The ``cpu_native`` provider (C++ built at first use): its build and fallbacks,
+its cache writers against the torch writers (bit for bit), its readers on head
+sizes outside the AVX-512 instantiations (the portable path; the randomized
+reader tests in test_attention_kernels/test_attention_int8 cover 64 and 128),
+and its RMSNorm / SiluAndMul against the reference kernels and float64.
+"""
+
+import logging
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from test_attention_kernels import HKV, batch_mix, make_case, reference
+
+from vllm_accel.ops import (  # noqa: F401  (custom_ops registers the reference ops)
+    attention_native,
+    custom_ops,
+    custom_ops_native,
+    native,
+)
+from vllm_accel.ops.registry import get_kernel
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+
+
+@pytest.fixture(autouse=True)
+def built_library():
+    assert native.library() is not None, "the cpu_native kernels did not build"
+
+
+def test_library_shares_torch_openmp_runtime():
+    """Two OpenMP runtimes would each spin a thread pool on the same cores: the
+    library's ``libgomp.so.1`` must be the one torch loaded, not the system's.
+    (Wheels may vendor their own under other names, e.g. sentencepiece.)"""
+    with open("/proc/self/maps") as maps:
+        gomp = {line.split()[-1] for line in maps if line.rstrip().endswith("/libgomp.so.1")}
+    assert gomp == {str(Path(torch.__file__).parent / "lib" / "libgomp.so.1")}, gomp
+
+
+def test_build_is_cached_and_keyed(tmp_path, monkeypatch):
+    monkeypatch.setenv("ACCEL_NATIVE_CACHE", str(tmp_path))
+    cxx = native.compiler()
+    first = native._build(cxx)
+    mtime = first.stat().st_mtime_ns
+    assert native._build(cxx) == first and first.stat().st_mtime_ns == mtime
+    monkeypatch.setattr(native, "FLAGS", native.FLAGS + ("-DACCEL_TEST_KEY",))
+    assert native._build(cxx) != first  # other flags, other library
+
+
+@pytest.mark.parametrize("env", [{"ACCEL_NATIVE_CACHE": "off"}, {"CXX": "false", "PATH": ""}])
+def test_unbuildable_library_falls_back(env, monkeypatch, tmp_path, caplog):
+    """Without a compiler (or switched off) every kernel runs the next provider."""
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    if "CXX" in env:
+        monkeypatch.setenv("ACCEL_NATIVE_CACHE", str(tmp_path))
+    native.library.cache_clear()
+    try:
+        with caplog.at_level(logging.WARNING):
+            assert native.library() is None
+        if "CXX" in env:
+            assert "No C++ compiler found" in caplog.text
+        x = torch.randn(3, 32, dtype=torch.bfloat16)
+        w = torch.randn(32, dtype=torch.bfloat16)
+        assert torch.equal(custom_ops_native.rms_norm(x, w, 1e-6),
+                           get_kernel("rms_norm", "reference")(x, w, 1e-6))
+    finally:
+        monkeypatch.undo()
+        native.library.cache_clear()
+
+
+def test_failed_build_warns_and_falls_back(monkeypatch, tmp_path, caplog):
+    monkeypatch.setenv("ACCEL_NATIVE_CACHE", str(tmp_path))
+    monkeypatch.setattr(native, "FLAGS", native.FLAGS + ("-DACCEL_FORCE_ERROR", "-include",
+                                                         "/nonexistent/header.h"))
+    native.library.cache_clear()
+    try:
+        with caplog.at_level(logging.WARNING):
+            assert native.library() is None
+        assert "Could not build the cpu_native" in caplog.text
+    finally:
+        monkeypatch.undo()
+        native.library.cache_clear()
+
+
+# ------------------------------------------------------------------ cache writers
+
+
+def _write_case(dtype, layout, bs=16, d=64, seed=0):
+    reqs = batch_mix("mixed", bs)
+    g = torch.Generator().manual_seed(seed)
+    n = sum(s for _, s in reqs)
+    num_blocks = n // bs + 8
+    slots = torch.randperm(num_blocks * bs, generator=g)[:n]
+    slots[::7] = -1  # padding rows
+    key = torch.randn(n + 3, HKV, d, generator=g).to(dtype)  # 3 rows past the mapping
+    value = torch.randn(n + 3, HKV, d, generator=g).to(dtype) * 4
+    return key, value, slots, num_blocks
+
+
+@pytest.mark.parametrize("layout", ["LBHNC", "LHBNC"])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("int8", [False, True], ids=["float", "int8"])
+def test_cache_write_bit_exact(int8, dtype, layout):
+    key, value, slots, num_blocks = _write_case(dtype, layout)
+    width = 2 * 64 + (8 if int8 else 0)
+    cache_dtype = torch.int8 if int8 else dtype
+    if layout == "LHBNC":
+        cache = torch.zeros(HKV, num_blocks, 16, width, dtype=cache_dtype).transpose(0, 1)
+    else:
+        cache = torch.zeros(num_blocks, HKV, 16, width, dtype=cache_dtype)
+    ours, theirs = cache.clone(), cache.clone()
+    name = "cache_write_int8" if int8 else "cache_write"
+    # A fused qkv slice: non-contiguous token stride, as vLLM passes K and V.
+    qkv = torch.cat([key, value], dim=-1)
+    k, v = qkv[..., :64], qkv[..., 64:]
+    getattr(attention_native, name)(k, v, ours, slots)
+    get_kernel(name, "reference")(k, v, theirs, slots)
+    assert torch.equal(ours.view(torch.uint8), theirs.view(torch.uint8))  # raw bytes
+    assert ours.count_nonzero() > 0
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_cache_write_int8_static_scales_bit_exact(dtype):
+    key, value, slots, num_blocks = _write_case(dtype, "LBHNC", seed=3)
+    cache = torch.zeros(num_blocks, HKV, 16, 2 * 64 + 8, dtype=torch.int8)
+    ours, theirs = cache.clone(), cache.clone()
+    attention_native.cache_write_int8(key, value, ours, slots, 0.01, 0.02)  # values clip
+    get_kernel("cache_write_int8", "reference")(key, value, theirs, slots, 0.01, 0.02)
+    assert torch.equal(ours, theirs)
+
+
+# ------------------------------------------------------------------ readers
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("d", [40, 48, 80])  # 40: not a multiple of 16; 48: no instantiation
+@pytest.mark.parametrize("mix", ["decode", "prefill_ctx", "mixed"])
+def test_readers_portable_path(mix, d, dtype):
+    """Head sizes the AVX-512 path does not take still run in C++, to the oracle."""
+    bs, ratio = 32, 3
+    reqs = batch_mix(mix, bs)
+    qs, ks, vs, block_table, kv_cache = make_case(reqs, bs, ratio * HKV, HKV, d, dtype,
+                                                  seed=d + bs)
+    scale = d**-0.5
+    qsl = torch.tensor([0] + [q for q, _ in reqs]).cumsum(0).to(torch.int32)
+    seq_lens = torch.tensor([s for _, s in reqs], dtype=torch.int32)
+    out = attention_native.paged_prefill(torch.cat(qs), kv_cache, block_table, qsl, seq_lens,
+                                         scale)
+    expected = torch.cat([reference(q, k, v, scale) for q, k, v in zip(qs, ks, vs)])
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out.double(), expected, atol=tol, rtol=tol)
+
+
+def test_long_prefill_goes_to_matmul_provider(monkeypatch):
+    """Above PREFILL_NATIVE_MAX_PAIRS the torch_fast matmuls run (and agree)."""
+    bs, d = 16, 64
+    reqs = batch_mix("prefill_ctx", bs)
+    qs, ks, vs, block_table, kv_cache = make_case(reqs, bs, 2 * HKV, HKV, d, torch.float32,
+                                                  seed=11)
+    qsl = torch.tensor([0] + [q for q, _ in reqs]).cumsum(0).to(torch.int32)
+    seq_lens = torch.tensor([s for _, s in reqs], dtype=torch.int32)
+    args = (torch.cat(qs), kv_cache, block_table, qsl, seq_lens, d**-0.5)
+    calls = []
+    fast = get_kernel("paged_prefill", "torch_fast")
+    monkeypatch.setattr(attention_native, "fallback_kernel",
+                        lambda name, provider: lambda *a: calls.append(name) or fast(*a))
+    native_out = attention_native.paged_prefill(*args)
+    assert calls == []
+    monkeypatch.setattr(attention_native, "PREFILL_NATIVE_MAX_PAIRS", 10)
+    torch.testing.assert_close(attention_native.paged_prefill(*args), native_out,
+                               atol=1e-5, rtol=1e-5)
+    assert calls == ["paged_prefill"]
+
+
+def test_decode_cache_dtype_mismatch_falls_back():
+    """A bf16 query over an fp32 cache is outside the C ABI: torch_fast serves it."""
+    bs, d = 16, 64
+    reqs = batch_mix("decode", bs)
+    qs, ks, vs, block_table, kv_cache = make_case(reqs, bs, HKV, HKV, d, torch.float32, seed=5)
+    seq_lens = torch.tensor([s for _, s in reqs], dtype=torch.int32)
+    query = torch.cat(qs).to(torch.bfloat16)
+    out = attention_native.paged_decode(query, kv_cache, block_table, seq_lens, d**-0.5)
+    expected = get_kernel("paged_decode", "torch_fast")(query, kv_cache, block_table, seq_lens,
+                                                        d**-0.5)
+    assert torch.equal(out, expected)
+
+
+# ------------------------------------------------------------------ RMSNorm, SiluAndMul
+
+
+def _rms_float64(x, weight, eps, residual):
+    h = x.double() + (0 if residual is None else residual.double())
+    out = h / torch.sqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return out if weight is None else out * weight.double()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(1, 64), (7, 576), (3, 5, 1000), (40, 2048)])
+@pytest.mark.parametrize("residual", [False, True])
+@pytest.mark.parametrize("weight", [True, False])
+def test_rms_norm(shape, dtype, residual, weight):
+    g = torch.Generator().manual_seed(math.prod(shape))
+    x = (torch.randn(shape, generator=g) * 3).to(dtype)
+    r = torch.randn(shape, generator=g).to(dtype) if residual else None
+    w = torch.randn(shape[-1], generator=g).to(dtype) if weight else None
+    ours = custom_ops_native.rms_norm(x, w, 1e-6, r)
+    theirs = get_kernel("rms_norm", "reference")(x, w, 1e-6, r)
+    if residual:
+        (ours, ours_res), (theirs, theirs_res) = ours, theirs
+        assert torch.equal(ours_res, theirs_res)
+    ulp = {torch.float32: 1e-6, torch.bfloat16: 2**-7, torch.float16: 2**-10}[dtype]
+    # Same roundings as the reference: at most one ulp apart, where a float32
+    # statistic's last bit moves a value across a rounding boundary.
+    torch.testing.assert_close(ours.double(), theirs.double(), atol=ulp, rtol=ulp)
+    assert (ours != theirs).float().mean() < (0.01 if dtype != torch.float32 else 1.0)
+    expected = _rms_float64(x, w, 1e-6, r)
+    tol = 1e-5 if dtype == torch.float32 else 3 * ulp
+    torch.testing.assert_close(ours.double(), expected, atol=tol, rtol=tol)
+
+
+def test_rms_norm_strided_rows_and_fallbacks():
+    x = torch.randn(6, 2 * 96)[:, :96]  # row stride 192
+    w = torch.randn(96)
+    torch.testing.assert_close(custom_ops_native.rms_norm(x, w, 1e-5),
+                               get_kernel("rms_norm", "reference")(x, w, 1e-5))
+    # variance_size and mixed dtypes go to the reference
+    ref = get_kernel("rms_norm", "reference")
+    assert torch.equal(custom_ops_native.rms_norm(x, w, 1e-5, None, 32), ref(x, w, 1e-5, None, 32))
+    xb = x.to(torch.bfloat16)
+    assert torch.equal(custom_ops_native.rms_norm(xb, w, 1e-5), ref(xb, w, 1e-5))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(1, 64), (9, 3072), (2, 3, 130)])
+def test_silu_and_mul(shape, dtype):
+    g = torch.Generator().manual_seed(shape[-1])
+    x = (torch.randn(shape, generator=g) * 4).to(dtype)
+    ours = custom_ops_native.silu_and_mul(x)
+    theirs = get_kernel("silu_and_mul", "reference")(x)
+    d = shape[-1] // 2
+    a, b = x[..., :d].double(), x[..., d:].double()
+    expected = a * torch.sigmoid(a) * b
+    ulp = {torch.float32: 1e-6, torch.bfloat16: 2**-7, torch.float16: 2**-10}[dtype]
+    torch.testing.assert_close(ours.double(), theirs.double(), atol=ulp, rtol=2 * ulp)
+    torch.testing.assert_close(ours.double(), expected, atol=4 * ulp, rtol=4 * ulp)
+
+
+def test_elementwise_fall_back_under_torch_compile():
+    """Dynamo cannot trace a ctypes call: compiled graphs get the reference ops."""
+    w = torch.randn(64)
+
+    @torch.compile(backend="eager", fullgraph=True)
+    def norm_then_act(x):
+        return custom_ops_native.silu_and_mul(custom_ops_native.rms_norm(x, w, 1e-6))
+
+    x = torch.randn(4, 64)
+    ref = get_kernel("rms_norm", "reference")
+    expected = get_kernel("silu_and_mul", "reference")(ref(x, w, 1e-6))
+    torch.testing.assert_close(norm_then_act(x), expected)

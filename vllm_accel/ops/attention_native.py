@@ -1,0 +1,149 @@
+"""The ``cpu_native`` provider: paged attention and KV-cache writers in C++.
+
+The batched torch readers (``attention_kernels``) copy every request's K/V pages
+out of the cache before two batched matmuls; at decode that gather costs as much
+as the attention itself. The C++ kernel (``csrc/paged_attention.cpp``) reads the
+pages in place: one pass per (token, kv head) over its keys and values for all
+query heads of the group, float32 scores, softmax and sums, one rounding at the
+end. Decode and short prefills use it; a prefill whose causal work is large
+(long prompts) goes to the ``torch_fast`` matmuls, which win there.
+
+Each kernel takes the same arguments as the other providers and falls back to
+the next provider (``fallback_kernel``) for inputs the C ABI does not take
+(non-CPU tensors, a cache dtype other than the query's) or when the library
+could not be built (see ``native``).
+"""
+
+import ctypes
+
+import torch
+
+from vllm_accel.ops import native
+from vllm_accel.ops.registry import fallback_kernel, register_kernel
+
+NATIVE = "cpu_native"
+#: prefill rows x visible keys above which the torch matmul path is faster
+PREFILL_NATIVE_MAX_PAIRS = 1 << 20
+
+
+def _ptr(t: torch.Tensor) -> int:
+    return t.data_ptr()
+
+
+def _pages(kv_cache: torch.Tensor) -> tuple[int, int] | None:
+    """(block stride, head stride) in elements if every (block, head) page is
+    contiguous, else ``None``."""
+    _, _, block_size, width = kv_cache.shape
+    block_stride, head_stride, token_stride, elem_stride = kv_cache.stride()
+    if (elem_stride, token_stride) != (1, width):
+        return None
+    return block_stride, head_stride
+
+
+def _native_ok(query: torch.Tensor, kv_cache: torch.Tensor, *int_tensors: torch.Tensor) -> bool:
+    int8 = kv_cache.dtype == torch.int8
+    return (
+        native.library() is not None
+        and query.device.type == "cpu" and kv_cache.device.type == "cpu"
+        and native.dtype_code(query.dtype) is not None
+        and (int8 or kv_cache.dtype == query.dtype)
+        and query.stride(-1) == 1
+        and _pages(kv_cache) is not None
+        and all(t.dtype == torch.int32 and t.device.type == "cpu" for t in int_tensors)
+    )
+
+
+def _head_size(kv_cache: torch.Tensor) -> int:
+    from vllm_accel.ops.attention_kernels import INT8_SCALE_BYTES
+
+    width = kv_cache.shape[-1]
+    return (width - INT8_SCALE_BYTES) // 2 if kv_cache.dtype == torch.int8 else width // 2
+
+
+def _attention(query, kv_cache, block_table, query_start_loc, seq_lens, scale):
+    """Run the C++ kernel; ``query`` ``[T, H, D]``, returns ``[T, H, D]``."""
+    num_rows, num_heads, head_size = query.shape
+    out = torch.empty_like(query)
+    block_table = block_table.contiguous() if block_table.stride(-1) != 1 else block_table
+    query_start_loc, seq_lens = query_start_loc.contiguous(), seq_lens.contiguous()
+    block_stride, head_stride = _pages(kv_cache)
+    rc = native.library().accel_paged_attention(
+        native.dtype_code(query.dtype), _ptr(query), query.stride(0), query.stride(1),
+        _ptr(out), out.stride(0), out.stride(1),
+        _ptr(kv_cache), int(kv_cache.dtype == torch.int8), block_stride, head_stride,
+        kv_cache.shape[2], head_size,
+        _ptr(block_table), block_table.stride(0), _ptr(query_start_loc), _ptr(seq_lens),
+        seq_lens.shape[0], num_heads, kv_cache.shape[1], ctypes.c_float(scale),
+    )
+    if rc:
+        raise RuntimeError(f"accel_paged_attention failed ({rc})")
+    # Rows past the last request's (a padded batch) are not written by the kernel.
+    out[int(query_start_loc[-1]):].zero_()
+    return out
+
+
+def _decode(name):
+    def paged_decode(query, kv_cache, block_table, seq_lens, scale):
+        """One query token per request ``[B, H, D]``."""
+        if not _native_ok(query, kv_cache, block_table, seq_lens):
+            return fallback_kernel(name, NATIVE)(query, kv_cache, block_table, seq_lens, scale)
+        query_start_loc = torch.arange(query.shape[0] + 1, dtype=torch.int32)
+        return _attention(query, kv_cache, block_table, query_start_loc, seq_lens, scale)
+
+    paged_decode.__name__ = name
+    return register_kernel(name, NATIVE)(paged_decode)
+
+
+def _prefill_pairs(query_start_loc: torch.Tensor, seq_lens: torch.Tensor) -> int:
+    """Sum over query rows of the keys each row sees (the causal work)."""
+    q_lens = (query_start_loc[1:] - query_start_loc[:-1]).long()
+    context = seq_lens.long() - q_lens
+    return int((q_lens * context + q_lens * (q_lens + 1) // 2).sum())
+
+
+def _prefill(name):
+    def paged_prefill(query, kv_cache, block_table, query_start_loc, seq_lens, scale):
+        """Causal attention for the newest ``q_len`` tokens of each request."""
+        if (not _native_ok(query, kv_cache, block_table, query_start_loc, seq_lens)
+                or _prefill_pairs(query_start_loc, seq_lens) > PREFILL_NATIVE_MAX_PAIRS):
+            return fallback_kernel(name, NATIVE)(query, kv_cache, block_table,
+                                                 query_start_loc, seq_lens, scale)
+        return _attention(query, kv_cache, block_table, query_start_loc, seq_lens, scale)
+
+    paged_prefill.__name__ = name
+    return register_kernel(name, NATIVE)(paged_prefill)
+
+
+def _cache_write(name, int8):
+    def cache_write(key, value, kv_cache, slot_mapping, k_scale=None, v_scale=None):
+        """Scatter (quantizing, for an INT8 cache) new K/V ``[T, Hkv, D]`` into their slots."""
+        n = slot_mapping.shape[0]
+        key, value = key[:n], value[:n]
+        static = (k_scale, v_scale) if int8 else ()
+        if (native.library() is None or key.device.type != "cpu"
+                or kv_cache.device.type != "cpu" or native.dtype_code(key.dtype) is None
+                or (not int8 and kv_cache.dtype != key.dtype) or value.dtype != key.dtype
+                or key.stride() != value.stride() or key.stride(-1) != 1
+                or _pages(kv_cache) is None):
+            return fallback_kernel(name, NATIVE)(key, value, kv_cache, slot_mapping, *static)
+        slots = slot_mapping.to(torch.int64).contiguous()
+        block_stride, head_stride = _pages(kv_cache)
+        rc = native.library().accel_cache_write(
+            native.dtype_code(key.dtype), _ptr(key), _ptr(value), key.stride(0), key.stride(1),
+            _ptr(kv_cache), int(int8), block_stride, head_stride, _ptr(slots), n,
+            kv_cache.shape[1], kv_cache.shape[2], _head_size(kv_cache),
+            ctypes.c_float(k_scale or 0.0), ctypes.c_float(v_scale or 0.0),
+        )
+        if rc:
+            raise RuntimeError(f"accel_cache_write failed ({rc})")
+
+    cache_write.__name__ = name
+    return register_kernel(name, NATIVE)(cache_write)
+
+
+paged_decode = _decode("paged_decode")
+paged_decode_int8 = _decode("paged_decode_int8")
+paged_prefill = _prefill("paged_prefill")
+paged_prefill_int8 = _prefill("paged_prefill_int8")
+cache_write = _cache_write("cache_write", int8=False)
+cache_write_int8 = _cache_write("cache_write_int8", int8=True)

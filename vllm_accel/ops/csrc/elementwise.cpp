@@ -1,0 +1,98 @@
+// RMSNorm (optionally fused with the residual add) and SiluAndMul for the
+// simulated GCU, built with paged_attention.cpp into one library (ops/native.py).
+//
+// They follow the rounding of the torch reference kernels (ops/custom_ops.py)
+// step by step: float32 sums and statistics, a rounding to the model dtype
+// wherever the reference converts, so results differ from it only by the last
+// bit of a float32 sum or reciprocal square root.
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+#include "dtypes.h"
+
+namespace {
+
+using namespace accel;
+
+template <typename T>
+void rms_norm(const T* x, int64_t x_stride, const T* residual, int64_t r_stride, const T* weight,
+              T* out, int64_t o_stride, T* new_residual, int64_t nr_stride, int64_t rows, int n,
+              float eps) {
+#pragma omp parallel if (rows >= 16)
+  {
+    std::vector<float> h(n);
+#pragma omp for
+    for (int64_t r = 0; r < rows; ++r) {
+      const T* xr = x + r * x_stride;
+#pragma omp simd
+      for (int i = 0; i < n; ++i) h[i] = to_float(xr[i]);
+      if (residual) {
+        const T* rr = residual + r * r_stride;
+        T* nr = new_residual + r * nr_stride;
+#pragma omp simd
+        for (int i = 0; i < n; ++i) {
+          h[i] += to_float(rr[i]);
+          store(h[i], nr + i);
+        }
+      }
+      float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+      for (int i = 0; i < n; ++i) sum += h[i] * h[i];
+      const float inv = 1.f / std::sqrt(sum / float(n) + eps);
+      T* o = out + r * o_stride;
+      if (weight) {
+#pragma omp simd
+        for (int i = 0; i < n; ++i) store(round_to<T>(h[i] * inv) * to_float(weight[i]), o + i);
+      } else {
+#pragma omp simd
+        for (int i = 0; i < n; ++i) store(h[i] * inv, o + i);
+      }
+    }
+  }
+}
+
+template <typename T>
+void silu_and_mul(const T* x, int64_t x_stride, T* out, int64_t o_stride, int64_t rows, int d) {
+#pragma omp parallel for if (rows >= 16)
+  for (int64_t r = 0; r < rows; ++r) {
+    const T* a = x + r * x_stride;
+    const T* b = a + d;
+    T* o = out + r * o_stride;
+#pragma omp simd
+    for (int i = 0; i < d; ++i) {
+      const float v = to_float(a[i]);
+      store(round_to<T>(v / (1.f + std::exp(-v))) * to_float(b[i]), o + i);
+    }
+  }
+}
+
+}  // namespace
+
+extern "C" {
+
+// Rows of `n` elements (row strides in elements, unit element stride).
+// residual/new_residual/weight may be null (no residual add, no weight).
+int accel_rms_norm(int dtype, const void* x, int64_t x_stride, const void* residual,
+                   int64_t r_stride, const void* weight, void* out, int64_t o_stride,
+                   void* new_residual, int64_t nr_stride, int64_t rows, int n, float eps) {
+  return dispatch(dtype, [&](auto tag) {
+    using T = decltype(tag);
+    rms_norm(static_cast<const T*>(x), x_stride, static_cast<const T*>(residual), r_stride,
+             static_cast<const T*>(weight), static_cast<T*>(out), o_stride,
+             static_cast<T*>(new_residual), nr_stride, rows, n, eps);
+  });
+}
+
+// out[r, :d] = silu(x[r, :d]) * x[r, d:2d].
+int accel_silu_and_mul(int dtype, const void* x, int64_t x_stride, void* out, int64_t o_stride,
+                       int64_t rows, int d) {
+  return dispatch(dtype, [&](auto tag) {
+    using T = decltype(tag);
+    silu_and_mul(static_cast<const T*>(x), x_stride, static_cast<T*>(out), o_stride, rows, d);
+  });
+}
+
+}  // extern "C"

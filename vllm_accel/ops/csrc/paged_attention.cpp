@@ -1,0 +1,442 @@
+// Paged attention for the simulated GCU, compiled at first use (see ops/native.py).
+//
+// Plain C ABI (no torch headers, so it compiles in seconds) called through ctypes
+// with raw pointers and element strides. OpenMP parallel regions run on the
+// libgomp that torch already loaded, so torch and these kernels share one pool.
+//
+// Page layout (ops/attention_kernels.py): the (block, kv head) page of a
+// bf16/fp16/fp32 cache is K [BS, D] then V [BS, D]; of an INT8 cache it is
+// K int8 [BS, D], V int8 [BS, D], then float32 [BS, 2] (k_scale, v_scale).
+// `block_stride` / `head_stride` locate a page, in elements of the cache dtype.
+//
+// Decode reads each key and value once per (request, kv head), for all the query
+// heads of its group, keeps scores, softmax and the weighted sum in float32 and
+// rounds once when storing the output.
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+#include <vector>
+
+#include "dtypes.h"
+
+#ifdef __AVX512F__
+#include <immintrin.h>
+#endif
+
+namespace {
+
+using namespace accel;
+
+template <typename T>
+inline void load_row(const T* src, float* dst, int n) {
+#pragma omp simd
+  for (int i = 0; i < n; ++i) dst[i] = to_float(src[i]);
+}
+
+inline float dot(const float* a, const float* b, int n) {
+  float s = 0.f;
+#pragma omp simd reduction(+ : s)
+  for (int i = 0; i < n; ++i) s += a[i] * b[i];
+  return s;
+}
+
+inline void axpy(float alpha, const float* x, float* y, int n) {
+#pragma omp simd
+  for (int i = 0; i < n; ++i) y[i] += alpha * x[i];
+}
+
+// The (block, kv head) pages of a cache whose elements are E (the model dtype, or
+// int8_t with per-token scales after K and V): where K and V rows and scales are.
+template <typename E>
+struct Pages {
+  static constexpr bool kInt8 = std::is_same_v<E, int8_t>;
+  const E* cache;
+  int64_t block_stride, head_stride;
+  int block_size, head_size;
+  const E* page(int64_t block, int head) const {
+    return cache + block * block_stride + head * head_stride;
+  }
+  const E* keys(const E* p) const { return p; }
+  const E* values(const E* p) const { return p + int64_t(block_size) * head_size; }
+  float scale(const E* p, int t, int which) const {  // which: 0 = K, 1 = V
+    if constexpr (kInt8)
+      return reinterpret_cast<const float*>(p + 2 * int64_t(block_size) * head_size)[2 * t + which];
+    return 1.f;
+  }
+  float key_scale(const E* p, int t) const { return scale(p, t, 0); }
+  float value_scale(const E* p, int t) const { return scale(p, t, 1); }
+};
+
+// Attention of `num_q` query heads (one kv-head group) of one query token over
+// the first `seq_len` cached tokens. Scratch: scores [G, seq_len], row [D].
+template <typename QT, typename Pages>
+void attend_one(const QT* query, int64_t q_head_stride, QT* out, int64_t o_head_stride,
+                const Pages& pages, const int32_t* blocks, int kv_head, int seq_len,
+                int group, float scale, std::vector<float>& qf, std::vector<float>& acc,
+                std::vector<float>& scores, std::vector<float>& row) {
+  const int d = pages.head_size, bs = pages.block_size;
+  for (int g = 0; g < group; ++g) {
+    QT* o = out + g * o_head_stride;
+    if (seq_len <= 0) {
+      for (int i = 0; i < d; ++i) store(0.f, o + i);
+    }
+  }
+  if (seq_len <= 0) return;
+  qf.resize(size_t(group) * d);
+  acc.assign(size_t(group) * d, 0.f);
+  scores.resize(size_t(group) * seq_len);
+  row.resize(d);
+  for (int g = 0; g < group; ++g) {
+    load_row(query + g * q_head_stride, &qf[size_t(g) * d], d);
+    for (int i = 0; i < d; ++i) qf[size_t(g) * d + i] *= scale;
+  }
+  const int num_blocks = (seq_len + bs - 1) / bs;
+  for (int j = 0; j < num_blocks; ++j) {
+    const auto* p = pages.page(blocks[j], kv_head);
+    const auto* k = pages.keys(p);
+    const int n = std::min(bs, seq_len - j * bs);
+    for (int t = 0; t < n; ++t) {
+      load_row(k + int64_t(t) * d, row.data(), d);
+      const float ks = pages.key_scale(p, t);
+      for (int g = 0; g < group; ++g)
+        scores[size_t(g) * seq_len + j * bs + t] = dot(&qf[size_t(g) * d], row.data(), d) * ks;
+    }
+  }
+  for (int g = 0; g < group; ++g) {
+    float* s = &scores[size_t(g) * seq_len];
+    float m = s[0];
+    for (int t = 1; t < seq_len; ++t) m = std::max(m, s[t]);
+    float sum = 0.f;
+    for (int t = 0; t < seq_len; ++t) {
+      s[t] = std::exp(s[t] - m);
+      sum += s[t];
+    }
+    const float inv = 1.f / sum;
+    for (int t = 0; t < seq_len; ++t) s[t] *= inv;
+  }
+  for (int j = 0; j < num_blocks; ++j) {
+    const auto* p = pages.page(blocks[j], kv_head);
+    const auto* v = pages.values(p);
+    const int n = std::min(bs, seq_len - j * bs);
+    for (int t = 0; t < n; ++t) {
+      load_row(v + int64_t(t) * d, row.data(), d);
+      const float vs = pages.value_scale(p, t);
+      for (int g = 0; g < group; ++g)
+        axpy(scores[size_t(g) * seq_len + j * bs + t] * vs, row.data(), &acc[size_t(g) * d], d);
+    }
+  }
+  for (int g = 0; g < group; ++g) {
+    QT* o = out + g * o_head_stride;
+    for (int i = 0; i < d; ++i) store(acc[size_t(g) * d + i], o + i);
+  }
+}
+
+
+#ifdef __AVX512F__
+// AVX-512 path for head sizes that are a multiple of 16 (C = D / 16 vectors per
+// row). Per page: the K (then V) rows are converted to float32 once into an L1
+// buffer (INT8: times their per-token scale), then every query head of the group
+// makes 16 scores at a time with 16 independent FMA chains, reduced together, and
+// adds the page's weighted V rows with its C accumulators in registers.
+
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const bf16* p) {
+  const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(x), 16));
+}
+inline __m512 load16(const _Float16* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+inline __m512 load16(const int8_t* p) {
+  const __m128i x = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(x));
+}
+
+// v[t] = sum of the 16 lanes of a[t], for 16 vectors at once.
+inline __m512 reduce16(__m512 a[16]) {
+  __m512 b[8], c[4];
+  for (int i = 0; i < 8; ++i)  // 128-bit lanes 0,1: token 2i; 2,3: token 2i+1
+    b[i] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0x44),
+                         _mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0xEE));
+  for (int i = 0; i < 4; ++i)  // lane l: token 4i + l
+    c[i] = _mm512_add_ps(_mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], 0x88),
+                         _mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], 0xDD));
+  const __m512 d0 = _mm512_add_ps(_mm512_unpacklo_ps(c[0], c[1]), _mm512_unpackhi_ps(c[0], c[1]));
+  const __m512 d1 = _mm512_add_ps(_mm512_unpacklo_ps(c[2], c[3]), _mm512_unpackhi_ps(c[2], c[3]));
+  // element 4l + m holds token 4m + l
+  const __m512 r = _mm512_add_ps(_mm512_shuffle_ps(d0, d1, 0x44), _mm512_shuffle_ps(d0, d1, 0xEE));
+  const __m512i order = _mm512_set_epi32(15, 11, 7, 3, 14, 10, 6, 2, 13, 9, 5, 1, 12, 8, 4, 0);
+  return _mm512_permutexvar_ps(order, r);
+}
+
+// `n` rows of a K or V section into float32 rows (times the row's scale).
+template <int C, typename T, typename Pages, typename P>
+inline void rows_to_float(const T* src, const Pages& pages, const P* page, bool value, int n,
+                          float* dst) {
+  for (int t = 0; t < n; ++t) {
+    float s = 1.f;
+    if constexpr (Pages::kInt8) s = value ? pages.value_scale(page, t) : pages.key_scale(page, t);
+    const __m512 sv = _mm512_set1_ps(s);
+    for (int c = 0; c < C; ++c) {
+      __m512 x = load16(src + t * 16 * C + 16 * c);
+      if constexpr (Pages::kInt8) x = _mm512_mul_ps(x, sv);
+      _mm512_storeu_ps(dst + t * 16 * C + 16 * c, x);
+    }
+  }
+}
+
+template <int C, typename QT, typename Pages>
+void attend_one_avx512(const QT* query, int64_t q_head_stride, QT* out, int64_t o_head_stride,
+                       const Pages& pages, const int32_t* blocks, int kv_head, int seq_len,
+                       int group, float scale, std::vector<float>& qf, std::vector<float>& acc,
+                       std::vector<float>& scores, std::vector<float>& rows) {
+  constexpr int D = 16 * C;
+  const int bs = pages.block_size;
+  const int padded = (seq_len + 15) / 16 * 16;
+  qf.resize(size_t(group) * D);
+  scores.resize(size_t(group) * padded);
+  rows.resize(size_t(bs + 16) * D);
+  for (int g = 0; g < group; ++g)
+    for (int i = 0; i < D; ++i) qf[g * D + i] = to_float(query[g * q_head_stride + i]) * scale;
+  const int num_blocks = (seq_len + bs - 1) / bs;
+  for (int j = 0; j < num_blocks; ++j) {
+    const auto* p = pages.page(blocks[j], kv_head);
+    const int n = std::min(bs, seq_len - j * bs);
+    rows_to_float<C>(pages.keys(p), pages, p, false, n, rows.data());
+    const int n16 = (n + 15) / 16 * 16;  // rows past n are read but their scores unused
+    for (int g = 0; g < group; ++g) {
+      __m512 q[C];
+      for (int c = 0; c < C; ++c) q[c] = _mm512_loadu_ps(&qf[g * D + 16 * c]);
+      for (int t0 = 0; t0 < n16; t0 += 16) {
+        __m512 a[16];
+        for (int t = 0; t < 16; ++t) {
+          const float* k = rows.data() + size_t(t0 + t) * D;
+          __m512 acc = _mm512_mul_ps(q[0], _mm512_loadu_ps(k));
+          for (int c = 1; c < C; ++c) acc = _mm512_fmadd_ps(q[c], _mm512_loadu_ps(k + 16 * c), acc);
+          a[t] = acc;
+        }
+        _mm512_storeu_ps(&scores[size_t(g) * padded + j * bs + t0], reduce16(a));
+      }
+    }
+  }
+  for (int g = 0; g < group; ++g) {
+    float* s = &scores[size_t(g) * padded];
+    float m = s[0];
+    for (int t = 1; t < seq_len; ++t) m = std::max(m, s[t]);
+    float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+    for (int t = 0; t < seq_len; ++t) {
+      s[t] = std::exp(s[t] - m);
+      sum += s[t];
+    }
+    const float inv = 1.f / sum;
+#pragma omp simd
+    for (int t = 0; t < seq_len; ++t) s[t] *= inv;
+  }
+  acc.assign(size_t(group) * D, 0.f);
+  for (int j = 0; j < num_blocks; ++j) {
+    const auto* p = pages.page(blocks[j], kv_head);
+    const int n = std::min(bs, seq_len - j * bs);
+    rows_to_float<C>(pages.values(p), pages, p, true, n, rows.data());
+    for (int g = 0; g < group; ++g) {
+      // One query head's sum stays in registers over the page.
+      const float* w = &scores[size_t(g) * padded + j * bs];
+      __m512 a[C];
+      for (int c = 0; c < C; ++c) a[c] = _mm512_loadu_ps(&acc[g * D + 16 * c]);
+      for (int t = 0; t < n; ++t) {
+        const __m512 pw = _mm512_set1_ps(w[t]);
+        const float* v = rows.data() + size_t(t) * D;
+        for (int c = 0; c < C; ++c) a[c] = _mm512_fmadd_ps(pw, _mm512_loadu_ps(v + 16 * c), a[c]);
+      }
+      for (int c = 0; c < C; ++c) _mm512_storeu_ps(&acc[g * D + 16 * c], a[c]);
+    }
+  }
+  for (int g = 0; g < group; ++g)
+    for (int i = 0; i < D; ++i) store(acc[g * D + i], out + g * o_head_stride + i);
+}
+
+// Runs the AVX-512 path if it has an instantiation for this head size.
+template <typename QT, typename Pages>
+bool attend_one_fast(const QT* query, int64_t q_head_stride, QT* out, int64_t o_head_stride,
+                     const Pages& pages, const int32_t* blocks, int kv_head, int seq_len,
+                     int group, float scale, std::vector<float>& qf, std::vector<float>& acc,
+                     std::vector<float>& scores, std::vector<float>& rows) {
+  if (seq_len <= 0 || pages.head_size % 16) return false;
+#define ACCEL_CASE(C)                                                                        \
+  case C:                                                                                    \
+    attend_one_avx512<C>(query, q_head_stride, out, o_head_stride, pages, blocks, kv_head,   \
+                         seq_len, group, scale, qf, acc, scores, rows);                           \
+    return true;
+  switch (pages.head_size / 16) {
+    ACCEL_CASE(2) ACCEL_CASE(4) ACCEL_CASE(5) ACCEL_CASE(6) ACCEL_CASE(8) ACCEL_CASE(16)
+  }
+#undef ACCEL_CASE
+  return false;
+}
+#endif  // __AVX512F__
+
+// Causal attention of every request's newest q_len tokens (decode: q_len 1).
+// Query/output rows of request r: query_start_loc[r] .. query_start_loc[r+1].
+// Work items are (request, kv head, query row): all independent.
+template <typename QT, typename Pages>
+void paged_attention(const QT* query, int64_t q_tok_stride, int64_t q_head_stride, QT* out,
+                     int64_t o_tok_stride, int64_t o_head_stride, const Pages& pages,
+                     const int32_t* block_table, int64_t bt_stride, const int32_t* query_start_loc,
+                     const int32_t* seq_lens, int num_reqs, int num_heads, int num_kv_heads,
+                     float scale) {
+  const int group = num_heads / num_kv_heads;
+  const int64_t num_rows = query_start_loc[num_reqs];
+  std::vector<int32_t> row_req(num_rows);
+  for (int r = 0; r < num_reqs; ++r)
+    for (int32_t i = query_start_loc[r]; i < query_start_loc[r + 1]; ++i) row_req[i] = r;
+  const int64_t items = num_rows * num_kv_heads;
+#pragma omp parallel
+  {
+    std::vector<float> qf, acc, scores, row;
+#pragma omp for schedule(dynamic, 4)
+    for (int64_t item = 0; item < items; ++item) {
+      const int64_t i = item / num_kv_heads;
+      const int kv_head = int(item % num_kv_heads);
+      const int r = row_req[i];
+      const int q_len = query_start_loc[r + 1] - query_start_loc[r];
+      // Row i is position seq_len - q_len + (i - start): it sees keys up to itself.
+      const int visible = seq_lens[r] - q_len + int(i - query_start_loc[r]) + 1;
+      const int h0 = kv_head * group;
+#ifdef __AVX512F__
+      if (attend_one_fast(query + i * q_tok_stride + h0 * q_head_stride, q_head_stride,
+                          out + i * o_tok_stride + h0 * o_head_stride, o_head_stride, pages,
+                          block_table + r * bt_stride, kv_head, visible, group, scale, qf,
+                          acc, scores, row))
+        continue;
+#endif
+      attend_one(query + i * q_tok_stride + h0 * q_head_stride, q_head_stride,
+                 out + i * o_tok_stride + h0 * o_head_stride, o_head_stride, pages,
+                 block_table + r * bt_stride, kv_head, visible, group, scale, qf, acc, scores,
+                 row);
+    }
+  }
+}
+
+template <typename T>
+void write_float(const T* key, const T* value, int64_t tok_stride, int64_t head_stride, T* cache,
+                 int64_t block_stride, int64_t cache_head_stride, const int64_t* slots,
+                 int64_t num_tokens, int num_kv_heads, int block_size, int head_size) {
+#pragma omp parallel for if (num_tokens >= 64)
+  for (int64_t i = 0; i < num_tokens; ++i) {
+    const int64_t slot = slots[i];
+    if (slot < 0) continue;
+    const int64_t block = slot / block_size, offset = slot % block_size;
+    for (int h = 0; h < num_kv_heads; ++h) {
+      T* page = cache + block * block_stride + h * cache_head_stride;
+      const int64_t src = i * tok_stride + h * head_stride;
+      std::memcpy(page + offset * head_size, key + src, sizeof(T) * head_size);
+      std::memcpy(page + (int64_t(block_size) + offset) * head_size, value + src,
+                  sizeof(T) * head_size);
+    }
+  }
+}
+
+// The writers must match the torch writers bit for bit: no fast-math here.
+#pragma GCC push_options
+#pragma GCC optimize("no-fast-math")
+
+// Symmetric per-(token, head) quantization, the same arithmetic as the torch
+// writer (attention_kernels._quantize): scale = max|x| / 127 (floored), or a
+// static scale; q = round_half_even(x / scale) clipped to [-127, 127].
+template <typename T>
+float quantize_row(const T* x, int8_t* q, int n, float static_scale) {
+  float scale = static_scale;
+  if (scale <= 0.f) {
+    float amax = 0.f;
+    for (int i = 0; i < n; ++i) amax = std::max(amax, std::fabs(to_float(x[i])));
+    scale = std::max(amax / 127.f, 1e-8f);
+  }
+  for (int i = 0; i < n; ++i) {
+    const float v = std::nearbyint(to_float(x[i]) / scale);
+    q[i] = int8_t(std::min(127.f, std::max(-127.f, v)));
+  }
+  return scale;
+}
+
+template <typename T>
+void write_int8(const T* key, const T* value, int64_t tok_stride, int64_t head_stride,
+                int8_t* cache, int64_t block_stride, int64_t cache_head_stride,
+                const int64_t* slots, int64_t num_tokens, int num_kv_heads, int block_size,
+                int head_size, float k_scale, float v_scale) {
+#pragma omp parallel for if (num_tokens >= 64)
+  for (int64_t i = 0; i < num_tokens; ++i) {
+    const int64_t slot = slots[i];
+    if (slot < 0) continue;
+    const int64_t block = slot / block_size, offset = slot % block_size;
+    for (int h = 0; h < num_kv_heads; ++h) {
+      int8_t* page = cache + block * block_stride + h * cache_head_stride;
+      const int64_t src = i * tok_stride + h * head_stride;
+      float* scales = reinterpret_cast<float*>(page + 2 * int64_t(block_size) * head_size);
+      scales[2 * offset] = quantize_row(key + src, page + offset * head_size, head_size, k_scale);
+      scales[2 * offset + 1] = quantize_row(
+          value + src, page + (int64_t(block_size) + offset) * head_size, head_size, v_scale);
+    }
+  }
+}
+
+#pragma GCC pop_options
+
+}  // namespace
+
+extern "C" {
+
+// Returns 0, or -1 for an unknown dtype code.
+int accel_paged_attention(int dtype, const void* query, int64_t q_tok_stride,
+                          int64_t q_head_stride, void* out, int64_t o_tok_stride,
+                          int64_t o_head_stride, const void* cache, int cache_int8,
+                          int64_t block_stride, int64_t head_stride, int block_size, int head_size,
+                          const int32_t* block_table, int64_t bt_stride,
+                          const int32_t* query_start_loc, const int32_t* seq_lens, int num_reqs,
+                          int num_heads, int num_kv_heads, float scale) {
+  return dispatch(dtype, [&](auto tag) {
+    using T = decltype(tag);
+    const T* q = static_cast<const T*>(query);
+    T* o = static_cast<T*>(out);
+    if (cache_int8) {
+      Pages<int8_t> pages{static_cast<const int8_t*>(cache), block_stride, head_stride,
+                          block_size, head_size};
+      paged_attention(q, q_tok_stride, q_head_stride, o, o_tok_stride, o_head_stride, pages,
+                      block_table, bt_stride, query_start_loc, seq_lens, num_reqs, num_heads,
+                      num_kv_heads, scale);
+    } else {
+      Pages<T> pages{static_cast<const T*>(cache), block_stride, head_stride, block_size,
+                     head_size};
+      paged_attention(q, q_tok_stride, q_head_stride, o, o_tok_stride, o_head_stride, pages,
+                      block_table, bt_stride, query_start_loc, seq_lens, num_reqs, num_heads,
+                      num_kv_heads, scale);
+    }
+  });
+}
+
+// K/V rows [num_tokens, num_kv_heads, head_size] (token and head strides in
+// elements, contiguous rows) into their slots; slot < 0 is padding. The cache
+// has the K/V dtype, or is INT8 (cache_int8) with k_scale/v_scale <= 0 meaning
+// dynamic scales.
+int accel_cache_write(int dtype, const void* key, const void* value, int64_t tok_stride,
+                      int64_t head_stride, void* cache, int cache_int8, int64_t block_stride,
+                      int64_t cache_head_stride, const int64_t* slots, int64_t num_tokens,
+                      int num_kv_heads, int block_size, int head_size, float k_scale,
+                      float v_scale) {
+  return dispatch(dtype, [&](auto tag) {
+    using T = decltype(tag);
+    const T* k = static_cast<const T*>(key);
+    const T* v = static_cast<const T*>(value);
+    if (cache_int8)
+      write_int8(k, v, tok_stride, head_stride, static_cast<int8_t*>(cache), block_stride,
+                 cache_head_stride, slots, num_tokens, num_kv_heads, block_size, head_size,
+                 k_scale, v_scale);
+    else
+      write_float(k, v, tok_stride, head_stride, static_cast<T*>(cache), block_stride,
+                  cache_head_stride, slots, num_tokens, num_kv_heads, block_size, head_size);
+  });
+}
+
+}  // extern "C"

@@ -1,0 +1,80 @@
+"""The ``cpu_native`` provider of ``rms_norm`` and ``silu_and_mul`` (C++, see
+``csrc/elementwise.cpp``): one pass over each row instead of the reference's
+chain of torch ops, with the reference's roundings.
+
+Eager mode only: under ``torch.compile`` (inductor fuses the reference's ops
+itself) and for inputs the C ABI does not take, each kernel hands over to the
+next provider (``fallback_kernel``).
+"""
+
+import ctypes
+
+import torch
+
+from vllm_accel.ops import native
+from vllm_accel.ops.registry import fallback_kernel, register_kernel
+
+NATIVE = "cpu_native"
+
+
+def _rows(t: torch.Tensor) -> torch.Tensor | None:
+    """``t`` as a 2-D view ``[rows, last]`` with unit element stride, or ``None``."""
+    if t.dim() == 0 or t.stride(-1) != 1:
+        return None
+    try:
+        return t.view(-1, t.shape[-1])
+    except RuntimeError:  # not viewable as rows
+        return None
+
+
+def _native_ok(*tensors: torch.Tensor) -> bool:
+    dtype = tensors[0].dtype
+    return (
+        not torch.compiler.is_compiling()
+        and native.dtype_code(dtype) is not None
+        and all(t.device.type == "cpu" and t.dtype == dtype for t in tensors)
+        and native.library() is not None
+    )
+
+
+@register_kernel("rms_norm", NATIVE)
+def rms_norm(x, weight, eps, residual=None, variance_size=None):
+    """Same contract as the reference ``rms_norm`` (``custom_ops``)."""
+    tensors = [t for t in (x, weight, residual) if t is not None]
+    x2 = _rows(x)
+    r2 = None if residual is None else _rows(residual)
+    if (variance_size is not None or not _native_ok(*tensors) or x2 is None
+            or (residual is not None and (r2 is None or residual.shape != x.shape))
+            or (weight is not None and (weight.shape != x.shape[-1:] or weight.stride(-1) != 1))
+            or x2.shape[0] == 0):
+        return fallback_kernel("rms_norm", NATIVE)(x, weight, eps, residual, variance_size)
+    out = torch.empty(x.shape, dtype=x.dtype)
+    new_residual = None if residual is None else torch.empty(x.shape, dtype=x.dtype)
+    rows, n = x2.shape
+    rc = native.library().accel_rms_norm(
+        native.dtype_code(x.dtype), x2.data_ptr(), x2.stride(0),
+        None if r2 is None else r2.data_ptr(), 0 if r2 is None else r2.stride(0),
+        None if weight is None else weight.data_ptr(), out.data_ptr(), n,
+        None if new_residual is None else new_residual.data_ptr(), n, rows, n,
+        ctypes.c_float(eps),
+    )
+    if rc:
+        raise RuntimeError(f"accel_rms_norm failed ({rc})")
+    return out if new_residual is None else (out, new_residual)
+
+
+@register_kernel("silu_and_mul", NATIVE)
+def silu_and_mul(x):
+    """Same contract as the reference ``silu_and_mul`` (``custom_ops``)."""
+    x2 = _rows(x)
+    if not _native_ok(x) or x2 is None or x.shape[-1] % 2 or x2.shape[0] == 0:
+        return fallback_kernel("silu_and_mul", NATIVE)(x)
+    d = x.shape[-1] // 2
+    out = torch.empty(*x.shape[:-1], d, dtype=x.dtype)
+    rc = native.library().accel_silu_and_mul(
+        native.dtype_code(x.dtype), x2.data_ptr(), x2.stride(0), out.data_ptr(), d,
+        x2.shape[0], d,
+    )
+    if rc:
+        raise RuntimeError(f"accel_silu_and_mul failed ({rc})")
+    return out

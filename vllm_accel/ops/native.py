@@ -1,0 +1,119 @@
+"""Compiles and loads the C++ kernels in ``ops/csrc`` (the ``cpu_native`` provider).
+
+Why not a torch C++ extension: including torch's headers makes every build take
+a minute or more; these kernels only need raw pointers, so they are a plain C ABI
+built by the host's C++ compiler in a few seconds and called through ctypes.
+
+The library is built on first use, for this CPU (``-march=native``), into
+``ACCEL_NATIVE_CACHE`` under a key of the source, compiler, flags and CPU, and
+reused afterwards (the rename into place is atomic, so ranks starting together
+are safe). Without a compiler, or if the build fails, :func:`library` returns
+``None`` once with a warning, and callers fall back to the torch kernels.
+``-fopenmp`` links ``libgomp.so.1``; torch has already loaded its own copy under
+that name, so both share one OpenMP runtime and thread count.
+"""
+
+import ctypes
+import functools
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+from vllm_accel import envs
+from vllm_accel.logger import init_logger
+
+logger = init_logger(__name__)
+
+CSRC = Path(__file__).parent / "csrc"
+SOURCES = (CSRC / "paged_attention.cpp", CSRC / "elementwise.cpp")
+HEADERS = (CSRC / "dtypes.h",)
+# -ffast-math: vectorized expf (glibc's libmvec) and reassociated sums in the
+# readers, which never see inf/NaN from valid inputs (no -inf masking, finite
+# scales); the cache writers opt out to stay bit-exact with the torch writers.
+FLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp", "-std=c++17", "-shared", "-fPIC")
+#: dtype codes of the C ABI (csrc/dtypes.h)
+DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+
+_i64, _i32, _f32, _ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_float, ctypes.c_void_p
+_SIGNATURES = {
+    "accel_paged_attention": (
+        _i32, _ptr, _i64, _i64, _ptr, _i64, _i64, _ptr, _i32, _i64, _i64, _i32, _i32,
+        _ptr, _i64, _ptr, _ptr, _i32, _i32, _i32, _f32,
+    ),
+    "accel_cache_write": (
+        _i32, _ptr, _ptr, _i64, _i64, _ptr, _i32, _i64, _i64, _ptr, _i64, _i32, _i32, _i32,
+        _f32, _f32,
+    ),
+    "accel_rms_norm": (_i32, _ptr, _i64, _ptr, _i64, _ptr, _ptr, _i64, _ptr, _i64, _i64, _i32, _f32),
+    "accel_silu_and_mul": (_i32, _ptr, _i64, _ptr, _i64, _i64, _i32),
+}
+
+
+def dtype_code(dtype: torch.dtype) -> int | None:
+    """The C ABI's code for a tensor dtype, ``None`` if the kernels lack it."""
+    return DTYPE_CODES.get(dtype)
+
+
+def compiler() -> str | None:
+    """The C++ compiler: ``$CXX``, else ``c++``/``g++`` on PATH."""
+    return next((c for c in (os.environ.get("CXX"), "c++", "g++") if c and shutil.which(c)),
+                None)
+
+
+def _cpu_signature() -> str:
+    """What ``-march=native`` depends on: the architecture and the CPU's flags."""
+    try:
+        flags = next(line for line in Path("/proc/cpuinfo").read_text().splitlines()
+                     if line.startswith(("flags", "Features")))
+    except (OSError, StopIteration):
+        flags = ""
+    return platform.machine() + flags
+
+
+def _build(cxx: str) -> Path:
+    version = subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout
+    key = hashlib.sha256("\0".join(
+        [*(f.read_text() for f in SOURCES + HEADERS), cxx, version, " ".join(FLAGS),
+         _cpu_signature()]
+    ).encode()).hexdigest()[:16]
+    target = Path(envs.ACCEL_NATIVE_CACHE) / f"cpu_native-{key}.so"
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+        built = Path(tmp) / target.name
+        result = subprocess.run([cxx, *FLAGS, *map(str, SOURCES), "-o", str(built)],
+                                capture_output=True, text=True)
+        if result.returncode:
+            raise RuntimeError(f"{cxx} failed:\n{result.stderr[-4000:]}")
+        os.replace(built, target)
+    logger.info("Built the cpu_native kernels: %s", target)
+    return target
+
+
+@functools.cache
+def library() -> ctypes.CDLL | None:
+    """The loaded kernel library, or ``None`` (warned once) if it cannot be built."""
+    if envs.ACCEL_NATIVE_CACHE in ("", "off", "0", "none"):
+        return None
+    cxx = compiler()
+    if cxx is None:
+        logger.warning("No C++ compiler found (set CXX or install g++): the cpu_native "
+                       "attention kernels are off; using the torch kernels instead.")
+        return None
+    try:
+        lib = ctypes.CDLL(str(_build(cxx)))
+    except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
+        logger.warning("Could not build the cpu_native attention kernels (%s); using the "
+                       "torch kernels instead.", exc)
+        return None
+    for name, argtypes in _SIGNATURES.items():
+        fn = getattr(lib, name)
+        fn.argtypes, fn.restype = argtypes, ctypes.c_int
+    return lib
