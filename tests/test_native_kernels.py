@@ -251,11 +251,66 @@ def test_elementwise_fall_back_under_torch_compile():
     """Dynamo cannot trace a ctypes call: compiled graphs get the reference ops."""
     w = torch.randn(64)
 
+    cache = torch.randn(8, 16)
+    positions = torch.tensor([3, 1, 7, 0])
+
     @torch.compile(backend="eager", fullgraph=True)
-    def norm_then_act(x):
-        return custom_ops_native.silu_and_mul(custom_ops_native.rms_norm(x, w, 1e-6))
+    def norm_act_rope(x):
+        h = custom_ops_native.silu_and_mul(custom_ops_native.rms_norm(x, w, 1e-6))
+        return custom_ops_native.rotary_embedding(positions, h, None, cache, 16, 16, True)[0]
 
     x = torch.randn(4, 64)
-    ref = get_kernel("rms_norm", "reference")
-    expected = get_kernel("silu_and_mul", "reference")(ref(x, w, 1e-6))
-    torch.testing.assert_close(norm_then_act(x), expected)
+    h = get_kernel("silu_and_mul", "reference")(get_kernel("rms_norm", "reference")(x, w, 1e-6))
+    expected = get_kernel("rotary_embedding", "reference")(positions, h, None, cache, 16, 16,
+                                                           True)[0]
+    torch.testing.assert_close(norm_act_rope(x), expected)
+
+
+def _rotary_float64(positions, x, cache, head_size, rot, neox):
+    x = x.double().reshape(x.shape[0], -1, head_size)
+    cos, sin = cache.double()[positions].chunk(2, dim=-1)
+    cos, sin = cos[:, None, :], sin[:, None, :]
+    r = x[..., :rot]
+    x1, x2 = (r[..., : rot // 2], r[..., rot // 2:]) if neox else (r[..., 0::2], r[..., 1::2])
+    o1, o2 = x1 * cos - x2 * sin, x2 * cos + x1 * sin
+    rot_out = torch.cat((o1, o2), -1) if neox else torch.stack((o1, o2), -1).flatten(-2)
+    return torch.cat((rot_out, x[..., rot:]), -1)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("neox", [True, False], ids=["neox", "gptj"])
+@pytest.mark.parametrize("rot", [64, 32])  # 32: partial rotary, channels 32.. pass through
+@pytest.mark.parametrize("with_key", [True, False])
+def test_rotary_embedding(dtype, neox, rot, with_key):
+    g = torch.Generator().manual_seed(rot + neox)
+    num_tokens, heads, kv_heads, d = 70, 6, 2, 64
+    cache = torch.randn(512, rot, generator=g).to(dtype)
+    positions = torch.randint(0, 512, (num_tokens,), generator=g)
+    # Q and K sliced out of a fused qkv row, as the attention layers pass them.
+    qkv = torch.randn(num_tokens, (heads + 2 * kv_heads) * d, generator=g).to(dtype)
+    q, k = qkv[:, : heads * d], qkv[:, heads * d : (heads + kv_heads) * d]
+    k = k if with_key else None
+    before = qkv.clone()
+    ours = custom_ops_native.rotary_embedding(positions, q, k, cache, d, rot, neox)
+    theirs = get_kernel("rotary_embedding", "reference")(positions, q, k, cache, d, rot, neox)
+    assert torch.equal(qkv, before)  # functional: inputs untouched
+    exact = dtype != torch.float32  # same roundings; fp32 may fuse a multiply-add
+    for o, t, x in zip(ours, theirs, (q, k)):
+        if x is None:
+            assert o is None and t is None
+            continue
+        assert o.shape == x.shape
+        if exact:
+            assert torch.equal(o, t)
+        else:
+            torch.testing.assert_close(o, t, atol=2e-6, rtol=2e-6)
+        expected = _rotary_float64(positions, x, cache, d, rot, neox).reshape(x.shape)
+        tol = 1e-5 if dtype == torch.float32 else 4 * (2**-7 if dtype == torch.bfloat16 else 2**-10)
+        torch.testing.assert_close(o.double(), expected, atol=tol * 4, rtol=tol)
+
+
+def test_rotary_bad_positions_get_the_reference_error():
+    cache = torch.randn(16, 32)
+    q = torch.randn(3, 2 * 32)
+    with pytest.raises(IndexError):
+        custom_ops_native.rotary_embedding(torch.tensor([0, 5, 16]), q, None, cache, 32, 32, True)

@@ -1,4 +1,5 @@
-"""The ``cpu_native`` provider of ``rms_norm`` and ``silu_and_mul`` (C++, see
+"""The ``cpu_native`` provider of ``rms_norm``, ``silu_and_mul`` and
+``rotary_embedding`` (C++, see
 ``csrc/elementwise.cpp``): one pass over each row instead of the reference's
 chain of torch ops, with the reference's roundings.
 
@@ -78,3 +79,47 @@ def silu_and_mul(x):
     if rc:
         raise RuntimeError(f"accel_silu_and_mul failed ({rc})")
     return out
+
+
+def _rotate(x, positions, cos_sin_cache, head_size, rotary_dim, is_neox_style):
+    """One tensor's rotary embedding into a new tensor of its shape."""
+    rows = x.view(x.shape[0], -1)
+    out = torch.empty(x.shape, dtype=x.dtype)
+    num_tokens, width = rows.shape
+    rc = native.library().accel_rotary(
+        native.dtype_code(x.dtype), positions.data_ptr(), num_tokens, rows.data_ptr(),
+        rows.stride(0), out.data_ptr(), width, width // head_size, head_size, rotary_dim,
+        int(is_neox_style), cos_sin_cache.data_ptr(), cos_sin_cache.stride(0),
+    )
+    if rc:
+        raise RuntimeError(f"accel_rotary failed ({rc})")
+    return out
+
+
+def _rotary_rows_ok(x, num_tokens, head_size):
+    if x.dim() < 2 or x.shape[0] != num_tokens or x.stride(-1) != 1:
+        return False
+    try:
+        rows = x.view(num_tokens, -1)
+    except RuntimeError:
+        return False
+    return rows.shape[1] % head_size == 0 and rows.stride(-1) == 1
+
+
+@register_kernel("rotary_embedding", NATIVE)
+def rotary_embedding(positions, query, key, cos_sin_cache, head_size, rotary_dim,
+                     is_neox_style):
+    """Same contract as the reference ``rotary_embedding`` (``custom_ops``)."""
+    positions = positions.flatten()
+    num_tokens = positions.shape[0]
+    tensors = [query, cos_sin_cache] + ([] if key is None else [key])
+    if (not _native_ok(*tensors) or rotary_dim > head_size or rotary_dim % 2
+            or positions.dtype != torch.int64 or num_tokens == 0
+            or cos_sin_cache.shape[-1] != rotary_dim or cos_sin_cache.stride(-1) != 1
+            or not all(_rotary_rows_ok(t, num_tokens, head_size) for t in tensors[:1] + tensors[2:])
+            or int(positions.min()) < 0 or int(positions.max()) >= cos_sin_cache.shape[0]):
+        return fallback_kernel("rotary_embedding", NATIVE)(
+            positions, query, key, cos_sin_cache, head_size, rotary_dim, is_neox_style)
+    positions = positions.contiguous()
+    args = (positions, cos_sin_cache, head_size, rotary_dim, is_neox_style)
+    return _rotate(query, *args), None if key is None else _rotate(key, *args)

@@ -1,4 +1,4 @@
-// RMSNorm (optionally fused with the residual add) and SiluAndMul for the
+// RMSNorm (optionally fused with the residual add), SiluAndMul and rotary embedding for the
 // simulated GCU, built with paged_attention.cpp into one library (ops/native.py).
 //
 // They follow the rounding of the torch reference kernels (ops/custom_ops.py)
@@ -69,6 +69,37 @@ void silu_and_mul(const T* x, int64_t x_stride, T* out, int64_t o_stride, int64_
   }
 }
 
+// Rotates the first rot_dim channels of every head, in T's arithmetic like the
+// reference (each product and sum rounded to T). out may alias x.
+template <typename T>
+void rotary(const int64_t* positions, int64_t num_tokens, const T* x, int64_t x_stride, T* out,
+            int64_t o_stride, int num_heads, int head_size, int rot_dim, bool neox,
+            const T* cos_sin, int64_t cs_stride) {
+  const int half = rot_dim / 2;
+#pragma omp parallel for if (num_tokens >= 64)
+  for (int64_t t = 0; t < num_tokens; ++t) {
+    const T* cos = cos_sin + positions[t] * cs_stride;
+    const T* sin = cos + half;
+    for (int h = 0; h < num_heads; ++h) {
+      const T* src = x + t * x_stride + int64_t(h) * head_size;
+      T* dst = out + t * o_stride + int64_t(h) * head_size;
+      // neox pairs (i, i + half); GPT-J pairs (2i, 2i + 1)
+      const int step = neox ? 1 : 2, partner = neox ? half : 1;
+#pragma omp simd
+      for (int i = 0; i < half; ++i) {
+        const float x1 = to_float(src[i * step]), x2 = to_float(src[i * step + partner]);
+        const float c = to_float(cos[i]), s = to_float(sin[i]);
+        const float o1 = round_to<T>(x1 * c) - round_to<T>(x2 * s);
+        const float o2 = round_to<T>(x2 * c) + round_to<T>(x1 * s);
+        store(o1, dst + i * step);
+        store(o2, dst + i * step + partner);
+      }
+      if (dst != src)
+        for (int i = rot_dim; i < head_size; ++i) dst[i] = src[i];
+    }
+  }
+}
+
 }  // namespace
 
 extern "C" {
@@ -92,6 +123,19 @@ int accel_silu_and_mul(int dtype, const void* x, int64_t x_stride, void* out, in
   return dispatch(dtype, [&](auto tag) {
     using T = decltype(tag);
     silu_and_mul(static_cast<const T*>(x), x_stride, static_cast<T*>(out), o_stride, rows, d);
+  });
+}
+
+// Rotary embedding of x [num_tokens, num_heads * head_size] (row strides in
+// elements) into out; cos_sin rows [cos (rot_dim / 2), sin (rot_dim / 2)].
+int accel_rotary(int dtype, const int64_t* positions, int64_t num_tokens, const void* x,
+                 int64_t x_stride, void* out, int64_t o_stride, int num_heads, int head_size,
+                 int rot_dim, int neox, const void* cos_sin, int64_t cs_stride) {
+  return dispatch(dtype, [&](auto tag) {
+    using T = decltype(tag);
+    rotary(positions, num_tokens, static_cast<const T*>(x), x_stride, static_cast<T*>(out),
+           o_stride, num_heads, head_size, rot_dim, neox != 0, static_cast<const T*>(cos_sin),
+           cs_stride);
   });
 }
 

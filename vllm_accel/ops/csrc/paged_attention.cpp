@@ -172,6 +172,14 @@ inline __m512 reduce16(__m512 a[16]) {
   return _mm512_permutexvar_ps(order, r);
 }
 
+// Pages are scattered over the cache: ask for the next one while this one is
+// being used (the hardware prefetchers stop at 4 KiB boundaries).
+template <typename E>
+inline void prefetch(const E* p, int64_t count) {
+  const char* c = reinterpret_cast<const char*>(p);
+  for (int64_t i = 0; i < count * int64_t(sizeof(E)); i += 64) _mm_prefetch(c + i, _MM_HINT_T0);
+}
+
 // `n` rows of a K or V section into float32 rows (times the row's scale).
 template <int C, typename T, typename Pages, typename P>
 inline void rows_to_float(const T* src, const Pages& pages, const P* page, bool value, int n,
@@ -205,6 +213,8 @@ void attend_one_avx512(const QT* query, int64_t q_head_stride, QT* out, int64_t 
   for (int j = 0; j < num_blocks; ++j) {
     const auto* p = pages.page(blocks[j], kv_head);
     const int n = std::min(bs, seq_len - j * bs);
+    if (j + 1 < num_blocks) prefetch(pages.keys(pages.page(blocks[j + 1], kv_head)), int64_t(bs) * D);
+    else prefetch(pages.values(pages.page(blocks[0], kv_head)), int64_t(bs) * D);
     rows_to_float<C>(pages.keys(p), pages, p, false, n, rows.data());
     const int n16 = (n + 15) / 16 * 16;  // rows past n are read but their scores unused
     for (int g = 0; g < group; ++g) {
@@ -240,6 +250,7 @@ void attend_one_avx512(const QT* query, int64_t q_head_stride, QT* out, int64_t 
   for (int j = 0; j < num_blocks; ++j) {
     const auto* p = pages.page(blocks[j], kv_head);
     const int n = std::min(bs, seq_len - j * bs);
+    if (j + 1 < num_blocks) prefetch(pages.values(pages.page(blocks[j + 1], kv_head)), int64_t(bs) * D);
     rows_to_float<C>(pages.values(p), pages, p, true, n, rows.data());
     for (int g = 0; g < group; ++g) {
       // One query head's sum stays in registers over the page.
@@ -258,6 +269,98 @@ void attend_one_avx512(const QT* query, int64_t q_head_stride, QT* out, int64_t 
     for (int i = 0; i < D; ++i) store(acc[g * D + i], out + g * o_head_stride + i);
 }
 
+#ifdef __AVX512BF16__
+// bf16 model and cache on a CPU with AVX512_BF16: dot products straight from the
+// bf16 rows (exact products, float32 sums), no float copy of K or V. The
+// probabilities are rounded to bf16 for the V sum (each pair of tokens is one
+// bf16 dot), as the matmul-based kernels do.
+template <int C>
+void attend_one_bf16(const bf16* query, int64_t q_head_stride, bf16* out, int64_t o_head_stride,
+                     const Pages<bf16>& pages, const int32_t* blocks, int kv_head, int seq_len,
+                     int group, float scale, std::vector<float>& acc, std::vector<float>& scores,
+                     std::vector<float>& probs_bf16) {
+  constexpr int D = 16 * C, R = C / 2;  // R: 32-element bf16 vectors per row
+  const int bs = pages.block_size;
+  const int padded = (seq_len + 15) / 16 * 16;
+  const int num_blocks = (seq_len + bs - 1) / bs;
+  scores.resize(size_t(group) * padded);
+  const __m512 scale_v = _mm512_set1_ps(scale);
+  for (int j = 0; j < num_blocks; ++j) {
+    const bf16* k = pages.keys(pages.page(blocks[j], kv_head));
+    const int n16 = (std::min(bs, seq_len - j * bs) + 15) / 16 * 16;  // extra rows: unused
+    if (j + 1 < num_blocks) prefetch(pages.keys(pages.page(blocks[j + 1], kv_head)), int64_t(bs) * D);
+    else prefetch(pages.values(pages.page(blocks[0], kv_head)), int64_t(bs) * D);
+    for (int g = 0; g < group; ++g) {
+      __m512bh q[R];
+      for (int r = 0; r < R; ++r) q[r] = (__m512bh)_mm512_loadu_si512(query + g * q_head_stride + 32 * r);
+      for (int t0 = 0; t0 < n16; t0 += 16) {
+        __m512 a[16];
+        for (int t = 0; t < 16; ++t) {
+          const bf16* row = k + size_t(t0 + t) * D;
+          __m512 sum = _mm512_setzero_ps();
+          for (int r = 0; r < R; ++r)
+            sum = _mm512_dpbf16_ps(sum, q[r], (__m512bh)_mm512_loadu_si512(row + 32 * r));
+          a[t] = sum;
+        }
+        _mm512_storeu_ps(&scores[size_t(g) * padded + j * bs + t0],
+                         _mm512_mul_ps(reduce16(a), scale_v));
+      }
+    }
+  }
+  // softmax, then the probabilities in bf16, one zero past the end of each head's
+  probs_bf16.resize((size_t(group) * (padded + 2) + 1) / 2);  // float storage for uint16s
+  uint16_t* pb = reinterpret_cast<uint16_t*>(probs_bf16.data());
+  for (int g = 0; g < group; ++g) {
+    float* s = &scores[size_t(g) * padded];
+    float m = s[0];
+    for (int t = 1; t < seq_len; ++t) m = std::max(m, s[t]);
+    float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+    for (int t = 0; t < seq_len; ++t) {
+      s[t] = std::exp(s[t] - m);
+      sum += s[t];
+    }
+    const float inv = 1.f / sum;
+    uint16_t* pg = pb + size_t(g) * (padded + 2);
+    for (int t = 0; t < seq_len; ++t) store(s[t] * inv, reinterpret_cast<bf16*>(pg + t));
+    pg[seq_len] = 0;
+  }
+  acc.resize(size_t(D));
+  for (int g = 0; g < group; ++g) {
+    const uint16_t* pg = pb + size_t(g) * (padded + 2);
+    // Accumulator 2r (2r+1) holds, in lane 4l + i, the column 32r + 8l + i (+ 4).
+    __m512 a[C];
+    for (int c = 0; c < C; ++c) a[c] = _mm512_setzero_ps();
+    for (int j = 0; j < num_blocks; ++j) {
+      const bf16* v = pages.values(pages.page(blocks[j], kv_head));
+      const int n = std::min(bs, seq_len - j * bs);
+      if (g == 0 && j + 1 < num_blocks)
+        prefetch(pages.values(pages.page(blocks[j + 1], kv_head)), int64_t(bs) * D);
+      for (int t = 0; t < n; t += 2) {
+        uint32_t pair;  // (p[t], p[t+1]); p past the end is 0
+        std::memcpy(&pair, pg + j * bs + t, 4);
+        if (t + 1 == n) pair &= 0xffffu;
+        const __m512bh w = (__m512bh)_mm512_set1_epi32(int(pair));
+        for (int r = 0; r < R; ++r) {
+          const __m512i x = _mm512_loadu_si512(v + size_t(t) * D + 32 * r);
+          const __m512i y = t + 1 < n ? _mm512_loadu_si512(v + size_t(t + 1) * D + 32 * r)
+                                      : _mm512_setzero_si512();
+          a[2 * r] = _mm512_dpbf16_ps(a[2 * r], w, (__m512bh)_mm512_unpacklo_epi16(x, y));
+          a[2 * r + 1] = _mm512_dpbf16_ps(a[2 * r + 1], w, (__m512bh)_mm512_unpackhi_epi16(x, y));
+        }
+      }
+    }
+    alignas(64) float lanes[D];
+    for (int c = 0; c < C; ++c) _mm512_store_ps(lanes + 16 * c, a[c]);
+    for (int c = 0; c < C; ++c)
+      for (int l = 0; l < 4; ++l)
+        for (int i = 0; i < 4; ++i)
+          acc[32 * (c / 2) + 8 * l + 4 * (c % 2) + i] = lanes[16 * c + 4 * l + i];
+    for (int i = 0; i < D; ++i) store(acc[i], out + g * o_head_stride + i);
+  }
+}
+#endif  // __AVX512BF16__
+
 // Runs the AVX-512 path if it has an instantiation for this head size.
 template <typename QT, typename Pages>
 bool attend_one_fast(const QT* query, int64_t q_head_stride, QT* out, int64_t o_head_stride,
@@ -265,10 +368,23 @@ bool attend_one_fast(const QT* query, int64_t q_head_stride, QT* out, int64_t o_
                      int group, float scale, std::vector<float>& qf, std::vector<float>& acc,
                      std::vector<float>& scores, std::vector<float>& rows) {
   if (seq_len <= 0 || pages.head_size % 16) return false;
+#ifdef __AVX512BF16__
+  if constexpr (std::is_same_v<QT, bf16> && !Pages::kInt8) {
+    switch (pages.head_size / 16) {
+#define ACCEL_CASE(C)                                                                        \
+  case C:                                                                                    \
+    attend_one_bf16<C>(query, q_head_stride, out, o_head_stride, pages, blocks, kv_head,     \
+                       seq_len, group, scale, acc, scores, rows);                            \
+    return true;
+      ACCEL_CASE(2) ACCEL_CASE(4) ACCEL_CASE(6) ACCEL_CASE(8) ACCEL_CASE(16)
+#undef ACCEL_CASE
+    }
+  }
+#endif
 #define ACCEL_CASE(C)                                                                        \
   case C:                                                                                    \
     attend_one_avx512<C>(query, q_head_stride, out, o_head_stride, pages, blocks, kv_head,   \
-                         seq_len, group, scale, qf, acc, scores, rows);                           \
+                         seq_len, group, scale, qf, acc, scores, rows);                      \
     return true;
   switch (pages.head_size / 16) {
     ACCEL_CASE(2) ACCEL_CASE(4) ACCEL_CASE(5) ACCEL_CASE(6) ACCEL_CASE(8) ACCEL_CASE(16)
