@@ -48,6 +48,21 @@ inline void axpy(float alpha, const float* x, float* y, int n) {
   for (int i = 0; i < n; ++i) y[i] += alpha * x[i];
 }
 
+// In place: s[0..n) -> softmax(s) (float32, max-subtracted).
+inline void softmax(float* s, int n) {
+  float m = s[0];
+  for (int t = 1; t < n; ++t) m = std::max(m, s[t]);
+  float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+  for (int t = 0; t < n; ++t) {
+    s[t] = std::exp(s[t] - m);
+    sum += s[t];
+  }
+  const float inv = 1.f / sum;
+#pragma omp simd
+  for (int t = 0; t < n; ++t) s[t] *= inv;
+}
+
 // The (block, kv head) pages of a cache whose elements are E (the model dtype, or
 // int8_t with per-token scales after K and V): where K and V rows and scales are.
 template <typename E>
@@ -105,18 +120,7 @@ void attend_one(const QT* query, int64_t q_head_stride, QT* out, int64_t o_head_
         scores[size_t(g) * seq_len + j * bs + t] = dot(&qf[size_t(g) * d], row.data(), d) * ks;
     }
   }
-  for (int g = 0; g < group; ++g) {
-    float* s = &scores[size_t(g) * seq_len];
-    float m = s[0];
-    for (int t = 1; t < seq_len; ++t) m = std::max(m, s[t]);
-    float sum = 0.f;
-    for (int t = 0; t < seq_len; ++t) {
-      s[t] = std::exp(s[t] - m);
-      sum += s[t];
-    }
-    const float inv = 1.f / sum;
-    for (int t = 0; t < seq_len; ++t) s[t] *= inv;
-  }
+  for (int g = 0; g < group; ++g) softmax(&scores[size_t(g) * seq_len], seq_len);
   for (int j = 0; j < num_blocks; ++j) {
     const auto* p = pages.page(blocks[j], kv_head);
     const auto* v = pages.values(p);
@@ -232,20 +236,7 @@ void attend_one_avx512(const QT* query, int64_t q_head_stride, QT* out, int64_t 
       }
     }
   }
-  for (int g = 0; g < group; ++g) {
-    float* s = &scores[size_t(g) * padded];
-    float m = s[0];
-    for (int t = 1; t < seq_len; ++t) m = std::max(m, s[t]);
-    float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-    for (int t = 0; t < seq_len; ++t) {
-      s[t] = std::exp(s[t] - m);
-      sum += s[t];
-    }
-    const float inv = 1.f / sum;
-#pragma omp simd
-    for (int t = 0; t < seq_len; ++t) s[t] *= inv;
-  }
+  for (int g = 0; g < group; ++g) softmax(&scores[size_t(g) * padded], seq_len);
   acc.assign(size_t(group) * D, 0.f);
   for (int j = 0; j < num_blocks; ++j) {
     const auto* p = pages.page(blocks[j], kv_head);
@@ -312,17 +303,9 @@ void attend_one_bf16(const bf16* query, int64_t q_head_stride, bf16* out, int64_
   uint16_t* pb = reinterpret_cast<uint16_t*>(probs_bf16.data());
   for (int g = 0; g < group; ++g) {
     float* s = &scores[size_t(g) * padded];
-    float m = s[0];
-    for (int t = 1; t < seq_len; ++t) m = std::max(m, s[t]);
-    float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-    for (int t = 0; t < seq_len; ++t) {
-      s[t] = std::exp(s[t] - m);
-      sum += s[t];
-    }
-    const float inv = 1.f / sum;
+    softmax(s, seq_len);
     uint16_t* pg = pb + size_t(g) * (padded + 2);
-    for (int t = 0; t < seq_len; ++t) store(s[t] * inv, reinterpret_cast<bf16*>(pg + t));
+    for (int t = 0; t < seq_len; ++t) store(s[t], reinterpret_cast<bf16*>(pg + t));
     pg[seq_len] = 0;
   }
   acc.resize(size_t(D));
