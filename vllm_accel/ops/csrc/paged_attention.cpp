@@ -76,9 +76,12 @@ struct Pages {
   }
   const E* keys(const E* p) const { return p; }
   const E* values(const E* p) const { return p + int64_t(block_size) * head_size; }
+  // (k_scale, v_scale) per token of an INT8 page
+  const float* scales(const E* p) const {
+    return reinterpret_cast<const float*>(p + 2 * int64_t(block_size) * head_size);
+  }
   float scale(const E* p, int t, int which) const {  // which: 0 = K, 1 = V
-    if constexpr (kInt8)
-      return reinterpret_cast<const float*>(p + 2 * int64_t(block_size) * head_size)[2 * t + which];
+    if constexpr (kInt8) return scales(p)[2 * t + which];
     return 1.f;
   }
   float key_scale(const E* p, int t) const { return scale(p, t, 0); }
@@ -261,26 +264,50 @@ void attend_one_avx512(const QT* query, int64_t q_head_stride, QT* out, int64_t 
 }
 
 #ifdef __AVX512BF16__
-// bf16 model and cache on a CPU with AVX512_BF16: dot products straight from the
-// bf16 rows (exact products, float32 sums), no float copy of K or V. The
-// probabilities are rounded to bf16 for the V sum (each pair of tokens is one
-// bf16 dot), as the matmul-based kernels do.
-template <int C>
+// bf16 model on a CPU with AVX512_BF16: dot products in bf16 (exact products,
+// float32 sums). A bf16 cache is read in place; an INT8 cache's codes (exact in
+// bf16) are widened page by page and its scales applied to the 16 scores at a
+// time and folded into the probabilities. The probabilities are rounded to bf16
+// for the V sum (each pair of tokens is one bf16 dot), as matmul kernels do.
+
+// 32 int8 codes -> 32 bf16 (exact).
+inline __m512i int8_to_bf16(const int8_t* p) {
+  const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)p)));
+  const __m512 hi =
+      _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(p + 16))));
+  return (__m512i)_mm512_cvtne2ps_pbh(hi, lo);
+}
+
+// `n` rows of D elements as bf16: the page itself, or its codes widened into buf.
+template <int D, typename E>
+inline const bf16* bf16_rows(const E* rows, int n, std::vector<bf16>& buf) {
+  if constexpr (std::is_same_v<E, bf16>) {
+    return rows;
+  } else {
+    buf.resize(size_t(n) * D);
+    for (int i = 0; i < n * D; i += 32) _mm512_storeu_si512(&buf[i], int8_to_bf16(rows + i));
+    return buf.data();
+  }
+}
+
+template <int C, typename E>
 void attend_one_bf16(const bf16* query, int64_t q_head_stride, bf16* out, int64_t o_head_stride,
-                     const Pages<bf16>& pages, const int32_t* blocks, int kv_head, int seq_len,
+                     const Pages<E>& pages, const int32_t* blocks, int kv_head, int seq_len,
                      int group, float scale, std::vector<float>& acc, std::vector<float>& scores,
-                     std::vector<float>& probs_bf16) {
+                     std::vector<bf16>& probs, std::vector<bf16>& rows) {
   constexpr int D = 16 * C, R = C / 2;  // R: 32-element bf16 vectors per row
   const int bs = pages.block_size;
   const int padded = (seq_len + 15) / 16 * 16;
   const int num_blocks = (seq_len + bs - 1) / bs;
   scores.resize(size_t(group) * padded);
   const __m512 scale_v = _mm512_set1_ps(scale);
+  const __m512i evens = _mm512_set_epi32(30, 28, 26, 24, 22, 20, 18, 16, 14, 12, 10, 8, 6, 4, 2, 0);
   for (int j = 0; j < num_blocks; ++j) {
-    const bf16* k = pages.keys(pages.page(blocks[j], kv_head));
+    const E* page = pages.page(blocks[j], kv_head);
     const int n16 = (std::min(bs, seq_len - j * bs) + 15) / 16 * 16;  // extra rows: unused
     if (j + 1 < num_blocks) prefetch(pages.keys(pages.page(blocks[j + 1], kv_head)), int64_t(bs) * D);
     else prefetch(pages.values(pages.page(blocks[0], kv_head)), int64_t(bs) * D);
+    const bf16* k = bf16_rows<D>(pages.keys(page), n16, rows);
     for (int g = 0; g < group; ++g) {
       __m512bh q[R];
       for (int r = 0; r < R; ++r) q[r] = (__m512bh)_mm512_loadu_si512(query + g * q_head_stride + 32 * r);
@@ -293,35 +320,47 @@ void attend_one_bf16(const bf16* query, int64_t q_head_stride, bf16* out, int64_
             sum = _mm512_dpbf16_ps(sum, q[r], (__m512bh)_mm512_loadu_si512(row + 32 * r));
           a[t] = sum;
         }
-        _mm512_storeu_ps(&scores[size_t(g) * padded + j * bs + t0],
-                         _mm512_mul_ps(reduce16(a), scale_v));
+        __m512 sv = scale_v;
+        if constexpr (Pages<E>::kInt8) {  // (k_scale, v_scale) pairs of tokens t0..t0+15
+          const float* ks = &pages.scales(page)[2 * t0];
+          sv = _mm512_mul_ps(sv, _mm512_permutex2var_ps(_mm512_loadu_ps(ks), evens,
+                                                        _mm512_loadu_ps(ks + 16)));
+        }
+        _mm512_storeu_ps(&scores[size_t(g) * padded + j * bs + t0], _mm512_mul_ps(reduce16(a), sv));
       }
     }
   }
-  // softmax, then the probabilities in bf16, one zero past the end of each head's
-  probs_bf16.resize((size_t(group) * (padded + 2) + 1) / 2);  // float storage for uint16s
-  uint16_t* pb = reinterpret_cast<uint16_t*>(probs_bf16.data());
+  // softmax; probabilities (times the token's V scale) in bf16, a 0 after the last
+  probs.resize(size_t(group) * (padded + 2));
   for (int g = 0; g < group; ++g) {
     float* s = &scores[size_t(g) * padded];
     softmax(s, seq_len);
-    uint16_t* pg = pb + size_t(g) * (padded + 2);
-    for (int t = 0; t < seq_len; ++t) store(s[t], reinterpret_cast<bf16*>(pg + t));
-    pg[seq_len] = 0;
+    bf16* pg = &probs[size_t(g) * (padded + 2)];
+    if constexpr (Pages<E>::kInt8) {
+      for (int j = 0; j < num_blocks; ++j) {
+        const float* sc = pages.scales(pages.page(blocks[j], kv_head));
+        const int n = std::min(bs, seq_len - j * bs);
+        for (int t = 0; t < n; ++t) store(s[j * bs + t] * sc[2 * t + 1], pg + j * bs + t);
+      }
+    } else {
+      for (int t = 0; t < seq_len; ++t) store(s[t], pg + t);
+    }
+    pg[seq_len].bits = 0;
   }
-  acc.resize(size_t(D));
-  for (int g = 0; g < group; ++g) {
-    const uint16_t* pg = pb + size_t(g) * (padded + 2);
-    // Accumulator 2r (2r+1) holds, in lane 4l + i, the column 32r + 8l + i (+ 4).
-    __m512 a[C];
-    for (int c = 0; c < C; ++c) a[c] = _mm512_setzero_ps();
-    for (int j = 0; j < num_blocks; ++j) {
-      const bf16* v = pages.values(pages.page(blocks[j], kv_head));
-      const int n = std::min(bs, seq_len - j * bs);
-      if (g == 0 && j + 1 < num_blocks)
-        prefetch(pages.values(pages.page(blocks[j + 1], kv_head)), int64_t(bs) * D);
+  acc.assign(size_t(group) * D, 0.f);
+  for (int j = 0; j < num_blocks; ++j) {
+    const E* page = pages.page(blocks[j], kv_head);
+    const int n = std::min(bs, seq_len - j * bs);
+    if (j + 1 < num_blocks) prefetch(pages.values(pages.page(blocks[j + 1], kv_head)), int64_t(bs) * D);
+    const bf16* v = bf16_rows<D>(pages.values(page), n, rows);
+    for (int g = 0; g < group; ++g) {
+      // Accumulator 2r (2r+1) holds, in lane 4l + i, the column 32r + 8l + i (+ 4).
+      const bf16* pg = &probs[size_t(g) * (padded + 2) + j * bs];
+      __m512 a[C];
+      for (int c = 0; c < C; ++c) a[c] = _mm512_loadu_ps(&acc[g * D + 16 * c]);
       for (int t = 0; t < n; t += 2) {
         uint32_t pair;  // (p[t], p[t+1]); p past the end is 0
-        std::memcpy(&pair, pg + j * bs + t, 4);
+        std::memcpy(&pair, pg + t, 4);
         if (t + 1 == n) pair &= 0xffffu;
         const __m512bh w = (__m512bh)_mm512_set1_epi32(int(pair));
         for (int r = 0; r < R; ++r) {
@@ -332,14 +371,15 @@ void attend_one_bf16(const bf16* query, int64_t q_head_stride, bf16* out, int64_
           a[2 * r + 1] = _mm512_dpbf16_ps(a[2 * r + 1], w, (__m512bh)_mm512_unpackhi_epi16(x, y));
         }
       }
+      for (int c = 0; c < C; ++c) _mm512_storeu_ps(&acc[g * D + 16 * c], a[c]);
     }
-    alignas(64) float lanes[D];
-    for (int c = 0; c < C; ++c) _mm512_store_ps(lanes + 16 * c, a[c]);
+  }
+  for (int g = 0; g < group; ++g) {
+    const float* lanes = &acc[g * D];
     for (int c = 0; c < C; ++c)
       for (int l = 0; l < 4; ++l)
         for (int i = 0; i < 4; ++i)
-          acc[32 * (c / 2) + 8 * l + 4 * (c % 2) + i] = lanes[16 * c + 4 * l + i];
-    for (int i = 0; i < D; ++i) store(acc[i], out + g * o_head_stride + i);
+          store(lanes[16 * c + 4 * l + i], out + g * o_head_stride + 32 * (c / 2) + 8 * l + 4 * (c % 2) + i);
   }
 }
 #endif  // __AVX512BF16__
@@ -349,15 +389,16 @@ template <typename QT, typename Pages>
 bool attend_one_fast(const QT* query, int64_t q_head_stride, QT* out, int64_t o_head_stride,
                      const Pages& pages, const int32_t* blocks, int kv_head, int seq_len,
                      int group, float scale, std::vector<float>& qf, std::vector<float>& acc,
-                     std::vector<float>& scores, std::vector<float>& rows) {
+                     std::vector<float>& scores, std::vector<float>& rows,
+                     std::vector<bf16>& probs, std::vector<bf16>& bf16_rows) {
   if (seq_len <= 0 || pages.head_size % 16) return false;
 #ifdef __AVX512BF16__
-  if constexpr (std::is_same_v<QT, bf16> && !Pages::kInt8) {
+  if constexpr (std::is_same_v<QT, bf16>) {
     switch (pages.head_size / 16) {
 #define ACCEL_CASE(C)                                                                        \
   case C:                                                                                    \
     attend_one_bf16<C>(query, q_head_stride, out, o_head_stride, pages, blocks, kv_head,     \
-                       seq_len, group, scale, acc, scores, rows);                            \
+                       seq_len, group, scale, acc, scores, probs, bf16_rows);                \
     return true;
       ACCEL_CASE(2) ACCEL_CASE(4) ACCEL_CASE(6) ACCEL_CASE(8) ACCEL_CASE(16)
 #undef ACCEL_CASE
@@ -395,6 +436,7 @@ void paged_attention(const QT* query, int64_t q_tok_stride, int64_t q_head_strid
 #pragma omp parallel
   {
     std::vector<float> qf, acc, scores, row;
+    std::vector<bf16> probs, bf16_rows;
 #pragma omp for schedule(dynamic, 4)
     for (int64_t item = 0; item < items; ++item) {
       const int64_t i = item / num_kv_heads;
@@ -408,7 +450,7 @@ void paged_attention(const QT* query, int64_t q_tok_stride, int64_t q_head_strid
       if (attend_one_fast(query + i * q_tok_stride + h0 * q_head_stride, q_head_stride,
                           out + i * o_tok_stride + h0 * o_head_stride, o_head_stride, pages,
                           block_table + r * bt_stride, kv_head, visible, group, scale, qf,
-                          acc, scores, row))
+                          acc, scores, row, probs, bf16_rows))
         continue;
 #endif
       attend_one(query + i * q_tok_stride + h0 * q_head_stride, q_head_stride,
