@@ -121,6 +121,14 @@ def test_cache_write_bit_exact(int8, dtype, layout):
     assert ours.count_nonzero() > 0
 
 
+def test_cache_write_rejects_slots_outside_the_cache():
+    key, value, slots, num_blocks = _write_case(torch.float32, "LBHNC")
+    cache = torch.zeros(num_blocks, HKV, 16, 2 * 64)
+    slots[3] = num_blocks * 16
+    with pytest.raises(ValueError, match="outside the cache"):
+        attention_native.cache_write(key, value, cache, slots)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_cache_write_int8_static_scales_bit_exact(dtype):
     key, value, slots, num_blocks = _write_case(dtype, "LBHNC", seed=3)
@@ -314,3 +322,20 @@ def test_rotary_bad_positions_get_the_reference_error():
     q = torch.randn(3, 2 * 32)
     with pytest.raises(IndexError):
         custom_ops_native.rotary_embedding(torch.tensor([0, 5, 16]), q, None, cache, 32, 32, True)
+
+
+def test_reader_rejects_block_tables_it_cannot_trust():
+    """Out-of-range reads would not raise in C++: the wrapper checks first."""
+    bs, d = 16, 64
+    reqs = batch_mix("decode", bs)
+    qs, _, _, block_table, kv_cache = make_case(reqs, bs, HKV, HKV, d, torch.float32, seed=2)
+    query = torch.cat(qs)
+    seq_lens = torch.tensor([s for _, s in reqs], dtype=torch.int32)
+    too_long = seq_lens.clone()
+    too_long[0] = block_table.shape[1] * bs + 1
+    with pytest.raises(ValueError, match="block table has"):
+        attention_native.paged_decode(query, kv_cache, block_table, too_long, 0.1)
+    bad_ids = block_table.clone()
+    bad_ids[1, 0] = kv_cache.shape[0]
+    with pytest.raises(ValueError, match="outside"):
+        attention_native.paged_decode(query, kv_cache, bad_ids, seq_lens, 0.1)

@@ -60,9 +60,24 @@ def _head_size(kv_cache: torch.Tensor) -> int:
     return (width - INT8_SCALE_BYTES) // 2 if kv_cache.dtype == torch.int8 else width // 2
 
 
+def _check_block_table(kv_cache, block_table, seq_lens):
+    """The C++ kernel trusts every block id it reads: check them first, since a bad
+    one would read outside the cache rather than raise."""
+    block_size = kv_cache.shape[2]
+    needed = -(-int(seq_lens.max()) // block_size) if seq_lens.numel() else 0
+    if needed > block_table.shape[1]:
+        raise ValueError(f"seq_len {int(seq_lens.max())} needs {needed} blocks of "
+                         f"{block_size}; the block table has {block_table.shape[1]} columns")
+    used = block_table[:, :needed]
+    if used.numel() and (int(used.min()) < 0 or int(used.max()) >= kv_cache.shape[0]):
+        raise ValueError(f"block table holds ids outside [0, {kv_cache.shape[0]}) "
+                         "in the blocks a request reads")
+
+
 def _attention(query, kv_cache, block_table, query_start_loc, seq_lens, scale):
     """Run the C++ kernel; ``query`` ``[T, H, D]``, returns ``[T, H, D]``."""
     num_rows, num_heads, head_size = query.shape
+    _check_block_table(kv_cache, block_table, seq_lens)
     out = torch.empty_like(query)
     block_table = block_table.contiguous() if block_table.stride(-1) != 1 else block_table
     query_start_loc, seq_lens = query_start_loc.contiguous(), seq_lens.contiguous()
@@ -127,6 +142,9 @@ def _cache_write(name, int8):
                 or _pages(kv_cache) is None):
             return fallback_kernel(name, NATIVE)(key, value, kv_cache, slot_mapping, *static)
         slots = slot_mapping.to(torch.int64).contiguous()
+        capacity = kv_cache.shape[0] * kv_cache.shape[2]
+        if n and int(slots.max()) >= capacity:  # would write outside the cache
+            raise ValueError(f"slot {int(slots.max())} is outside the cache's {capacity} slots")
         block_stride, head_stride = _pages(kv_cache)
         rc = native.library().accel_cache_write(
             native.dtype_code(key.dtype), _ptr(key), _ptr(value), key.stride(0), key.stride(1),

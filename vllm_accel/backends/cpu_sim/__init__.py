@@ -1,4 +1,4 @@
-"""Simulated Enflame GCU: torch CPU kernels behind the real-card protocol.
+"""Simulated Enflame GCU: CPU kernels (C++, then torch) behind the real-card protocol.
 
 Device memory is simulated: a configurable capacity (48 GiB like an S60 by
 default) that drives KV-cache sizing exactly as a card's memory would, capped
