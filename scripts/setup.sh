@@ -42,7 +42,7 @@ fi
 # The simulated GCU's C++ kernels are built on first use; without a compiler the
 # plugin falls back to its torch kernels (slower; test_native_kernels fails).
 if ! command -v "${CXX:-c++}" >/dev/null && ! command -v g++ >/dev/null; then
-    say "WARNING: no C++ compiler (g++) found: install one (e.g. apt install g++) for the fast cpu_native kernels"
+    say "WARNING: no C++ compiler (g++ >= 12) found: install one (e.g. apt install g++) for the fast cpu_native kernels"
 fi
 
 say "preparing the default model (converted once, then reused)"

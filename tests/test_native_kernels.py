@@ -38,6 +38,15 @@ def test_library_shares_torch_openmp_runtime():
     assert gomp == {str(Path(torch.__file__).parent / "lib" / "libgomp.so.1")}, gomp
 
 
+def test_loading_keeps_denormals():
+    """Linking with -ffast-math would pull in crtfastmath.o, whose constructor sets
+    flush-to-zero for the loading thread, silently changing torch's numerics."""
+    native.library.cache_clear()
+    assert native.library() is not None  # (re)loaded in this thread
+    tiny = torch.tensor([1e-40], dtype=torch.float32)
+    assert (tiny * 1.0).item() != 0.0
+
+
 def test_build_is_cached_and_keyed(tmp_path, monkeypatch):
     monkeypatch.setenv("ACCEL_NATIVE_CACHE", str(tmp_path))
     cxx = native.compiler()
@@ -180,6 +189,25 @@ def test_long_prefill_goes_to_matmul_provider(monkeypatch):
     torch.testing.assert_close(attention_native.paged_prefill(*args), native_out,
                                atol=1e-5, rtol=1e-5)
     assert calls == ["paged_prefill"]
+
+
+def test_block_size_not_multiple_of_16_falls_back(monkeypatch):
+    """The AVX-512 paths read pages 16 rows at a time: block size 8 goes to torch_fast."""
+    bs, d = 8, 64
+    reqs = batch_mix("mixed", bs)
+    qs, ks, vs, block_table, kv_cache = make_case(reqs, bs, 2 * HKV, HKV, d, torch.float32,
+                                                  seed=9)
+    qsl = torch.tensor([0] + [q for q, _ in reqs]).cumsum(0).to(torch.int32)
+    seq_lens = torch.tensor([s for _, s in reqs], dtype=torch.int32)
+    calls = []
+    fast = get_kernel("paged_prefill", "torch_fast")
+    monkeypatch.setattr(attention_native, "fallback_kernel",
+                        lambda name, provider: lambda *a: calls.append(name) or fast(*a))
+    out = attention_native.paged_prefill(torch.cat(qs), kv_cache, block_table, qsl, seq_lens,
+                                         d**-0.5)
+    assert calls == ["paged_prefill"]
+    expected = torch.cat([reference(q, k, v, d**-0.5) for q, k, v in zip(qs, ks, vs)])
+    torch.testing.assert_close(out.double(), expected, atol=1e-5, rtol=1e-5)
 
 
 def test_decode_cache_dtype_mismatch_falls_back():

@@ -40,16 +40,26 @@ def _pages(kv_cache: torch.Tensor) -> tuple[int, int] | None:
     return block_stride, head_stride
 
 
-def _native_ok(query: torch.Tensor, kv_cache: torch.Tensor, *int_tensors: torch.Tensor) -> bool:
+def _native_ok(query: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
+               seq_lens: torch.Tensor, *int_tensors: torch.Tensor) -> bool:
+    """Whether the C ABI takes these inputs. Its AVX-512 paths read 16 rows of a
+    page at a time, hence block sizes that are multiples of 16 (what GCU_ATTN
+    asks vLLM for); shapes the torch kernels would reject go to them."""
     int8 = kv_cache.dtype == torch.int8
+    num_heads, num_kv_heads = query.shape[1], kv_cache.shape[1]
     return (
         native.library() is not None
         and query.device.type == "cpu" and kv_cache.device.type == "cpu"
         and native.dtype_code(query.dtype) is not None
         and (int8 or kv_cache.dtype == query.dtype)
         and query.stride(-1) == 1
+        and kv_cache.shape[2] % 16 == 0
+        and num_heads % num_kv_heads == 0
+        and query.shape[2] == _head_size(kv_cache)
+        and block_table.shape[0] >= seq_lens.shape[0]
         and _pages(kv_cache) is not None
-        and all(t.dtype == torch.int32 and t.device.type == "cpu" for t in int_tensors)
+        and all(t.dtype == torch.int32 and t.device.type == "cpu"
+                for t in (block_table, seq_lens, *int_tensors))
     )
 
 
@@ -100,7 +110,8 @@ def _attention(query, kv_cache, block_table, query_start_loc, seq_lens, scale):
 def _decode(name):
     def paged_decode(query, kv_cache, block_table, seq_lens, scale):
         """One query token per request ``[B, H, D]``."""
-        if not _native_ok(query, kv_cache, block_table, seq_lens):
+        if (not _native_ok(query, kv_cache, block_table, seq_lens)
+                or seq_lens.shape[0] != query.shape[0]):
             return fallback_kernel(name, NATIVE)(query, kv_cache, block_table, seq_lens, scale)
         query_start_loc = torch.arange(query.shape[0] + 1, dtype=torch.int32)
         return _attention(query, kv_cache, block_table, query_start_loc, seq_lens, scale)
@@ -119,7 +130,9 @@ def _prefill_pairs(query_start_loc: torch.Tensor, seq_lens: torch.Tensor) -> int
 def _prefill(name):
     def paged_prefill(query, kv_cache, block_table, query_start_loc, seq_lens, scale):
         """Causal attention for the newest ``q_len`` tokens of each request."""
-        if (not _native_ok(query, kv_cache, block_table, query_start_loc, seq_lens)
+        if (not _native_ok(query, kv_cache, block_table, seq_lens, query_start_loc)
+                or query_start_loc.shape[0] != seq_lens.shape[0] + 1
+                or int(query_start_loc[-1]) > query.shape[0]
                 or _prefill_pairs(query_start_loc, seq_lens) > PREFILL_NATIVE_MAX_PAIRS):
             return fallback_kernel(name, NATIVE)(query, kv_cache, block_table,
                                                  query_start_loc, seq_lens, scale)
@@ -139,6 +152,7 @@ def _cache_write(name, int8):
                 or kv_cache.device.type != "cpu" or native.dtype_code(key.dtype) is None
                 or (not int8 and kv_cache.dtype != key.dtype) or value.dtype != key.dtype
                 or key.stride() != value.stride() or key.stride(-1) != 1
+                or key.shape[1:] != (kv_cache.shape[1], _head_size(kv_cache))
                 or _pages(kv_cache) is None):
             return fallback_kernel(name, NATIVE)(key, value, kv_cache, slot_mapping, *static)
         slots = slot_mapping.to(torch.int64).contiguous()

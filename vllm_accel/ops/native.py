@@ -36,7 +36,10 @@ HEADERS = (CSRC / "dtypes.h",)
 # -ffast-math: vectorized expf (glibc's libmvec) and reassociated sums in the
 # readers, which never see inf/NaN from valid inputs (no -inf masking, finite
 # scales); the cache writers opt out to stay bit-exact with the torch writers.
-FLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp", "-std=c++17", "-shared", "-fPIC")
+# Compile only: linking with -ffast-math would add crtfastmath.o, whose constructor
+# turns on flush-to-zero for the loading thread and so changes torch's numerics.
+FLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp", "-std=c++17", "-fPIC")
+LINK_FLAGS = ("-shared", "-fopenmp")
 #: dtype codes of the C ABI (csrc/dtypes.h)
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
@@ -81,18 +84,21 @@ def _build(cxx: str) -> Path:
     version = subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout
     key = hashlib.sha256("\0".join(
         [*(f.read_text() for f in SOURCES + HEADERS), cxx, version, " ".join(FLAGS),
-         _cpu_signature()]
+         " ".join(LINK_FLAGS), _cpu_signature()]
     ).encode()).hexdigest()[:16]
     target = Path(envs.ACCEL_NATIVE_CACHE) / f"cpu_native-{key}.so"
     if target.exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+        objects = [str(Path(tmp) / f"{src.stem}.o") for src in SOURCES]
         built = Path(tmp) / target.name
-        result = subprocess.run([cxx, *FLAGS, *map(str, SOURCES), "-o", str(built)],
-                                capture_output=True, text=True)
-        if result.returncode:
-            raise RuntimeError(f"{cxx} failed:\n{result.stderr[-4000:]}")
+        steps = [[cxx, *FLAGS, "-c", str(src), "-o", obj] for src, obj in zip(SOURCES, objects)]
+        steps.append([cxx, *LINK_FLAGS, *objects, "-o", str(built)])
+        for step in steps:
+            result = subprocess.run(step, capture_output=True, text=True)
+            if result.returncode:
+                raise RuntimeError(f"{cxx} failed:\n{result.stderr[-4000:]}")
         os.replace(built, target)
     logger.info("Built the cpu_native kernels: %s", target)
     return target
@@ -101,7 +107,7 @@ def _build(cxx: str) -> Path:
 @functools.cache
 def library() -> ctypes.CDLL | None:
     """The loaded kernel library, or ``None`` (warned once) if it cannot be built."""
-    if envs.ACCEL_NATIVE_CACHE in ("", "off", "0", "none"):
+    if envs.ACCEL_NATIVE_CACHE.lower() in ("", "off", "0", "none"):
         return None
     cxx = compiler()
     if cxx is None:
