@@ -170,19 +170,29 @@ def test_readers_portable_path(mix, d, dtype):
     torch.testing.assert_close(out.double(), expected, atol=tol, rtol=tol)
 
 
-def test_long_prefill_goes_to_matmul_provider(monkeypatch):
-    """Above PREFILL_NATIVE_MAX_PAIRS the torch_fast matmuls run (and agree)."""
-    bs, d = 16, 64
-    reqs = batch_mix("prefill_ctx", bs)
+def _prefill_case(mix, bs, seed, d=64):
+    """(prefill args, per-request q/k/v) for the kernels, fp32, 2 query heads per KV head."""
+    reqs = batch_mix(mix, bs)
     qs, ks, vs, block_table, kv_cache = make_case(reqs, bs, 2 * HKV, HKV, d, torch.float32,
-                                                  seed=11)
+                                                  seed=seed)
     qsl = torch.tensor([0] + [q for q, _ in reqs]).cumsum(0).to(torch.int32)
     seq_lens = torch.tensor([s for _, s in reqs], dtype=torch.int32)
-    args = (torch.cat(qs), kv_cache, block_table, qsl, seq_lens, d**-0.5)
+    return (torch.cat(qs), kv_cache, block_table, qsl, seq_lens, d**-0.5), (qs, ks, vs)
+
+
+def _record_fallbacks(monkeypatch):
+    """Route the native kernels' fallbacks to torch_fast, recording each one."""
     calls = []
     fast = get_kernel("paged_prefill", "torch_fast")
     monkeypatch.setattr(attention_native, "fallback_kernel",
                         lambda name, provider: lambda *a: calls.append(name) or fast(*a))
+    return calls
+
+
+def test_long_prefill_goes_to_matmul_provider(monkeypatch):
+    """Above PREFILL_NATIVE_MAX_PAIRS the torch_fast matmuls run (and agree)."""
+    args, _ = _prefill_case("prefill_ctx", 16, seed=11)
+    calls = _record_fallbacks(monkeypatch)
     native_out = attention_native.paged_prefill(*args)
     assert calls == []
     monkeypatch.setattr(attention_native, "PREFILL_NATIVE_MAX_PAIRS", 10)
@@ -193,20 +203,12 @@ def test_long_prefill_goes_to_matmul_provider(monkeypatch):
 
 def test_block_size_not_multiple_of_16_falls_back(monkeypatch):
     """The AVX-512 paths read pages 16 rows at a time: block size 8 goes to torch_fast."""
-    bs, d = 8, 64
-    reqs = batch_mix("mixed", bs)
-    qs, ks, vs, block_table, kv_cache = make_case(reqs, bs, 2 * HKV, HKV, d, torch.float32,
-                                                  seed=9)
-    qsl = torch.tensor([0] + [q for q, _ in reqs]).cumsum(0).to(torch.int32)
-    seq_lens = torch.tensor([s for _, s in reqs], dtype=torch.int32)
-    calls = []
-    fast = get_kernel("paged_prefill", "torch_fast")
-    monkeypatch.setattr(attention_native, "fallback_kernel",
-                        lambda name, provider: lambda *a: calls.append(name) or fast(*a))
-    out = attention_native.paged_prefill(torch.cat(qs), kv_cache, block_table, qsl, seq_lens,
-                                         d**-0.5)
+    args, (qs, ks, vs) = _prefill_case("mixed", 8, seed=9)
+    calls = _record_fallbacks(monkeypatch)
+    out = attention_native.paged_prefill(*args)
     assert calls == ["paged_prefill"]
-    expected = torch.cat([reference(q, k, v, d**-0.5) for q, k, v in zip(qs, ks, vs)])
+    scale = args[-1]
+    expected = torch.cat([reference(q, k, v, scale) for q, k, v in zip(qs, ks, vs)])
     torch.testing.assert_close(out.double(), expected, atol=1e-5, rtol=1e-5)
 
 
