@@ -96,13 +96,11 @@ void attend_one(const QT* query, int64_t q_head_stride, QT* out, int64_t o_head_
                 int group, float scale, std::vector<float>& qf, std::vector<float>& acc,
                 std::vector<float>& scores, std::vector<float>& row) {
   const int d = pages.head_size, bs = pages.block_size;
-  for (int g = 0; g < group; ++g) {
-    QT* o = out + g * o_head_stride;
-    if (seq_len <= 0) {
-      for (int i = 0; i < d; ++i) store(0.f, o + i);
-    }
+  if (seq_len <= 0) {
+    for (int g = 0; g < group; ++g)
+      for (int i = 0; i < d; ++i) store(0.f, out + g * o_head_stride + i);
+    return;
   }
-  if (seq_len <= 0) return;
   qf.resize(size_t(group) * d);
   acc.assign(size_t(group) * d, 0.f);
   scores.resize(size_t(group) * seq_len);
@@ -111,30 +109,27 @@ void attend_one(const QT* query, int64_t q_head_stride, QT* out, int64_t o_head_
     load_row(query + g * q_head_stride, &qf[size_t(g) * d], d);
     for (int i = 0; i < d; ++i) qf[size_t(g) * d + i] *= scale;
   }
-  const int num_blocks = (seq_len + bs - 1) / bs;
-  for (int j = 0; j < num_blocks; ++j) {
-    const auto* p = pages.page(blocks[j], kv_head);
-    const auto* k = pages.keys(p);
-    const int n = std::min(bs, seq_len - j * bs);
-    for (int t = 0; t < n; ++t) {
-      load_row(k + int64_t(t) * d, row.data(), d);
-      const float ks = pages.key_scale(p, t);
-      for (int g = 0; g < group; ++g)
-        scores[size_t(g) * seq_len + j * bs + t] = dot(&qf[size_t(g) * d], row.data(), d) * ks;
+  // Every cached K (value = false) or V row as float32 in `row`, with its
+  // position and (INT8) scale.
+  auto for_each_row = [&](bool value, auto&& visit) {
+    for (int j = 0; j * bs < seq_len; ++j) {
+      const auto* p = pages.page(blocks[j], kv_head);
+      const auto* rows = value ? pages.values(p) : pages.keys(p);
+      for (int t = 0; t < std::min(bs, seq_len - j * bs); ++t) {
+        load_row(rows + int64_t(t) * d, row.data(), d);
+        visit(j * bs + t, value ? pages.value_scale(p, t) : pages.key_scale(p, t));
+      }
     }
-  }
+  };
+  for_each_row(false, [&](int pos, float k_scale) {
+    for (int g = 0; g < group; ++g)
+      scores[size_t(g) * seq_len + pos] = dot(&qf[size_t(g) * d], row.data(), d) * k_scale;
+  });
   for (int g = 0; g < group; ++g) softmax(&scores[size_t(g) * seq_len], seq_len);
-  for (int j = 0; j < num_blocks; ++j) {
-    const auto* p = pages.page(blocks[j], kv_head);
-    const auto* v = pages.values(p);
-    const int n = std::min(bs, seq_len - j * bs);
-    for (int t = 0; t < n; ++t) {
-      load_row(v + int64_t(t) * d, row.data(), d);
-      const float vs = pages.value_scale(p, t);
-      for (int g = 0; g < group; ++g)
-        axpy(scores[size_t(g) * seq_len + j * bs + t] * vs, row.data(), &acc[size_t(g) * d], d);
-    }
-  }
+  for_each_row(true, [&](int pos, float v_scale) {
+    for (int g = 0; g < group; ++g)
+      axpy(scores[size_t(g) * seq_len + pos] * v_scale, row.data(), &acc[size_t(g) * d], d);
+  });
   for (int g = 0; g < group; ++g) {
     QT* o = out + g * o_head_stride;
     for (int i = 0; i < d; ++i) store(acc[size_t(g) * d + i], o + i);
