@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from test_attention_int8 import assert_within_int8_bound, build, kernel_args
 from test_attention_kernels import HKV, batch_mix, make_case, reference
 
 from vllm_accel.ops import (  # noqa: F401  (custom_ops registers the reference ops)
@@ -168,6 +169,24 @@ def test_readers_portable_path(mix, d, dtype):
     expected = torch.cat([reference(q, k, v, scale) for q, k, v in zip(qs, ks, vs)])
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(out.double(), expected, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("d", [40, 48, 80])
+@pytest.mark.parametrize("mix", ["decode", "prefill_ctx", "mixed"])
+def test_int8_readers_portable_path(mix, d, dtype):
+    """The INT8 cache on head sizes outside the bf16-dot path, to the same bound as
+    test_attention_int8."""
+    bs = 32
+    reqs = batch_mix(mix, bs)
+    qs, ks, vs, block_table, cache, _ = build(reqs, bs, 3, d, dtype, "LHBNC", seed=d)
+    scale = d**-0.5
+    expected = torch.cat([reference(q, k, v, scale) for q, k, v in zip(qs, ks, vs)])
+    vmax = torch.cat([v.abs().max().double().expand(len(q), 1, 1) for q, v in zip(qs, vs)])
+    query_start_loc, seq_lens = kernel_args(reqs)
+    out = attention_native.paged_prefill_int8(torch.cat(qs), cache, block_table,
+                                              query_start_loc, seq_lens, scale)
+    assert_within_int8_bound(out, expected, vmax, dtype)
 
 
 def _prefill_case(mix, bs, seed, d=64):
