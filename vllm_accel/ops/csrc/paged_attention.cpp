@@ -456,23 +456,31 @@ void paged_attention(const QT* query, int64_t q_tok_stride, int64_t q_head_strid
   }
 }
 
-template <typename T>
-void write_float(const T* key, const T* value, int64_t tok_stride, int64_t head_stride, T* cache,
-                 int64_t block_stride, int64_t cache_head_stride, const int64_t* slots,
-                 int64_t num_tokens, int num_kv_heads, int block_size, int head_size) {
+// Calls write(i, block, offset, h) for every token i with a slot (>= 0) and every
+// kv head: the writers' shared walk.
+template <typename F>
+inline void for_each_slot(const int64_t* slots, int64_t num_tokens, int num_kv_heads,
+                          int block_size, F&& write) {
 #pragma omp parallel for if (num_tokens >= 64)
   for (int64_t i = 0; i < num_tokens; ++i) {
     const int64_t slot = slots[i];
     if (slot < 0) continue;
-    const int64_t block = slot / block_size, offset = slot % block_size;
-    for (int h = 0; h < num_kv_heads; ++h) {
-      T* page = cache + block * block_stride + h * cache_head_stride;
-      const int64_t src = i * tok_stride + h * head_stride;
-      std::memcpy(page + offset * head_size, key + src, sizeof(T) * head_size);
-      std::memcpy(page + (int64_t(block_size) + offset) * head_size, value + src,
-                  sizeof(T) * head_size);
-    }
+    for (int h = 0; h < num_kv_heads; ++h) write(i, slot / block_size, slot % block_size, h);
   }
+}
+
+template <typename T>
+void write_float(const T* key, const T* value, int64_t tok_stride, int64_t head_stride, T* cache,
+                 int64_t block_stride, int64_t cache_head_stride, const int64_t* slots,
+                 int64_t num_tokens, int num_kv_heads, int block_size, int head_size) {
+  for_each_slot(slots, num_tokens, num_kv_heads, block_size,
+                [&](int64_t i, int64_t block, int64_t offset, int h) {
+    T* page = cache + block * block_stride + h * cache_head_stride;
+    const int64_t src = i * tok_stride + h * head_stride;
+    std::memcpy(page + offset * head_size, key + src, sizeof(T) * head_size);
+    std::memcpy(page + (int64_t(block_size) + offset) * head_size, value + src,
+                sizeof(T) * head_size);
+  });
 }
 
 // The writers must match the torch writers bit for bit: no fast-math here.
@@ -502,20 +510,15 @@ void write_int8(const T* key, const T* value, int64_t tok_stride, int64_t head_s
                 int8_t* cache, int64_t block_stride, int64_t cache_head_stride,
                 const int64_t* slots, int64_t num_tokens, int num_kv_heads, int block_size,
                 int head_size, float k_scale, float v_scale) {
-#pragma omp parallel for if (num_tokens >= 64)
-  for (int64_t i = 0; i < num_tokens; ++i) {
-    const int64_t slot = slots[i];
-    if (slot < 0) continue;
-    const int64_t block = slot / block_size, offset = slot % block_size;
-    for (int h = 0; h < num_kv_heads; ++h) {
-      int8_t* page = cache + block * block_stride + h * cache_head_stride;
-      const int64_t src = i * tok_stride + h * head_stride;
-      float* scales = reinterpret_cast<float*>(page + 2 * int64_t(block_size) * head_size);
-      scales[2 * offset] = quantize_row(key + src, page + offset * head_size, head_size, k_scale);
-      scales[2 * offset + 1] = quantize_row(
-          value + src, page + (int64_t(block_size) + offset) * head_size, head_size, v_scale);
-    }
-  }
+  for_each_slot(slots, num_tokens, num_kv_heads, block_size,
+                [&](int64_t i, int64_t block, int64_t offset, int h) {
+    int8_t* page = cache + block * block_stride + h * cache_head_stride;
+    const int64_t src = i * tok_stride + h * head_stride;
+    float* scales = reinterpret_cast<float*>(page + 2 * int64_t(block_size) * head_size);
+    scales[2 * offset] = quantize_row(key + src, page + offset * head_size, head_size, k_scale);
+    scales[2 * offset + 1] = quantize_row(
+        value + src, page + (int64_t(block_size) + offset) * head_size, head_size, v_scale);
+  });
 }
 
 #pragma GCC pop_options
