@@ -8,10 +8,12 @@ PY := $(VENV)/bin/python
 setup:
 	@bash scripts/setup.sh
 
+# float32: the default model is a Q4_1 GGUF dequantized to float32 (exact there);
+# vLLM's default downcast to bf16 rounds its greedy first chat token into a tie.
 serve: setup
 	@model=$$($(PY) -m vllm_accel.models path) && \
-	echo "[serve] vllm serve $$model --device gcu --port $(PORT)" && \
-	. $(VENV)/bin/activate && exec vllm serve "$$model" --device gcu --port $(PORT)
+	echo "[serve] vllm serve $$model --device gcu --dtype float32 --port $(PORT)" && \
+	. $(VENV)/bin/activate && exec vllm serve "$$model" --device gcu --dtype float32 --port $(PORT)
 
 test: setup
 	$(VENV)/bin/python -m pytest -q -rs tests

@@ -2,7 +2,8 @@
 
 Exercises GQA, several block sizes, continuous batching (few sequence slots, so
 requests join and leave mid-flight) and chunked prefill (small token budget, so
-prefills are split and mixed with decodes). fp32 greedy must match HF exactly.
+prefills are split and mixed with decodes). fp32 greedy must match HF exactly,
+eager and (one case) under torch.compile, vLLM's default.
 """
 
 import random
@@ -12,12 +13,14 @@ import pytest
 from conftest import build_tiny_model, hf_greedy, run_engine
 
 CASES = {
-    # name: (arch, heads, kv_heads, head_dim, block_size, kernel provider)
-    "llama-gqa4-bs16": ("llama", 4, 1, 16, 16, "torch_fast"),
+    # name: (arch, heads, kv_heads, head_dim, block_size, kernel provider, compiled)
+    "llama-gqa4-bs16": ("llama", 4, 1, 16, 16, "torch_fast", False),
     # the simulated GCU's default: C++ kernels (head size 32: the AVX-512 path)
-    "qwen2-gqa3-bs32": ("qwen2", 6, 2, 32, 32, "cpu_native"),
+    "qwen2-gqa3-bs32": ("qwen2", 6, 2, 32, 32, "cpu_native", False),
+    # the C++ kernels inside a torch.compile'd model (custom ops in the graph)
+    "llama-gqa3-bs64-native-compiled": ("llama", 6, 2, 32, 64, "cpu_native", True),
     # the obvious per-request kernels, forced through ACCEL_KERNEL_PROVIDER
-    "llama-gqa2-bs128-reference": ("llama", 4, 2, 16, 128, "reference"),
+    "llama-gqa2-bs128-reference": ("llama", 4, 2, 16, 128, "reference", False),
 }
 KERNEL_MODULES = {"cpu_native": "attention_native", "torch_fast": "attention_kernels",
                   "reference": "attention_reference"}
@@ -26,14 +29,14 @@ KERNEL_MODULES = {"cpu_native": "attention_native", "torch_fast": "attention_ker
 @pytest.mark.engine
 @pytest.mark.parametrize("case", list(CASES))
 def test_tiny_model_matches_hf(case, tmp_path):
-    arch, heads, kv_heads, head_dim, block_size, provider = CASES[case]
+    arch, heads, kv_heads, head_dim, block_size, provider, compiled = CASES[case]
     model = build_tiny_model(tmp_path / case, arch=arch, num_heads=heads,
                              num_kv_heads=kv_heads, head_dim=head_dim)
     rng = random.Random(case)
     lengths = [3, 17, 40, 70, 129, 5, 64, 1]
     prompts = [[rng.randrange(3, 512) for _ in range(n)] for n in lengths]
     results, log = run_engine({
-        "llm": {"model": str(model), "dtype": "float32", "enforce_eager": True,
+        "llm": {"model": str(model), "dtype": "float32", "enforce_eager": not compiled,
                 "skip_tokenizer_init": True, "block_size": block_size,
                 "max_model_len": 512, "max_num_seqs": 3, "max_num_batched_tokens": 48,
                 "enable_chunked_prefill": True, "seed": 0},
@@ -43,6 +46,7 @@ def test_tiny_model_matches_hf(case, tmp_path):
     }, tmp_path, env={"ACCEL_KERNEL_PROVIDER": provider})
     assert results["platform"] == "AccelPlatform"
     assert f"vllm_accel.ops.{KERNEL_MODULES[provider]}.paged_decode" in log
+    assert ("Warming up model for the compilation" in log) == compiled
     expected = hf_greedy(model, prompts, 16)
     got = [o["token_ids"] for o in results["outputs"]]
     assert got == expected

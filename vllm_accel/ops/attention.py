@@ -35,7 +35,7 @@ from vllm_accel.ops import (  # noqa: F401  (register their providers' kernels)
 )
 from vllm_accel.ops.attention_kernels import INT8_SCALE_BYTES
 from vllm_accel.ops.kv_scales import load_kv_scales
-from vllm_accel.ops.registry import fallback_kernel, get_kernel, resolve_provider
+from vllm_accel.ops.registry import get_kernel
 
 logger = init_logger(__name__)
 
@@ -59,13 +59,6 @@ def reject_unsupported(features: dict[str, bool]) -> None:
         "attention backend does not support yet. Serve a model without it, or "
         "exclude the plugin (VLLM_PLUGINS) to use vLLM's CPU backend."
     )
-
-
-def _compiled_model() -> bool:
-    from vllm.config import get_current_vllm_config_or_none
-
-    config = get_current_vllm_config_or_none()
-    return bool(config and config.model_config and not config.model_config.enforce_eager)
 
 
 def _static_kv_scales(kv_cache_dtype: str) -> dict[int, tuple[float, float]] | None:
@@ -210,14 +203,9 @@ class AccelAttentionImpl(AttentionImpl):
         self.kv_sharing_target_layer_name = kv_sharing_target_layer_name
         self._static_kv_scales = _static_kv_scales(kv_cache_dtype)
         suffix = "_int8" if kv_cache_dtype == INT8_KV else ""
-        names = ("cache_write" + suffix, "paged_decode" + suffix, "paged_prefill" + suffix)
-        kernels = [get_kernel(name) for name in names]
-        if _compiled_model() and resolve_provider(names[1]) == attention_native.NATIVE:
-            # Known bug: with torch.compile the cpu_native attention kernels give wrong
-            # tokens (eager is exact); until it is found, compiled models use the next
-            # provider's attention.
-            kernels = [fallback_kernel(name, attention_native.NATIVE) for name in names]
-        self._cache_write, self._paged_decode, self._paged_prefill = kernels
+        self._cache_write = get_kernel("cache_write" + suffix)
+        self._paged_decode = get_kernel("paged_decode" + suffix)
+        self._paged_prefill = get_kernel("paged_prefill" + suffix)
         logger.info_once(
             "%s attention kernels: %s",
             BACKEND_NAME,
