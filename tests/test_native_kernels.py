@@ -1,7 +1,8 @@
 """The ``cpu_native`` provider (C++ built at first use): its build and fallbacks,
 its cache writers against the torch writers (bit for bit), its readers on head
-sizes outside the AVX-512 instantiations (the portable path; the randomized
-reader tests in test_attention_kernels/test_attention_int8 cover 64 and 128),
+sizes outside the AVX-512 instantiations (the portable path) and on the INT8
+integer path's other head and block sizes (the randomized reader tests in
+test_attention_kernels/test_attention_int8 cover 64 and 128),
 and its RMSNorm / SiluAndMul against the reference kernels and float64.
 """
 
@@ -187,6 +188,23 @@ def test_int8_readers_portable_path(mix, d, dtype):
     out = attention_native.paged_prefill_int8(torch.cat(qs), cache, block_table,
                                               query_start_loc, seq_lens, scale)
     assert_within_int8_bound(out, expected, vmax, dtype)
+
+
+@pytest.mark.parametrize("bs", [16, 256, 512])  # 512: past the integer path's page bound
+@pytest.mark.parametrize("d", [32, 96, 256])
+@pytest.mark.parametrize("mix", ["decode", "mixed"])
+def test_int8_readers_integer_path_head_and_block_sizes(mix, d, bs):
+    """bf16 queries on an INT8 cache (the int16 dot path) at the head sizes and
+    block sizes the randomized tests leave out, to the same bound."""
+    reqs = batch_mix(mix, bs)
+    qs, ks, vs, block_table, cache, _ = build(reqs, bs, 3, d, torch.bfloat16, "LBHNC", seed=d)
+    scale = d**-0.5
+    expected = torch.cat([reference(q, k, v, scale) for q, k, v in zip(qs, ks, vs)])
+    vmax = torch.cat([v.abs().max().double().expand(len(q), 1, 1) for q, v in zip(qs, vs)])
+    query_start_loc, seq_lens = kernel_args(reqs)
+    out = attention_native.paged_prefill_int8(torch.cat(qs), cache, block_table,
+                                              query_start_loc, seq_lens, scale)
+    assert_within_int8_bound(out, expected, vmax, torch.bfloat16)
 
 
 def _prefill_case(mix, bs, seed, d=64):

@@ -157,21 +157,26 @@ inline __m512 load16(const int8_t* p) {
   return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(x));
 }
 
-// v[t] = sum of the 16 lanes of a[t], for 16 vectors at once.
-inline __m512 reduce16(__m512 a[16]) {
+// v[t] = sum of the 16 lanes of a[t], for 16 vectors at once; `add` adds two
+// vectors of float32 (or, bit-cast, int32) lanes.
+template <typename Add>
+inline __m512 reduce16(__m512 a[16], Add add) {
   __m512 b[8], c[4];
   for (int i = 0; i < 8; ++i)  // 128-bit lanes 0,1: token 2i; 2,3: token 2i+1
-    b[i] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0x44),
-                         _mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0xEE));
+    b[i] = add(_mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0x44),
+               _mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0xEE));
   for (int i = 0; i < 4; ++i)  // lane l: token 4i + l
-    c[i] = _mm512_add_ps(_mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], 0x88),
-                         _mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], 0xDD));
-  const __m512 d0 = _mm512_add_ps(_mm512_unpacklo_ps(c[0], c[1]), _mm512_unpackhi_ps(c[0], c[1]));
-  const __m512 d1 = _mm512_add_ps(_mm512_unpacklo_ps(c[2], c[3]), _mm512_unpackhi_ps(c[2], c[3]));
+    c[i] = add(_mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], 0x88),
+               _mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], 0xDD));
+  const __m512 d0 = add(_mm512_unpacklo_ps(c[0], c[1]), _mm512_unpackhi_ps(c[0], c[1]));
+  const __m512 d1 = add(_mm512_unpacklo_ps(c[2], c[3]), _mm512_unpackhi_ps(c[2], c[3]));
   // element 4l + m holds token 4m + l
-  const __m512 r = _mm512_add_ps(_mm512_shuffle_ps(d0, d1, 0x44), _mm512_shuffle_ps(d0, d1, 0xEE));
+  const __m512 r = add(_mm512_shuffle_ps(d0, d1, 0x44), _mm512_shuffle_ps(d0, d1, 0xEE));
   const __m512i order = _mm512_set_epi32(15, 11, 7, 3, 14, 10, 6, 2, 13, 9, 5, 1, 12, 8, 4, 0);
   return _mm512_permutexvar_ps(order, r);
+}
+inline __m512 reduce16(__m512 a[16]) {
+  return reduce16(a, [](__m512 x, __m512 y) { return _mm512_add_ps(x, y); });
 }
 
 // Pages are scattered over the cache: ask for the next one while this one is
@@ -259,50 +264,27 @@ void attend_one_avx512(const QT* query, int64_t q_head_stride, QT* out, int64_t 
 }
 
 #ifdef __AVX512BF16__
-// bf16 model on a CPU with AVX512_BF16: dot products in bf16 (exact products,
-// float32 sums). A bf16 cache is read in place; an INT8 cache's codes (exact in
-// bf16) are widened page by page and its scales applied to the 16 scores at a
-// time and folded into the probabilities. The probabilities are rounded to bf16
-// for the V sum (each pair of tokens is one bf16 dot), as matmul kernels do.
-
-// 32 int8 codes -> 32 bf16 (exact).
-inline __m512i int8_to_bf16(const int8_t* p) {
-  const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)p)));
-  const __m512 hi =
-      _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(p + 16))));
-  return (__m512i)_mm512_cvtne2ps_pbh(hi, lo);
-}
-
-// `n` rows of D elements as bf16: the page itself, or its codes widened into buf.
-template <int D, typename E>
-inline const bf16* bf16_rows(const E* rows, int n, std::vector<bf16>& buf) {
-  if constexpr (std::is_same_v<E, bf16>) {
-    return rows;
-  } else {
-    buf.resize(size_t(n) * D);
-    for (int i = 0; i < n * D; i += 32) _mm512_storeu_si512(&buf[i], int8_to_bf16(rows + i));
-    return buf.data();
-  }
-}
-
-template <int C, typename E>
+// bf16 model and cache on a CPU with AVX512_BF16: dot products in bf16 (exact
+// products, float32 sums), reading the cache in place. The probabilities are
+// rounded to bf16 for the V sum (each pair of tokens is one bf16 dot), as matmul
+// kernels do.
+template <int C>
 void attend_one_bf16(const bf16* query, int64_t q_head_stride, bf16* out, int64_t o_head_stride,
-                     const Pages<E>& pages, const int32_t* blocks, int kv_head, int seq_len,
+                     const Pages<bf16>& pages, const int32_t* blocks, int kv_head, int seq_len,
                      int group, float scale, std::vector<float>& acc, std::vector<float>& scores,
-                     std::vector<bf16>& probs, std::vector<bf16>& rows) {
+                     std::vector<bf16>& probs) {
   constexpr int D = 16 * C, R = C / 2;  // R: 32-element bf16 vectors per row
   const int bs = pages.block_size;
   const int padded = (seq_len + 15) / 16 * 16;
   const int num_blocks = (seq_len + bs - 1) / bs;
   scores.resize(size_t(group) * padded);
   const __m512 scale_v = _mm512_set1_ps(scale);
-  const __m512i evens = _mm512_set_epi32(30, 28, 26, 24, 22, 20, 18, 16, 14, 12, 10, 8, 6, 4, 2, 0);
   for (int j = 0; j < num_blocks; ++j) {
-    const E* page = pages.page(blocks[j], kv_head);
+    const bf16* page = pages.page(blocks[j], kv_head);
     const int n16 = (std::min(bs, seq_len - j * bs) + 15) / 16 * 16;  // extra rows: unused
     if (j + 1 < num_blocks) prefetch(pages.keys(pages.page(blocks[j + 1], kv_head)), int64_t(bs) * D);
     else prefetch(pages.values(pages.page(blocks[0], kv_head)), int64_t(bs) * D);
-    const bf16* k = bf16_rows<D>(pages.keys(page), n16, rows);
+    const bf16* k = pages.keys(page);
     for (int g = 0; g < group; ++g) {
       __m512bh q[R];
       for (int r = 0; r < R; ++r) q[r] = (__m512bh)_mm512_loadu_si512(query + g * q_head_stride + 32 * r);
@@ -315,39 +297,25 @@ void attend_one_bf16(const bf16* query, int64_t q_head_stride, bf16* out, int64_
             sum = _mm512_dpbf16_ps(sum, q[r], (__m512bh)_mm512_loadu_si512(row + 32 * r));
           a[t] = sum;
         }
-        __m512 sv = scale_v;
-        if constexpr (Pages<E>::kInt8) {  // (k_scale, v_scale) pairs of tokens t0..t0+15
-          const float* ks = &pages.scales(page)[2 * t0];
-          sv = _mm512_mul_ps(sv, _mm512_permutex2var_ps(_mm512_loadu_ps(ks), evens,
-                                                        _mm512_loadu_ps(ks + 16)));
-        }
-        _mm512_storeu_ps(&scores[size_t(g) * padded + j * bs + t0], _mm512_mul_ps(reduce16(a), sv));
+        _mm512_storeu_ps(&scores[size_t(g) * padded + j * bs + t0], _mm512_mul_ps(reduce16(a), scale_v));
       }
     }
   }
-  // softmax; probabilities (times the token's V scale) in bf16, a 0 after the last
+  // softmax; probabilities in bf16, a 0 after the last
   probs.resize(size_t(group) * (padded + 2));
   for (int g = 0; g < group; ++g) {
     float* s = &scores[size_t(g) * padded];
     softmax(s, seq_len);
     bf16* pg = &probs[size_t(g) * (padded + 2)];
-    if constexpr (Pages<E>::kInt8) {
-      for (int j = 0; j < num_blocks; ++j) {
-        const float* sc = pages.scales(pages.page(blocks[j], kv_head));
-        const int n = std::min(bs, seq_len - j * bs);
-        for (int t = 0; t < n; ++t) store(s[j * bs + t] * sc[2 * t + 1], pg + j * bs + t);
-      }
-    } else {
-      for (int t = 0; t < seq_len; ++t) store(s[t], pg + t);
-    }
+    for (int t = 0; t < seq_len; ++t) store(s[t], pg + t);
     pg[seq_len].bits = 0;
   }
   acc.assign(size_t(group) * D, 0.f);
   for (int j = 0; j < num_blocks; ++j) {
-    const E* page = pages.page(blocks[j], kv_head);
+    const bf16* page = pages.page(blocks[j], kv_head);
     const int n = std::min(bs, seq_len - j * bs);
     if (j + 1 < num_blocks) prefetch(pages.values(pages.page(blocks[j + 1], kv_head)), int64_t(bs) * D);
-    const bf16* v = bf16_rows<D>(pages.values(page), n, rows);
+    const bf16* v = pages.values(page);
     for (int g = 0; g < group; ++g) {
       // Accumulator 2r (2r+1) holds, in lane 4l + i, the column 32r + 8l + i (+ 4).
       const bf16* pg = &probs[size_t(g) * (padded + 2) + j * bs];
@@ -379,21 +347,179 @@ void attend_one_bf16(const bf16* query, int64_t q_head_stride, bf16* out, int64_
 }
 #endif  // __AVX512BF16__
 
+#ifdef __AVX512VNNI__
+// INT8 cache, head size a multiple of 32: integer dot products (vpdpwssd, 32
+// int16 products per instruction, exact int32 sums). Each query head is quantized
+// to int16 (scale: its max |element| / 32767) and the K and V codes are widened to
+// int16 page by page, so a score is one exact integer dot times (query scale x K
+// scale). The probabilities times their token's V scale are quantized to int16
+// per head the same way and summed over pairs of tokens in int32 within a page
+// (at most 256 tokens x 32767 x 127 < 2^31), then in float32.
+
+inline __mmask16 first(int n) { return n >= 16 ? __mmask16(0xffff) : __mmask16((1u << n) - 1); }
+
+// x[0..n) -> round(x / s) in int16 with s = max |x| / 32767 (1 if all are 0); returns s.
+inline float quantize16(const float* x, int n, int16_t* dst) {
+  __m512 m = _mm512_setzero_ps();
+  for (int i = 0; i < n; i += 16)
+    m = _mm512_max_ps(m, _mm512_abs_ps(_mm512_maskz_loadu_ps(first(n - i), x + i)));
+  const float top = _mm512_reduce_max_ps(m);
+  const float s = top > 0.f ? top / 32767.f : 1.f;
+  const __m512 inv = _mm512_set1_ps(1.f / s);
+  for (int i = 0; i < n; i += 16) {
+    const __m512i q = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_maskz_loadu_ps(first(n - i), x + i), inv));
+    _mm256_mask_storeu_epi16(dst + i, first(n - i), _mm512_cvtepi32_epi16(q));
+  }
+  return s;
+}
+
+// `n` rows of D int8 codes widened to int16 into buf.
+template <int D>
+inline const int16_t* int16_rows(const int8_t* rows, int n, std::vector<int16_t>& buf) {
+  buf.resize(size_t(n) * D);
+  for (int i = 0; i < n * D; i += 32)
+    _mm512_storeu_si512(&buf[i], _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i*)(rows + i))));
+  return buf.data();
+}
+
+template <int C>
+void attend_one_int8(const bf16* query, int64_t q_head_stride, bf16* out, int64_t o_head_stride,
+                     const Pages<int8_t>& pages, const int32_t* blocks, int kv_head, int seq_len,
+                     int group, float scale, std::vector<float>& qf, std::vector<float>& acc,
+                     std::vector<float>& scores, std::vector<int16_t>& codes,
+                     std::vector<int16_t>& rows) {
+  constexpr int D = 16 * C, R = C / 2;  // R: 32-element int16 vectors per row
+  const int bs = pages.block_size;
+  const int padded = (seq_len + 15) / 16 * 16;
+  const int num_blocks = (seq_len + bs - 1) / bs;
+  // qf: the query heads in float32, then per head its query and weight scales
+  qf.resize(size_t(group) * (D + 2));
+  float* q_scale = &qf[size_t(group) * D];
+  float* w_scale = q_scale + group;
+  // codes: the query heads in int16, then per head its weights (+ a 0 after the last)
+  codes.resize(size_t(group) * (D + padded + 2));
+  int16_t* q16 = codes.data();
+  int16_t* w16 = q16 + size_t(group) * D;
+  for (int g = 0; g < group; ++g) {
+    for (int i = 0; i < D; ++i) qf[g * D + i] = to_float(query[g * q_head_stride + i]);
+    q_scale[g] = quantize16(&qf[g * D], D, q16 + g * D) * scale;
+  }
+  scores.resize(size_t(group) * padded);
+  const __m512i evens = _mm512_set_epi32(30, 28, 26, 24, 22, 20, 18, 16, 14, 12, 10, 8, 6, 4, 2, 0);
+  const auto add_int = [](__m512 x, __m512 y) {
+    return _mm512_castsi512_ps(_mm512_add_epi32(_mm512_castps_si512(x), _mm512_castps_si512(y)));
+  };
+  for (int j = 0; j < num_blocks; ++j) {
+    const int8_t* page = pages.page(blocks[j], kv_head);
+    const int n16 = (std::min(bs, seq_len - j * bs) + 15) / 16 * 16;  // extra rows: unused
+    if (j + 1 < num_blocks) prefetch(pages.keys(pages.page(blocks[j + 1], kv_head)), int64_t(bs) * D);
+    else prefetch(pages.values(pages.page(blocks[0], kv_head)), int64_t(bs) * D);
+    const int16_t* k = int16_rows<D>(pages.keys(page), n16, rows);
+    for (int g = 0; g < group; ++g) {
+      __m512i q[R];
+      for (int r = 0; r < R; ++r) q[r] = _mm512_loadu_si512(q16 + g * D + 32 * r);
+      const __m512 qs = _mm512_set1_ps(q_scale[g]);
+      for (int t0 = 0; t0 < n16; t0 += 16) {
+        __m512 a[16];
+        for (int t = 0; t < 16; ++t) {
+          const int16_t* row = k + size_t(t0 + t) * D;
+          __m512i sum = _mm512_setzero_si512();
+          for (int r = 0; r < R; ++r) sum = _mm512_dpwssd_epi32(sum, q[r], _mm512_loadu_si512(row + 32 * r));
+          a[t] = _mm512_castsi512_ps(sum);
+        }
+        const float* ks = &pages.scales(page)[2 * t0];  // (k_scale, v_scale) pairs
+        const __m512 k_scale = _mm512_permutex2var_ps(_mm512_loadu_ps(ks), evens, _mm512_loadu_ps(ks + 16));
+        const __m512 dots = _mm512_cvtepi32_ps(_mm512_castps_si512(reduce16(a, add_int)));
+        _mm512_storeu_ps(&scores[size_t(g) * padded + j * bs + t0],
+                         _mm512_mul_ps(dots, _mm512_mul_ps(qs, k_scale)));
+      }
+    }
+  }
+  for (int g = 0; g < group; ++g) {
+    float* s = &scores[size_t(g) * padded];
+    softmax(s, seq_len);
+    for (int j = 0; j < num_blocks; ++j) {
+      const float* sc = pages.scales(pages.page(blocks[j], kv_head));
+      const int n = std::min(bs, seq_len - j * bs);
+      for (int t = 0; t < n; ++t) s[j * bs + t] *= sc[2 * t + 1];
+    }
+    int16_t* wg = w16 + size_t(g) * (padded + 2);
+    w_scale[g] = quantize16(s, seq_len, wg);
+    wg[seq_len] = 0;
+  }
+  acc.assign(size_t(group) * D, 0.f);
+  for (int j = 0; j < num_blocks; ++j) {
+    const int8_t* page = pages.page(blocks[j], kv_head);
+    const int n = std::min(bs, seq_len - j * bs);
+    if (j + 1 < num_blocks) prefetch(pages.values(pages.page(blocks[j + 1], kv_head)), int64_t(bs) * D);
+    const int16_t* v = int16_rows<D>(pages.values(page), n, rows);
+    for (int g = 0; g < group; ++g) {
+      // Accumulator 2r (2r+1) holds, in lane 4l + i, the column 32r + 8l + i (+ 4).
+      const int16_t* wg = w16 + size_t(g) * (padded + 2) + j * bs;
+      __m512i a[C];
+      for (int c = 0; c < C; ++c) a[c] = _mm512_setzero_si512();
+      for (int t = 0; t < n; t += 2) {
+        uint32_t pair;  // (w[t], w[t+1]); w past the page's end is 0
+        std::memcpy(&pair, wg + t, 4);
+        if (t + 1 == n) pair &= 0xffffu;
+        const __m512i w = _mm512_set1_epi32(int(pair));
+        for (int r = 0; r < R; ++r) {
+          const __m512i x = _mm512_loadu_si512(v + size_t(t) * D + 32 * r);
+          const __m512i y = t + 1 < n ? _mm512_loadu_si512(v + size_t(t + 1) * D + 32 * r)
+                                      : _mm512_setzero_si512();
+          a[2 * r] = _mm512_dpwssd_epi32(a[2 * r], _mm512_unpacklo_epi16(x, y), w);
+          a[2 * r + 1] = _mm512_dpwssd_epi32(a[2 * r + 1], _mm512_unpackhi_epi16(x, y), w);
+        }
+      }
+      for (int c = 0; c < C; ++c) {
+        float* lanes = &acc[g * D + 16 * c];
+        _mm512_storeu_ps(lanes, _mm512_add_ps(_mm512_loadu_ps(lanes), _mm512_cvtepi32_ps(a[c])));
+      }
+    }
+  }
+  for (int g = 0; g < group; ++g) {
+    const float* lanes = &acc[g * D];
+    for (int c = 0; c < C; ++c)
+      for (int l = 0; l < 4; ++l)
+        for (int i = 0; i < 4; ++i)
+          store(lanes[16 * c + 4 * l + i] * w_scale[g],
+                out + g * o_head_stride + 32 * (c / 2) + 8 * l + 4 * (c % 2) + i);
+  }
+}
+#endif  // __AVX512VNNI__
+
 // Runs the AVX-512 path if it has an instantiation for this head size.
 template <typename QT, typename Pages>
 bool attend_one_fast(const QT* query, int64_t q_head_stride, QT* out, int64_t o_head_stride,
                      const Pages& pages, const int32_t* blocks, int kv_head, int seq_len,
                      int group, float scale, std::vector<float>& qf, std::vector<float>& acc,
                      std::vector<float>& scores, std::vector<float>& rows,
-                     std::vector<bf16>& probs, std::vector<bf16>& bf16_rows) {
+                     std::vector<bf16>& probs, std::vector<int16_t>& codes,
+                     std::vector<int16_t>& int16_rows) {
   if (seq_len <= 0 || pages.head_size % 16) return false;
+#ifdef __AVX512VNNI__
+  // bf16 models only: fp32/fp16 ones keep float32 probabilities (the float path)
+  if constexpr (Pages::kInt8 && std::is_same_v<QT, bf16>) {
+    if (pages.block_size <= 256) {  // the int32 page sums' bound
+      switch (pages.head_size / 16) {
+#define ACCEL_CASE(C)                                                                        \
+  case C:                                                                                    \
+    attend_one_int8<C>(query, q_head_stride, out, o_head_stride, pages, blocks, kv_head,     \
+                       seq_len, group, scale, qf, acc, scores, codes, int16_rows);           \
+    return true;
+        ACCEL_CASE(2) ACCEL_CASE(4) ACCEL_CASE(6) ACCEL_CASE(8) ACCEL_CASE(16)
+#undef ACCEL_CASE
+      }
+    }
+  }
+#endif
 #ifdef __AVX512BF16__
-  if constexpr (std::is_same_v<QT, bf16>) {
+  if constexpr (std::is_same_v<QT, bf16> && !Pages::kInt8) {
     switch (pages.head_size / 16) {
 #define ACCEL_CASE(C)                                                                        \
   case C:                                                                                    \
     attend_one_bf16<C>(query, q_head_stride, out, o_head_stride, pages, blocks, kv_head,     \
-                       seq_len, group, scale, acc, scores, probs, bf16_rows);                \
+                       seq_len, group, scale, acc, scores, probs);                           \
     return true;
       ACCEL_CASE(2) ACCEL_CASE(4) ACCEL_CASE(6) ACCEL_CASE(8) ACCEL_CASE(16)
 #undef ACCEL_CASE
@@ -431,7 +557,8 @@ void paged_attention(const QT* query, int64_t q_tok_stride, int64_t q_head_strid
 #pragma omp parallel
   {
     std::vector<float> qf, acc, scores, row;
-    std::vector<bf16> probs, bf16_rows;
+    std::vector<bf16> probs;
+    std::vector<int16_t> codes, int16_rows;
 #pragma omp for schedule(dynamic, 4)
     for (int64_t item = 0; item < items; ++item) {
       const int64_t i = item / num_kv_heads;
@@ -445,7 +572,7 @@ void paged_attention(const QT* query, int64_t q_tok_stride, int64_t q_head_strid
       if (attend_one_fast(query + i * q_tok_stride + h0 * q_head_stride, q_head_stride,
                           out + i * o_tok_stride + h0 * o_head_stride, o_head_stride, pages,
                           block_table + r * bt_stride, kv_head, visible, group, scale, qf,
-                          acc, scores, row, probs, bf16_rows))
+                          acc, scores, row, probs, codes, int16_rows))
         continue;
 #endif
       attend_one(query + i * q_tok_stride + h0 * q_head_stride, q_head_stride,
