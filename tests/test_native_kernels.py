@@ -178,16 +178,7 @@ def test_readers_portable_path(mix, d, dtype):
 def test_int8_readers_portable_path(mix, d, dtype):
     """The INT8 cache on head sizes outside the bf16-dot path, to the same bound as
     test_attention_int8."""
-    bs = 32
-    reqs = batch_mix(mix, bs)
-    qs, ks, vs, block_table, cache, _ = build(reqs, bs, 3, d, dtype, "LHBNC", seed=d)
-    scale = d**-0.5
-    expected = torch.cat([reference(q, k, v, scale) for q, k, v in zip(qs, ks, vs)])
-    vmax = torch.cat([v.abs().max().double().expand(len(q), 1, 1) for q, v in zip(qs, vs)])
-    query_start_loc, seq_lens = kernel_args(reqs)
-    out = attention_native.paged_prefill_int8(torch.cat(qs), cache, block_table,
-                                              query_start_loc, seq_lens, scale)
-    assert_within_int8_bound(out, expected, vmax, dtype)
+    _check_int8_reader(mix, 32, d, dtype, "LHBNC")
 
 
 @pytest.mark.parametrize("bs", [16, 256, 512])  # 512: past the integer path's page bound
@@ -196,15 +187,21 @@ def test_int8_readers_portable_path(mix, d, dtype):
 def test_int8_readers_integer_path_head_and_block_sizes(mix, d, bs):
     """bf16 queries on an INT8 cache (the int16 dot path) at the head sizes and
     block sizes the randomized tests leave out, to the same bound."""
+    _check_int8_reader(mix, bs, d, torch.bfloat16, "LBHNC")
+
+
+def _check_int8_reader(mix, bs, d, dtype, layout):
+    """The native INT8 prefill reader vs float64 on unquantized K/V, within the
+    INT8 bound of test_attention_int8 (3 query heads per KV head)."""
     reqs = batch_mix(mix, bs)
-    qs, ks, vs, block_table, cache, _ = build(reqs, bs, 3, d, torch.bfloat16, "LBHNC", seed=d)
+    qs, ks, vs, block_table, cache, _ = build(reqs, bs, 3, d, dtype, layout, seed=d)
     scale = d**-0.5
     expected = torch.cat([reference(q, k, v, scale) for q, k, v in zip(qs, ks, vs)])
     vmax = torch.cat([v.abs().max().double().expand(len(q), 1, 1) for q, v in zip(qs, vs)])
     query_start_loc, seq_lens = kernel_args(reqs)
     out = attention_native.paged_prefill_int8(torch.cat(qs), cache, block_table,
                                               query_start_loc, seq_lens, scale)
-    assert_within_int8_bound(out, expected, vmax, torch.bfloat16)
+    assert_within_int8_bound(out, expected, vmax, dtype)
 
 
 def _prefill_case(mix, bs, seed, d=64):
