@@ -263,6 +263,16 @@ void attend_one_avx512(const QT* query, int64_t q_head_stride, QT* out, int64_t 
     for (int i = 0; i < D; ++i) store(acc[g * D + i], out + g * o_head_stride + i);
 }
 
+// One head's V sums from the pair-of-tokens loops, times `scale`, into its D output
+// columns: accumulator 2r (2r+1) holds, in lane 4l + i, column 32r + 8l + i (+ 4).
+template <int C, typename T>
+inline void store_pair_sums(const float* lanes, float scale, T* out) {
+  for (int c = 0; c < C; ++c)
+    for (int l = 0; l < 4; ++l)
+      for (int i = 0; i < 4; ++i)
+        store(lanes[16 * c + 4 * l + i] * scale, out + 32 * (c / 2) + 8 * l + 4 * (c % 2) + i);
+}
+
 #ifdef __AVX512BF16__
 // bf16 model and cache on a CPU with AVX512_BF16: dot products in bf16 (exact
 // products, float32 sums), reading the cache in place. The probabilities are
@@ -317,7 +327,7 @@ void attend_one_bf16(const bf16* query, int64_t q_head_stride, bf16* out, int64_
     if (j + 1 < num_blocks) prefetch(pages.values(pages.page(blocks[j + 1], kv_head)), int64_t(bs) * D);
     const bf16* v = pages.values(page);
     for (int g = 0; g < group; ++g) {
-      // Accumulator 2r (2r+1) holds, in lane 4l + i, the column 32r + 8l + i (+ 4).
+      // Summed over pairs of tokens (unpacklo/hi of rows t, t+1): see store_pair_sums.
       const bf16* pg = &probs[size_t(g) * (padded + 2) + j * bs];
       __m512 a[C];
       for (int c = 0; c < C; ++c) a[c] = _mm512_loadu_ps(&acc[g * D + 16 * c]);
@@ -337,13 +347,7 @@ void attend_one_bf16(const bf16* query, int64_t q_head_stride, bf16* out, int64_
       for (int c = 0; c < C; ++c) _mm512_storeu_ps(&acc[g * D + 16 * c], a[c]);
     }
   }
-  for (int g = 0; g < group; ++g) {
-    const float* lanes = &acc[g * D];
-    for (int c = 0; c < C; ++c)
-      for (int l = 0; l < 4; ++l)
-        for (int i = 0; i < 4; ++i)
-          store(lanes[16 * c + 4 * l + i], out + g * o_head_stride + 32 * (c / 2) + 8 * l + 4 * (c % 2) + i);
-  }
+  for (int g = 0; g < group; ++g) store_pair_sums<C>(&acc[g * D], 1.f, out + g * o_head_stride);
 }
 #endif  // __AVX512BF16__
 
@@ -454,7 +458,7 @@ void attend_one_int8(const bf16* query, int64_t q_head_stride, bf16* out, int64_
     if (j + 1 < num_blocks) prefetch(pages.values(pages.page(blocks[j + 1], kv_head)), int64_t(bs) * D);
     const int16_t* v = int16_rows<D>(pages.values(page), n, rows);
     for (int g = 0; g < group; ++g) {
-      // Accumulator 2r (2r+1) holds, in lane 4l + i, the column 32r + 8l + i (+ 4).
+      // Summed over pairs of tokens (unpacklo/hi of rows t, t+1): see store_pair_sums.
       const int16_t* wg = w16 + size_t(g) * (padded + 2) + j * bs;
       __m512i a[C];
       for (int c = 0; c < C; ++c) a[c] = _mm512_setzero_si512();
@@ -477,16 +481,16 @@ void attend_one_int8(const bf16* query, int64_t q_head_stride, bf16* out, int64_
       }
     }
   }
-  for (int g = 0; g < group; ++g) {
-    const float* lanes = &acc[g * D];
-    for (int c = 0; c < C; ++c)
-      for (int l = 0; l < 4; ++l)
-        for (int i = 0; i < 4; ++i)
-          store(lanes[16 * c + 4 * l + i] * w_scale[g],
-                out + g * o_head_stride + 32 * (c / 2) + 8 * l + 4 * (c % 2) + i);
-  }
+  for (int g = 0; g < group; ++g) store_pair_sums<C>(&acc[g * D], w_scale[g], out + g * o_head_stride);
 }
 #endif  // __AVX512VNNI__
+
+// Calls f(std::integral_constant<int, C>{}) if c is one of the instantiated Cs
+// (16-float vectors per head row); returns whether it did.
+template <int... Cs, typename F>
+inline bool with_vectors(int c, F&& f) {
+  return ((c == Cs && (f(std::integral_constant<int, Cs>{}), true)) || ...);
+}
 
 // Runs the AVX-512 path if it has an instantiation for this head size.
 template <typename QT, typename Pages>
@@ -497,45 +501,34 @@ bool attend_one_fast(const QT* query, int64_t q_head_stride, QT* out, int64_t o_
                      std::vector<bf16>& probs, std::vector<int16_t>& codes,
                      std::vector<int16_t>& int16_rows) {
   if (seq_len <= 0 || pages.head_size % 16) return false;
+  const int c = pages.head_size / 16;
 #ifdef __AVX512VNNI__
   // bf16 models only: fp32/fp16 ones keep float32 probabilities (the float path)
   if constexpr (Pages::kInt8 && std::is_same_v<QT, bf16>) {
-    if (pages.block_size <= 256) {  // the int32 page sums' bound
-      switch (pages.head_size / 16) {
-#define ACCEL_CASE(C)                                                                        \
-  case C:                                                                                    \
-    attend_one_int8<C>(query, q_head_stride, out, o_head_stride, pages, blocks, kv_head,     \
-                       seq_len, group, scale, qf, acc, scores, codes, int16_rows);           \
-    return true;
-        ACCEL_CASE(2) ACCEL_CASE(4) ACCEL_CASE(6) ACCEL_CASE(8) ACCEL_CASE(16)
-#undef ACCEL_CASE
-      }
-    }
+    if (pages.block_size <= 256  // the int32 page sums' bound
+        && with_vectors<2, 4, 6, 8, 16>(c, [&](auto C) {
+             attend_one_int8<decltype(C)::value>(query, q_head_stride, out, o_head_stride,
+                                                 pages, blocks, kv_head, seq_len, group, scale,
+                                                 qf, acc, scores, codes, int16_rows);
+           }))
+      return true;
   }
 #endif
 #ifdef __AVX512BF16__
   if constexpr (std::is_same_v<QT, bf16> && !Pages::kInt8) {
-    switch (pages.head_size / 16) {
-#define ACCEL_CASE(C)                                                                        \
-  case C:                                                                                    \
-    attend_one_bf16<C>(query, q_head_stride, out, o_head_stride, pages, blocks, kv_head,     \
-                       seq_len, group, scale, acc, scores, probs);                           \
-    return true;
-      ACCEL_CASE(2) ACCEL_CASE(4) ACCEL_CASE(6) ACCEL_CASE(8) ACCEL_CASE(16)
-#undef ACCEL_CASE
-    }
+    if (with_vectors<2, 4, 6, 8, 16>(c, [&](auto C) {
+          attend_one_bf16<decltype(C)::value>(query, q_head_stride, out, o_head_stride, pages,
+                                              blocks, kv_head, seq_len, group, scale, acc,
+                                              scores, probs);
+        }))
+      return true;
   }
 #endif
-#define ACCEL_CASE(C)                                                                        \
-  case C:                                                                                    \
-    attend_one_avx512<C>(query, q_head_stride, out, o_head_stride, pages, blocks, kv_head,   \
-                         seq_len, group, scale, qf, acc, scores, rows);                      \
-    return true;
-  switch (pages.head_size / 16) {
-    ACCEL_CASE(2) ACCEL_CASE(4) ACCEL_CASE(5) ACCEL_CASE(6) ACCEL_CASE(8) ACCEL_CASE(16)
-  }
-#undef ACCEL_CASE
-  return false;
+  return with_vectors<2, 4, 5, 6, 8, 16>(c, [&](auto C) {
+    attend_one_avx512<decltype(C)::value>(query, q_head_stride, out, o_head_stride, pages,
+                                          blocks, kv_head, seq_len, group, scale, qf, acc,
+                                          scores, rows);
+  });
 }
 #endif  // __AVX512F__
 
