@@ -1,7 +1,9 @@
 """The ``cpu_native`` provider of ``rms_norm``, ``silu_and_mul`` and
 ``rotary_embedding`` (C++, see
 ``csrc/elementwise.cpp``): one pass over each row instead of the reference's
-chain of torch ops, with the reference's roundings.
+chain of torch ops, in float32 with one rounding to the model dtype per output
+(as vLLM's CPU kernels; the reference rounds after several steps like vLLM's
+forward_native, so the two may differ by one ulp). The same on every CPU.
 
 Eager mode only: under ``torch.compile`` (inductor fuses the reference's ops
 itself) and for inputs the C ABI does not take, each kernel hands over to the

@@ -5,7 +5,8 @@ a minute or more; these kernels only need raw pointers, so they are a plain C AB
 built by the host's C++ compiler in a few seconds and called through ctypes.
 
 The library is built on first use, for this CPU (``-march=native``), into
-``ACCEL_NATIVE_CACHE`` under a key of the source, compiler, flags and CPU, and
+``ACCEL_NATIVE_CACHE`` under a key of the source, compiler, flags, the CPU's
+model and flags and what ``-march=native`` resolves to, and
 reused afterwards (the rename into place is atomic, so ranks starting together
 are safe). Without a compiler, or if the build fails, :func:`library` returns
 ``None`` once with a warning, and callers fall back to the torch kernels.
@@ -36,6 +37,9 @@ HEADERS = (CSRC / "dtypes.h",)
 # -ffast-math: vectorized expf (glibc's libmvec) and reassociated sums in the
 # readers, which never see inf/NaN from valid inputs (no -inf masking, finite
 # scales); the cache writers opt out to stay bit-exact with the torch writers.
+# All arithmetic is float32 (fp16/bf16 only loaded and stored): on CPUs with fp16
+# units, fast-math would otherwise narrow it to fused fp16 instructions
+# (test_native_kernels checks the code built for such a CPU).
 # Compile only: linking with -ffast-math would add crtfastmath.o, whose constructor
 # turns on flush-to-zero for the loading thread and so changes torch's numerics.
 FLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp", "-std=c++17", "-fPIC")
@@ -71,20 +75,32 @@ def compiler() -> str | None:
 
 
 def _cpu_signature() -> str:
-    """What ``-march=native`` depends on: the architecture and the CPU's flags."""
+    """What ``-march=native`` depends on: the architecture, the CPU's model and flags.
+
+    A checkout's cache can outlive the CPU (a machine may come back with another
+    model), so a library built for one CPU must never be found under another's key.
+    """
     try:
-        flags = next(line for line in Path("/proc/cpuinfo").read_text().splitlines()
-                     if line.startswith(("flags", "Features")))
-    except (OSError, StopIteration):
-        flags = ""
-    return platform.machine() + flags
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        lines = []
+    wanted = ("flags", "Features", "model name", "vendor_id", "CPU part")
+    seen = {}
+    for line in lines:
+        name = line.split(":", 1)[0].strip()
+        if name in wanted:
+            seen.setdefault(name, line)
+    return "\n".join([platform.machine(), platform.processor(), *seen.values()])
 
 
 def _build(cxx: str) -> Path:
     version = subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout
+    # what -march=native turns on, as the compiler resolves it on this CPU
+    native_target = subprocess.run([cxx, "-march=native", "-Q", "--help=target"],
+                                   capture_output=True, text=True).stdout
     key = hashlib.sha256("\0".join(
         [*(f.read_text() for f in SOURCES + HEADERS), cxx, version, " ".join(FLAGS),
-         " ".join(LINK_FLAGS), _cpu_signature()]
+         " ".join(LINK_FLAGS), _cpu_signature(), native_target]
     ).encode()).hexdigest()[:16]
     target = Path(envs.ACCEL_NATIVE_CACHE) / f"cpu_native-{key}.so"
     if target.exists():

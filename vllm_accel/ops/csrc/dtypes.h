@@ -30,14 +30,6 @@ inline void store(float x, bf16* dst) {  // branch-free, so loops vectorize
   dst->bits = uint16_t((u & 0x7fffffffu) > 0x7f800000u ? 0x7fc0u : rounded);  // NaN stays NaN
 }
 
-// x rounded to T's precision, back in float32 (what a torch `.to(T)` keeps).
-template <typename T>
-inline float round_to(float x) {
-  T t;
-  store(x, &t);
-  return to_float(t);
-}
-
 // Calls f(T{}) for the dtype code; returns 0, or -1 for an unknown code.
 template <typename F>
 int dispatch(int dtype, F&& f) {

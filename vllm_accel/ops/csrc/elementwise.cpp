@@ -1,10 +1,13 @@
 // RMSNorm (optionally fused with the residual add), SiluAndMul and rotary embedding for the
 // simulated GCU, built with paged_attention.cpp into one library (ops/native.py).
 //
-// They follow the rounding of the torch reference kernels (ops/custom_ops.py)
-// step by step: float32 sums and statistics, a rounding to the model dtype
-// wherever the reference converts, so results differ from it only by the last
-// bit of a float32 sum or reciprocal square root.
+// Each computes in float32 and rounds to the model dtype once, at the output (the
+// residual of the fused add is an output too), as vLLM's CPU kernels do. The
+// reference kernels (ops/custom_ops.py) follow vLLM's forward_native instead,
+// which rounds after several steps, so the two may differ by one ulp of the
+// model dtype. Every operand is widened to float before any arithmetic: with
+// native half-precision units (AVX512-FP16), -ffast-math could otherwise narrow
+// the arithmetic to _Float16 and fuse it, which rounds differently by CPU.
 
 #include <algorithm>
 #include <cmath>
@@ -45,7 +48,7 @@ void rms_norm(const T* x, int64_t x_stride, const T* residual, int64_t r_stride,
       T* o = out + r * o_stride;
       if (weight) {
 #pragma omp simd
-        for (int i = 0; i < n; ++i) store(round_to<T>(h[i] * inv) * to_float(weight[i]), o + i);
+        for (int i = 0; i < n; ++i) store(h[i] * inv * to_float(weight[i]), o + i);
       } else {
 #pragma omp simd
         for (int i = 0; i < n; ++i) store(h[i] * inv, o + i);
@@ -64,13 +67,14 @@ void silu_and_mul(const T* x, int64_t x_stride, T* out, int64_t o_stride, int64_
 #pragma omp simd
     for (int i = 0; i < d; ++i) {
       const float v = to_float(a[i]);
-      store(round_to<T>(v / (1.f + std::exp(-v))) * to_float(b[i]), o + i);
+      store(v / (1.f + std::exp(-v)) * to_float(b[i]), o + i);
     }
   }
 }
 
-// Rotates the first rot_dim channels of every head, in T's arithmetic like the
-// reference (each product and sum rounded to T). out may alias x.
+// Rotates the first rot_dim channels of every head. out may alias x. The products
+// of two T values are exact in float32, so a fused multiply-add gives the same
+// float32 result as separate steps, on every CPU.
 template <typename T>
 void rotary(const int64_t* positions, int64_t num_tokens, const T* x, int64_t x_stride, T* out,
             int64_t o_stride, int num_heads, int head_size, int rot_dim, bool neox,
@@ -89,10 +93,8 @@ void rotary(const int64_t* positions, int64_t num_tokens, const T* x, int64_t x_
       for (int i = 0; i < half; ++i) {
         const float x1 = to_float(src[i * step]), x2 = to_float(src[i * step + partner]);
         const float c = to_float(cos[i]), s = to_float(sin[i]);
-        const float o1 = round_to<T>(x1 * c) - round_to<T>(x2 * s);
-        const float o2 = round_to<T>(x2 * c) + round_to<T>(x1 * s);
-        store(o1, dst + i * step);
-        store(o2, dst + i * step + partner);
+        store(x1 * c - x2 * s, dst + i * step);
+        store(x2 * c + x1 * s, dst + i * step + partner);
       }
       if (dst != src)
         for (int i = rot_dim; i < head_size; ++i) dst[i] = src[i];
