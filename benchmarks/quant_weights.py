@@ -16,8 +16,8 @@ for another HF Llama-like checkpoint):
 2. Per-layer linear-kernel times at bs=1 (decode) and bs=64 for one decoder
    layer's shapes (qkv, o, gate_up, down), through the kernel registry:
    dense bf16 and fp32 (``x @ W.T``), W4A16 (``wint_linear``, bf16 in), W8A16
-   (``w8a16_linear``: bf16 in -> ``torch._weight_int8pack_mm``; fp32 in -> fp32
-   tiles), W8A8 (``int8_linear``, dynamic per-token, ``torch._int_mm``). Min and
+   (per-channel int8 on the shared resident layout, bf16 and fp32 in:
+   ``torch._weight_int8pack_mm`` via the ``torch_fast`` provider), W8A8 (``int8_linear``, dynamic per-token, ``torch._int_mm``). Min and
    median of ``--iters`` calls after warm-up; the layer sum times
    ``num_hidden_layers`` estimates the linear time of one forward pass.
 
@@ -152,6 +152,7 @@ def kernel_times(config: dict, iters: int) -> dict:
     from vllm_accel.quant import gptq as G
     from vllm_accel.quant import w8a16 as W16
     from vllm_accel.quant.packed import KERNEL_NAME as WINT
+    from vllm_accel.quant.packed import resident_from_signed
 
     h = config["hidden_size"]
     inter = config["intermediate_size"]
@@ -162,7 +163,6 @@ def kernel_times(config: dict, iters: int) -> dict:
               "gate_up_proj": (2 * inter, h), "down_proj": (h, inter)}
     gs = w4_group_size(config)
     int8_linear = get_kernel("int8_linear")
-    w8a16_linear = get_kernel("w8a16_linear")
     wint = get_kernel(WINT, "reference")
     prepare_fast = get_kernel("wint_prepare", "torch_fast")
     linear_fast = get_kernel("wint_prepared_linear", "torch_fast")
@@ -177,6 +177,8 @@ def kernel_times(config: dict, iters: int) -> dict:
         r4 = G.gptq_to_resident(packed["qweight"], packed["qzeros"], packed["scales"],
                                 packed["g_idx"], bits=4, group_size=gs)
         r4_fast = prepare_fast(r4, torch.bfloat16)
+        r8_bf16 = prepare_fast(resident_from_signed(c16, s16, bits=8), torch.bfloat16)
+        r8_fp32 = prepare_fast(resident_from_signed(c32, s32, bits=8), torch.float32)
         for bs in (1, 64):
             x = torch.randn(bs, k, generator=gen)
             xb = x.to(torch.bfloat16)
@@ -188,10 +190,10 @@ def kernel_times(config: dict, iters: int) -> dict:
                                  group_size=r4.group_size), iters),
                 f"W4A16 g{gs} wint_prepared_linear[torch_fast] (bf16 in)": _time(
                     lambda: linear_fast(xb, r4_fast), iters),
-                "W8A16 w8a16_linear (bf16 in, int8pack)": _time(
-                    lambda: w8a16_linear(xb, c16, s16), iters),
-                "W8A16 w8a16_linear (fp32 in, tiles)": _time(
-                    lambda: w8a16_linear(x, c32, s32), iters),
+                "W8A16 wint_prepared_linear[torch_fast] (bf16 in)": _time(
+                    lambda: linear_fast(xb, r8_bf16), iters),
+                "W8A16 wint_prepared_linear[torch_fast] (fp32 in)": _time(
+                    lambda: linear_fast(x, r8_fp32), iters),
                 "W8A8 int8_linear (bf16 in, dynamic)": _time(
                     lambda: int8_linear(xb, c16, s32), iters),
             }

@@ -405,7 +405,7 @@ def test_engine_gptq_matches_hf_on_dequantized(case, tmp_path):
     }, tmp_path, env={"ACCEL_KERNEL_PROVIDER": provider})
     assert results["platform"] == "AccelPlatform"
     assert "quantization=gcu_gptq" in log
-    running = next(line for line in log.splitlines() if "AccelGPTQLinearMethod running on" in line)
+    running = next(line for line in log.splitlines() if "AccelGPTQLinearMethod serves" in line)
     assert RUNNING_KERNEL[provider] in running and "kernels" in running, running
     assert "gcu_gptq qkv_proj" in log and "gcu_gptq down_proj" in log
     expected = hf_greedy(tmp_path / "dequant", prompts, 16)

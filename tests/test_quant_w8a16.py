@@ -3,8 +3,9 @@
 Oracles:
 * quantizer: the per-channel round-to-nearest definition (every weight within
   half a step; no clipping; bf16 scales exactly representable).
-* kernel: ``x @ (codes * scales).T`` in float64 for both paths (fp32 tiles and
-  ``torch._weight_int8pack_mm``), on random shapes.
+* kernels: ``x @ (codes * scales).T`` in float64 for both GEMMs the resident
+  layout runs (``torch._weight_int8pack_mm`` and the tile-dequantizing
+  ``wint_linear``), on random shapes.
 * vLLM: ``--quantization w8a16`` accepted by vLLM's CLI parser and
   ``ModelConfig``; qkv / gate_up / down loaded through vLLM's weight loaders
   keep no float weight and match the float64 oracle.
@@ -23,8 +24,9 @@ import torch
 
 from conftest import build_tiny_model, run_engine
 
-from vllm_accel.ops.registry import get_kernel, providers_of
+from vllm_accel.quant import cpu_fast  # noqa: F401  (registers the torch_fast GEMM)
 from vllm_accel.quant import w8a16 as Q
+from vllm_accel.quant.packed import apply_resident, install_resident, resident_from_signed
 
 OUT_REL = {torch.float32: 0.0, torch.bfloat16: 2**-8, torch.float16: 2**-11}
 _LINEAR_RE = re.compile(
@@ -84,33 +86,34 @@ SHAPES = [(1, 64, 48), (5, 96, 40), (3, 576, 960), (17, 1536, 576), (2, 33, 7), 
 
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("method", ["auto", "tile"])
-def test_w8a16_kernel(shape, dtype, method):
+@pytest.mark.parametrize("provider", ["torch_fast", "reference"])
+def test_w8a16_kernels(shape, dtype, provider, monkeypatch):
+    """The per-channel codes on the shared resident layout: the ``torch_fast``
+    prepared layout (torch's int8pack GEMM for bf16 with ``in % 16 == 0``, its
+    fp32 tile op otherwise; test_quant_cpu_fast checks the choice), or the
+    generic layout and tile kernel with the reference provider."""
+    monkeypatch.setenv("ACCEL_KERNEL_PROVIDER", provider)
     m, k, n = shape
     gen = torch.Generator().manual_seed(hash((shape, str(dtype))) % 2**31)
     w = torch.randn(n, k, generator=gen) * 0.05
-    scale_dtype = torch.bfloat16 if dtype == torch.bfloat16 else torch.float32
+    scale_dtype = torch.float32 if dtype == torch.float32 else dtype
     codes, s = Q.quantize_per_channel(w, scale_dtype)
+    layer = torch.nn.Module()
+    res = resident_from_signed(codes, s, bits=8)
+    prev = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)  # as vLLM loads: the model dtype is the default
+    try:
+        install_resident(layer, res)
+    finally:
+        torch.set_default_dtype(prev)
+    fused = provider == "torch_fast"  # rounds x @ W.T before adding the bias
+    assert layer.gcu_fast_provider == ("torch_fast" if fused else None)
     x = torch.randn(2, m, k, generator=gen).to(dtype)
     bias = torch.randn(n, generator=gen).to(dtype)
-    y = get_kernel("w8a16_linear")(x, codes, s, bias=bias, tile_n=1024, method=method)
+    y = apply_resident(layer, x, 8, res.group_size, bias)
     assert y.shape == (2, m, n)
-    used_pack = method == "auto" and Q._int8pack_ok(x, codes, s)
-    assert used_pack == (dtype == torch.bfloat16 and k % 16 == 0 and method == "auto")
     check_close(y, x, codes.double() * s.double()[:, None], dtype, bias,
-                extra_rel=OUT_REL[dtype] if used_pack else 0.0)
-
-
-def test_int8pack_guard():
-    """``torch._weight_int8pack_mm`` reads out of bounds unless in % 16 == 0:
-    the kernel refuses it there and ``auto`` takes the tile path."""
-    codes = torch.ones(8, 40, dtype=torch.int8)
-    s = torch.ones(8, dtype=torch.bfloat16)
-    x = torch.randn(3, 40).bfloat16()
-    with pytest.raises(ValueError, match="in % 16 == 0"):
-        Q.w8a16_linear(x, codes, s, method="int8pack")
-    check_close(Q.w8a16_linear(x, codes, s), x, codes.double(), torch.bfloat16)
-    assert "reference" in providers_of("w8a16_linear")
+                extra_rel=OUT_REL[dtype] if fused else 0.0)
 
 
 # ---------------------------------------------------------------------------
@@ -153,7 +156,10 @@ def test_w8a16_on_quantized_checkpoint_fails(tiny_float, tmp_path):
 
 @pytest.fixture
 def tp1(monkeypatch):
-    """vLLM linear layers outside an engine: a single rank, no process groups."""
+    """vLLM linear layers outside an engine: a single rank, no process groups.
+    Pins the ``reference`` provider, whose generic resident layout the layer
+    test inspects (test_w8a16_kernels covers the fused one)."""
+    monkeypatch.setenv("ACCEL_KERNEL_PROVIDER", "reference")
     import vllm.model_executor.layers.linear as L
     import vllm.model_executor.layers.vocab_parallel_embedding as V
     import vllm.model_executor.parameter as P
@@ -207,11 +213,14 @@ def test_vllm_layers_quantize_online(tp1, tiny_float, dtype):
         names = {n for n, _ in layer.named_parameters()}
         assert names == {"gcu_qweight", "gcu_scales"} | ({"bias"} if layer.bias is not None
                                                          else set()), names
-        assert not hasattr(layer, "weight")
-        assert layer.gcu_qweight.dtype == torch.int8 and layer.gcu_scales.dtype == dtype
+        assert not hasattr(layer, "weight") and layer.gcu_zeros is None  # symmetric
+        assert layer.gcu_qweight.dtype == torch.uint8 and layer.gcu_scales.shape[1] == 1
         w = torch.cat([state[f"{pre}.{n}.weight"].to(dtype) for n, _ in shards]).double()
-        dq = layer.gcu_qweight.double() * layer.gcu_scales.double()[:, None]
-        assert bool(((dq - w).abs() <= layer.gcu_scales.double()[:, None] / 2 * 1.000001).all())
+        scales = layer.gcu_scales.double()[:, 0]
+        if dtype == torch.bfloat16:  # scales held exactly as the model dtype rounded them
+            assert torch.equal(scales, scales.to(dtype).double())
+        dq = (layer.gcu_qweight.double() - 128) * scales[:, None]
+        assert bool(((dq - w).abs() <= scales[:, None] / 2 * 1.000001).all())
         if dtype == torch.float32:
             assert torch.equal(dq, dequant_oracle(w.float()))
         y = layer(inp)[0]
@@ -272,7 +281,7 @@ def _run(model, prompts, new_tokens, tmp_path, dtype, extra=None):
     }, tmp_path)
     assert results["platform"] == "AccelPlatform"
     assert "quantization=w8a16" in log
-    assert "AccelW8A16LinearMethod running: kernel w8a16_linear" in log
+    assert "AccelW8A16LinearMethod serves" in log
     assert "w8a16 qkv_proj" in log and "w8a16 down_proj" in log
     return results, log
 
@@ -335,9 +344,9 @@ def test_engine_w8a16_default_model(default_model, tmp_path):
     prompts = [tok(p)["input_ids"] for p in DEFAULT_PROMPTS]
     write_dequant(Path(default_model), tmp_path / "dq", torch.float32)
     results, log = _run(default_model, prompts, 32, tmp_path, "float32")
-    m = re.search(r"resident quantized weights ([\d.]+) MiB \(loaded float weights ([\d.]+) MiB",
-                  log)
-    assert m and float(m.group(1)) < 0.26 * float(m.group(2))  # int8 + scales vs fp32
+    m = re.search(r"resident quantized weights ([\d.]+) MiB \(checkpoint packing [\d.]+ MiB, "
+                  r"fp16 ([\d.]+) MiB", log)
+    assert m and float(m.group(1)) < 0.52 * float(m.group(2))  # int8 + scales vs fp16
     agree, lp_diff = _compare("default-model w8a16 fp32", results, tmp_path / "dq", prompts, 32)
     assert agree >= 0.9
     assert lp_diff <= 0.01

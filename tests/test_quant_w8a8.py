@@ -461,7 +461,7 @@ def _engine_vs_oracle(name, model, dequant, layers, prompts, new_tokens, tmp_pat
     }, tmp_path)
     assert results["platform"] == "AccelPlatform"
     assert "quantization=gcu_compressed_tensors" in log
-    assert "AccelW8A8LinearMethod running: kernel int8_linear" in log
+    assert "AccelW8A8LinearMethod serves" in log
     assert "W8A8 int8 qkv_proj" in log and "W8A8 int8 down_proj" in log
     got = [o["token_ids"] for o in results["outputs"]]
     vllm_lp = [[step[str(t)] for t, step in zip(o["token_ids"], o["logprobs"])]

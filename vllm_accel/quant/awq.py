@@ -38,7 +38,7 @@ from vllm.model_executor.layers.quantization import register_quantization_config
 from vllm.model_executor.parameter import GroupQuantScaleParameter, PackedvLLMParameter
 
 from vllm_accel.logger import init_logger
-from vllm_accel.quant.base import AccelQuantConfig, is_moe, layer_error
+from vllm_accel.quant.base import AccelQuantConfig, is_moe, layer_error, load_summary
 from vllm_accel.quant import repack_cache
 from vllm_accel.quant.packed import (
     ResidentStats,
@@ -206,8 +206,9 @@ class AccelAWQConfig(AccelQuantConfig):
         })
 
 
-# Resident bytes over all AWQ layers of this process, logged at the first apply.
+# Resident bytes over all AWQ layers of this process, logged after loading.
 _stats = ResidentStats(QUANT_NAME, "AccelAWQLinearMethod")
+load_summary(_stats.log_summary)
 
 
 @register_weight_loader_v2_supported_method
@@ -282,5 +283,4 @@ class AccelAWQLinearMethod(LinearMethodBase):
 
     def apply(self, layer: torch.nn.Module, x: torch.Tensor,
               bias: torch.Tensor | None = None) -> torch.Tensor:
-        _stats.log_running_once()
         return apply_resident(layer, x, self.bits, self.group_size, bias)

@@ -4,8 +4,29 @@ This module imports ``vllm.model_executor``; import it only from the general
 plugin (never from the platform module).
 """
 
+from collections.abc import Callable
+
 import torch
 from vllm.model_executor.layers.quantization.base_config import QuantizationConfig
+
+#: per-method summaries (layers, kernels, resident bytes), logged once the model is
+#: loaded: never from ``apply``, which runs inside torch.compile's graph
+_load_summaries: list[Callable[[], None]] = []
+
+
+def load_summary(fn: Callable[[], None]) -> Callable[[], None]:
+    """Register ``fn`` to log a quant method's summary after the model loaded."""
+    _load_summaries.append(fn)
+    return fn
+
+
+def log_load_summaries() -> None:
+    """Called by the model runners after ``load_model`` (outside any graph)."""
+    from vllm_accel.quant import repack_cache
+
+    for fn in _load_summaries:
+        fn()
+    repack_cache.log_summary_once()
 
 
 class AccelQuantConfig(QuantizationConfig):

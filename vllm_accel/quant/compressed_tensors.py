@@ -53,7 +53,7 @@ from vllm.model_executor.parameter import (
 )
 
 from vllm_accel.logger import init_logger
-from vllm_accel.quant.base import AccelQuantConfig, is_moe, layer_error
+from vllm_accel.quant.base import AccelQuantConfig, is_moe, layer_error, load_summary
 from vllm_accel.quant import repack_cache
 from vllm_accel.quant.packed import (
     ResidentStats,
@@ -322,6 +322,7 @@ class AccelCompressedTensorsConfig(AccelQuantConfig):
 
 # Resident bytes over all weight-only CT layers of this process.
 _stats = ResidentStats(QUANT_NAME, "AccelCTWNA16LinearMethod")
+load_summary(_stats.log_summary)
 
 
 @register_weight_loader_v2_supported_method
@@ -421,5 +422,4 @@ class AccelCTWNA16LinearMethod(LinearMethodBase):
 
     def apply(self, layer: torch.nn.Module, x: torch.Tensor,
               bias: torch.Tensor | None = None) -> torch.Tensor:
-        _stats.log_running_once()
         return apply_resident(layer, x, self.params.bits, self.group_size, bias)

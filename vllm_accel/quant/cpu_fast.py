@@ -15,6 +15,13 @@ registry:
   copy is dropped.
 * ``wint_prepared_linear(x, prepared, bias)`` per call.
 
+``_weight_int8pack_mm`` is fast for bf16 activations only (10-35x slower than a
+dense GEMM for fp32/fp16 on this torch): 8-bit weights with other activations, or
+with ``K`` not a multiple of 16, run ``vllm_accel::int8_weight_mm`` instead, which
+converts output-row tiles of the int8 codes to fp32 and multiplies in fp32, the
+per-channel scale applied once per output (exact codes, one rounding at the end).
+It is a ``torch.library`` custom op, so torch.compile keeps it as one call.
+
 Both kernels evaluate ``W = (q - z) * s`` exactly as the generic layout does:
 4-bit uses torch's form ``(q - 8) * s + z'`` with ``z' = (8 - z) * s``; 8-bit
 asymmetric adds the zero-point term as a rank-1 correction
@@ -37,6 +44,28 @@ INT4_GROUP_SIZES = (256, 128, 64, 32)
 INT4_N_MULTIPLE = 16
 #: input features must be a multiple of this for the int8 kernel
 INT8_K_MULTIPLE = 16
+#: output rows converted to fp32 per step in int8_weight_mm (temporary rows x K floats)
+INT8_TILE_ROWS = 1024
+
+
+@torch.library.custom_op("vllm_accel::int8_weight_mm", mutates_args=())
+def int8_weight_mm(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """fp32 ``x @ (weight * scales[:, None]).T`` for int8 ``weight`` ``[N, K]`` and
+    fp32 ``scales`` ``[N]``: codes converted a tile of rows at a time (exact)."""
+    x = x.to(torch.float32)
+    n = weight.shape[0]
+    if n <= INT8_TILE_ROWS:
+        return (x @ weight.to(torch.float32).t()) * scales
+    y = torch.empty(x.shape[0], n, dtype=torch.float32, device=x.device)
+    for n0 in range(0, n, INT8_TILE_ROWS):
+        n1 = min(n0 + INT8_TILE_ROWS, n)
+        torch.matmul(x, weight[n0:n1].to(torch.float32).t(), out=y[:, n0:n1])
+    return y.mul_(scales)
+
+
+@int8_weight_mm.register_fake
+def _int8_weight_mm_shape(x, weight, scales):
+    return x.new_empty((x.shape[0], weight.shape[0]), dtype=torch.float32)
 
 
 def _int4_group_size(group_size: int, in_features: int) -> int | None:
@@ -73,12 +102,17 @@ def prepare(res, act_dtype: torch.dtype) -> dict[str, torch.Tensor] | None:
         prepared["int4_scales_zeros"] = torch.stack((s.t(), z.t()), dim=-1).to(
             act_dtype).contiguous()  # [K/gs, N, 2]
     elif res.bits == 8:
-        # torch 2.13's CPU _weight_int8pack_mm returns wrong values (or crashes)
-        # unless K is a multiple of 16 (probed over 486 shapes).
-        if scales.shape[1] != 1 or k % INT8_K_MULTIPLE:
+        if scales.shape[1] != 1:
             return None
-        prepared["int8_weight"] = (codes.to(torch.int16) - 128).to(torch.int8).contiguous()
-        prepared["int8_scales"] = scales[:, 0].to(act_dtype).contiguous()
+        signed = (codes.to(torch.int16) - 128).to(torch.int8).contiguous()
+        # torch 2.13's CPU _weight_int8pack_mm returns wrong values (or crashes)
+        # unless K is a multiple of 16 (probed over 486 shapes), and is slow but for bf16.
+        if act_dtype == torch.bfloat16 and k % INT8_K_MULTIPLE == 0:
+            prepared["int8_weight"] = signed
+            prepared["int8_scales"] = scales[:, 0].to(act_dtype).contiguous()
+        else:
+            prepared["int8_tile_weight"] = signed
+            prepared["int8_tile_scales"] = scales[:, 0].contiguous()
         if res.zeros is not None:
             prepared["int8_zero_term"] = ((128.0 - zeros[:, 0]) * scales[:, 0]).contiguous()
     else:
@@ -102,11 +136,16 @@ def prepared_linear(x: torch.Tensor, prepared: dict[str, torch.Tensor],
         y = torch.ops.aten._weight_int4pack_mm_for_cpu(
             x2, prepared["int4_weight"], in_features // scales_zeros.shape[0], scales_zeros)
     else:
-        y = torch.ops.aten._weight_int8pack_mm(x2, prepared["int8_weight"],
-                                               prepared["int8_scales"])
+        if "int8_weight" in prepared:
+            y = torch.ops.aten._weight_int8pack_mm(x2, prepared["int8_weight"],
+                                                   prepared["int8_scales"])
+        else:
+            y = torch.ops.vllm_accel.int8_weight_mm(x2, prepared["int8_tile_weight"],
+                                                    prepared["int8_tile_scales"])
         if "int8_zero_term" in prepared:  # rank-1 zero-point term, summed in fp32
             term = x2.sum(dim=-1, keepdim=True, dtype=torch.float32) * prepared["int8_zero_term"]
-            y = (y.to(torch.float32) + term).to(x.dtype)
+            y = y.to(torch.float32) + term
+        y = y.to(x.dtype)
     if bias is not None:
         y = y + bias
     return y.reshape(*x.shape[:-1], y.shape[-1])

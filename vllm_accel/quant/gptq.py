@@ -66,7 +66,7 @@ from vllm.model_executor.parameter import (
 )
 
 from vllm_accel.logger import init_logger
-from vllm_accel.quant.base import AccelQuantConfig, is_moe, layer_error
+from vllm_accel.quant.base import AccelQuantConfig, is_moe, layer_error, load_summary
 from vllm_accel.quant import repack_cache
 from vllm_accel.quant.packed import (
     TILE_K,  # noqa: F401  (re-exported)
@@ -341,8 +341,9 @@ def _g_idx_loader(layer_loader, prefix: str):
     return load_g_idx
 
 
-# Resident bytes over all GPTQ layers of this process, logged at the first apply.
+# Resident bytes over all GPTQ layers of this process, logged after loading.
 _stats = ResidentStats(QUANT_NAME, "AccelGPTQLinearMethod")
+load_summary(_stats.log_summary)
 
 
 @register_weight_loader_v2_supported_method
@@ -441,5 +442,4 @@ class AccelGPTQLinearMethod(LinearMethodBase):
 
     def apply(self, layer: torch.nn.Module, x: torch.Tensor,
               bias: torch.Tensor | None = None) -> torch.Tensor:
-        _stats.log_running_once()
         return apply_resident(layer, x, self.params.bits, self.group_size, bias)

@@ -311,7 +311,7 @@ def apply_resident(layer: torch.nn.Module, x: torch.Tensor, bits: int, group_siz
 
 class ResidentStats:
     """Resident bytes of one quant method's layers in this process: one log
-    line per layer kind at load, one summary at the first forward."""
+    line per layer kind while loading, one summary once the model is loaded."""
 
     def __init__(self, quant_name: str, method_name: str) -> None:
         self.quant_name = quant_name
@@ -319,7 +319,6 @@ class ResidentStats:
         self.layers = self.resident = self.packed = self.fp16 = 0
         self.kernels: dict[str, int] = {}  # "kernel[provider]" -> layers
         self._kinds: set[str] = set()
-        self._running_logged = False
 
     def account(self, prefix: str, res: WIntResident, describe: str) -> None:
         """Add one layer; ``describe``: its scheme in words (e.g. '4-bit group 128 asym')."""
@@ -352,15 +351,12 @@ class ResidentStats:
             res.in_features, describe, nb["total"], layout, nb["total"] / n_weights,
             2 * n_weights, kernel)
 
-    def log_running_once(self) -> None:
-        if self._running_logged:
+    def log_summary(self) -> None:
+        """The loaded layers' kernels and bytes (nothing if this method has none)."""
+        if not self.layers:
             return
-        self._running_logged = True
         logger.info(
-            "%s running on %d %s layers: kernels %s; resident quantized weights %.2f MiB "
+            "%s serves %d %s layers: kernels %s; resident quantized weights %.2f MiB "
             "(checkpoint packing %.2f MiB, fp16 %.2f MiB)", self.method_name, self.layers,
             self.quant_name, ", ".join(f"{k} x{n}" for k, n in sorted(self.kernels.items())),
             self.resident / 2**20, self.packed / 2**20, self.fp16 / 2**20)
-        from vllm_accel.quant import repack_cache
-
-        repack_cache.log_summary_once()

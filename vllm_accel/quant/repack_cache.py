@@ -161,7 +161,8 @@ def cached_resident(fmt: str, params: dict, sources: dict[str, torch.Tensor | No
 
 
 def log_summary_once() -> None:
-    """One line per process and load: layers reused / repacked and time."""
+    """One line per process and load: layers reused / repacked and time (logged
+    after loading, with the quant methods' summaries)."""
     if stats.logged or not (stats.reused or stats.repacked):
         return
     stats.logged = True

@@ -56,6 +56,7 @@ from vllm.model_executor.parameter import (
 
 from vllm_accel.logger import init_logger
 from vllm_accel.ops.registry import get_kernel, register_kernel
+from vllm_accel.quant.base import load_summary
 
 logger = init_logger(__name__)
 
@@ -288,10 +289,25 @@ def w8a8_to_resident(weight: torch.Tensor, weight_scale: torch.Tensor,
 # vLLM linear method
 # ---------------------------------------------------------------------------
 
-# Resident bytes over all W8A8 layers of this process, logged at the first apply.
+# Resident bytes over all W8A8 layers of this process, logged after loading.
 _totals = {"layers": 0, "resident": 0, "fp16": 0}
 _logged_layer_types: set[str] = set()
-_apply_logged = False
+#: the int8 GEMM each device type got (probed at load, never inside a graph)
+_mm_methods: dict[str, str] = {}
+
+
+@load_summary
+def _log_summary() -> None:
+    if not _totals["layers"]:
+        return
+    kernel = get_kernel("int8_linear")
+    logger.info(
+        "AccelW8A8LinearMethod serves %d layers: kernel int8_linear = %s.%s (int8 GEMM: %s); "
+        "resident quantized weights %.2f MiB (fp16 %.2f MiB)", _totals["layers"],
+        kernel.__module__, kernel.__qualname__,
+        ", ".join(f"{dev} {'torch._int_mm' if m == 'int_mm' else 'exact chunked fp32'}"
+                  for dev, m in sorted(_mm_methods.items())),
+        _totals["resident"] / 2**20, _totals["fp16"] / 2**20)
 
 
 @register_weight_loader_v2_supported_method
@@ -372,6 +388,9 @@ class AccelW8A8LinearMethod(LinearMethodBase):
         keep("input_scale", res.input_scale)
         keep("input_zero_point", res.input_zero_point)
         keep("weight_col_sums", res.weight_col_sums)
+        device = res.weight.device
+        self.mm_method = _mm_methods.setdefault(
+            device.type, "int_mm" if _int_mm_works(device) else "fp32_exact")
         self._account(res)
 
     def _account(self, res: W8A8Resident) -> None:
@@ -395,17 +414,7 @@ class AccelW8A8LinearMethod(LinearMethodBase):
 
     def apply(self, layer: torch.nn.Module, x: torch.Tensor,
               bias: torch.Tensor | None = None) -> torch.Tensor:
-        kernel = get_kernel("int8_linear")
-        global _apply_logged
-        if not _apply_logged:
-            _apply_logged = True
-            logger.info(
-                "AccelW8A8LinearMethod running: kernel int8_linear = %s.%s (int8 GEMM: %s) "
-                "on %d layers; resident quantized weights %.2f MiB (fp16 %.2f MiB)",
-                kernel.__module__, kernel.__qualname__,
-                "torch._int_mm" if _int_mm_works(x.device) else "exact chunked fp32",
-                _totals["layers"], _totals["resident"] / 2**20, _totals["fp16"] / 2**20)
-        return kernel(x, layer.weight, layer.weight_scale, input_scale=layer.input_scale,
-                      input_zero_point=layer.input_zero_point,
-                      input_symmetric=self.input_symmetric,
-                      weight_col_sums=layer.weight_col_sums, bias=bias)
+        return get_kernel("int8_linear")(
+            x, layer.weight, layer.weight_scale, input_scale=layer.input_scale,
+            input_zero_point=layer.input_zero_point, input_symmetric=self.input_symmetric,
+            weight_col_sums=layer.weight_col_sums, bias=bias, mm_method=self.mm_method)

@@ -6,6 +6,7 @@ from vllm.v1.worker.cpu_model_runner import CPUModelRunner
 from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
 from vllm_accel.backends import get_backend
+from vllm_accel.quant.base import log_load_summaries
 from vllm_accel.worker.memory import CardMemory, card_kv_bytes
 
 
@@ -22,6 +23,7 @@ class AccelModelRunner(CPUModelRunner):
         # vLLM's CPU linear layers repack weights into oneDNN handles and drop
         # the parameters, so resident growth is the truer size of the weights.
         self._weight_bytes = max(parameter_bytes, psutil.Process().memory_info().rss - rss_before)
+        log_load_summaries()
 
     def weight_bytes(self) -> int:
         """Device memory the loaded weights occupy."""
@@ -60,6 +62,7 @@ class AccelCardModelRunner(GPUModelRunner):
         before = backend.memory_allocated()
         super().load_model(*args, **kwargs)
         self._weight_bytes = backend.memory_allocated() - before
+        log_load_summaries()
 
     def weight_bytes(self) -> int:
         return self._weight_bytes
