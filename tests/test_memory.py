@@ -54,18 +54,18 @@ def _fake_worker(capacity_gib, utilization, weights_gib, activations_gib, explic
 
 
 def test_kv_budget_is_a_fraction_of_device_memory_minus_weights_and_activations():
-    from vllm_accel.worker.worker import AccelWorker
+    from vllm_accel.worker.sim_worker import AccelSimWorker
 
-    kv = AccelWorker.determine_available_memory(_fake_worker(48, 0.5, 1.0, 0.5))
+    kv = AccelSimWorker.determine_available_memory(_fake_worker(48, 0.5, 1.0, 0.5))
     assert kv == int(24 * GiB) - int(1.0 * GiB) - int(0.5 * GiB)
 
 
 def test_kv_budget_errors_name_the_fix():
-    from vllm_accel.worker.worker import AccelWorker
+    from vllm_accel.worker.sim_worker import AccelSimWorker
 
     with pytest.raises(ValueError, match="Raise --gpu-memory-utilization"):
-        AccelWorker.determine_available_memory(_fake_worker(2, 0.3, 0.5, 0.2))
+        AccelSimWorker.determine_available_memory(_fake_worker(2, 0.3, 0.5, 0.2))
     with pytest.raises(ValueError, match="Lower --kv-cache-memory-bytes"):
-        AccelWorker.determine_available_memory(_fake_worker(2, 0.9, 0.5, 0.1, explicit=2 * GiB))
-    assert AccelWorker.determine_available_memory(
+        AccelSimWorker.determine_available_memory(_fake_worker(2, 0.9, 0.5, 0.1, explicit=2 * GiB))
+    assert AccelSimWorker.determine_available_memory(
         _fake_worker(2, 0.9, 0.5, 0.1, explicit=GiB)) == GiB

@@ -35,7 +35,6 @@ os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")
 
 #: what ``--device`` accepts (the device names of the backends)
 DEVICE_CHOICES = ("gcu", "sophtpu")
-WORKER_CLS = "vllm_accel.worker.AccelWorker"
 ATTENTION_BACKEND_CLS = "vllm_accel.ops.attention.AccelAttentionBackend"
 #: default KV block size on the GCU (as vLLM-GCU uses)
 DEFAULT_BLOCK_SIZE = 64
@@ -176,7 +175,7 @@ class AccelPlatform(CpuPlatform):
         else:
             super().check_and_update_config(vllm_config)
         # CpuPlatform only fills worker_cls when it is "auto": set ours after it.
-        vllm_config.parallel_config.worker_cls = WORKER_CLS
+        vllm_config.parallel_config.worker_cls = backend.worker_cls
         # Inherited by the EngineCore and worker processes spawned after this;
         # a value the user exported wins.
         for name, value in backend.process_env(
@@ -184,7 +183,8 @@ class AccelPlatform(CpuPlatform):
             os.environ.setdefault(name, value)
         if not user_block_size:
             cache_config.block_size = DEFAULT_BLOCK_SIZE
-        logger.info_once("vllm_accel: device %s via %s", cls.device_name, backend.describe())
+        logger.info_once("vllm_accel: device %s via %s; worker %s", cls.device_name,
+                         backend.describe(), backend.worker_cls)
 
     @classmethod
     def _check_and_update_card_config(cls, vllm_config) -> None:
@@ -196,9 +196,6 @@ class AccelPlatform(CpuPlatform):
         # Both vendors' vLLM ports force spawn: the vendor runtime does not survive fork.
         os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"
         vllm_config.scheduler_config.async_scheduling = False
-        parallel_config = vllm_config.parallel_config
-        if parallel_config.worker_cls == "auto":
-            parallel_config.worker_cls = WORKER_CLS
         # Device graphs (GCUGraph/TPUGraph) are not wired up: run eagerly.
         compilation_config = vllm_config.compilation_config
         compilation_config.cudagraph_capture_sizes = []

@@ -34,6 +34,8 @@ class DeviceBackend(Protocol):
     kernel_providers: tuple[str, ...]
     #: True for a vendor card (tensors on a PrivateUse1 device), False for the simulator
     is_real_card: bool
+    #: the vLLM worker class the platform runs for this backend (qualified name)
+    worker_cls: str
     #: dispatch key of the device's kernels (``CPU``, ``PrivateUse1``)
     dispatch_key: str
 

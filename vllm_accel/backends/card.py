@@ -55,6 +55,7 @@ class CardBackend:
     """Base for backends whose tensors live on a vendor PrivateUse1 device."""
 
     is_real_card = True
+    worker_cls = "vllm_accel.worker.card_worker.AccelCardWorker"
     dispatch_key = "PrivateUse1"
     #: name the vendor renames PrivateUse1 to (``torch.device(<this>)``)
     torch_device_type: str

@@ -1,6 +1,4 @@
-"""Device-agnostic worker: vLLM's CPU worker with memory and device decisions
-taken by the active device backend (simulated GCU memory, not host RAM)."""
-
-from vllm_accel.worker.worker import AccelWorker
-
-__all__ = ["AccelWorker"]
+"""Two workers, chosen by the platform from the backend (``backend.worker_cls``):
+the simulated GCU's over vLLM's CPUWorker and CPU runner (``sim_worker``), and a
+vendor card's over vLLM's GPU Worker and runner (``card_worker``). What they
+share is in ``common``."""

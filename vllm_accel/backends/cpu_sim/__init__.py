@@ -31,6 +31,7 @@ class CpuSimBackend:
     # falls back to the next per call, `reference` fills in whatever they lack.
     kernel_providers = ("cpu_native", "torch_fast")
     is_real_card = False
+    worker_cls = "vllm_accel.worker.sim_worker.AccelSimWorker"
     dispatch_key = "CPU"
 
     def load(self) -> None:

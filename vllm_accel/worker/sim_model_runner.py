@@ -1,16 +1,16 @@
-"""Model runner: vLLM's CPU runner with device decisions routed through our backend."""
+"""The simulated GCU's model runner: vLLM's CPU runner, with device decisions
+routed through the backend and the weight/activation accounting its memory
+budget needs."""
 
 import psutil
 
 from vllm.v1.worker.cpu_model_runner import CPUModelRunner
-from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
 from vllm_accel.backends import get_backend
 from vllm_accel.quant.base import log_load_summaries
-from vllm_accel.worker.memory import CardMemory, card_kv_bytes
 
 
-class AccelModelRunner(CPUModelRunner):
+class AccelSimModelRunner(CPUModelRunner):
     def _sync_device(self) -> None:
         get_backend().synchronize()
 
@@ -46,37 +46,3 @@ class AccelModelRunner(CPUModelRunner):
         per_token = (6 * hidden + 3 * intermediate) * 4
         logits = seqs * model_config.get_vocab_size() * 4 * 2
         return tokens * per_token + logits
-
-
-class AccelCardModelRunner(GPUModelRunner):
-    """Model runner for a vendor card: vLLM's device runner, memory from the
-    vendor allocator. Only its memory accounting is exercised without hardware
-    (by the fake torch_gcu / torch_tpu); the forward path runs on a card only.
-    """
-
-    def _sync_device(self) -> None:
-        get_backend().synchronize()
-
-    def load_model(self, *args, **kwargs) -> None:
-        backend = get_backend()
-        before = backend.memory_allocated()
-        super().load_model(*args, **kwargs)
-        self._weight_bytes = backend.memory_allocated() - before
-        log_load_summaries()
-
-    def weight_bytes(self) -> int:
-        return self._weight_bytes
-
-    def plan_kv_cache_bytes(self, device_memory: int, local_rank: int) -> int:
-        """Profile one worst-case step, then size the KV cache from the allocator."""
-        backend = get_backend()
-        backend.empty_cache()
-        backend.reset_peak_memory_stats()
-        self.profile_run()
-        backend.synchronize()
-        free, _ = backend.mem_get_info()
-        mem = CardMemory(total=device_memory, free=free, weights=self._weight_bytes,
-                         peak=backend.max_memory_allocated())
-        return card_kv_bytes(mem, self.cache_config.gpu_memory_utilization,
-                             self.cache_config.kv_cache_memory_bytes,
-                             f"{backend.device_name}:{local_rank} ({backend.name})")

@@ -1,0 +1,68 @@
+"""A vendor card's worker: vLLM's GPU Worker with device selection, distributed
+init and memory accounting through the backend.
+
+The vendor library is imported in ``__init__``, before ``torch.distributed``
+exists, so ``eccl``/``sccl`` are registered. Nothing of vLLM's CPU worker runs:
+``CPUWorker.init_device`` replaces ``torch.set_num_threads``, and vLLM's
+``CPUModelRunner`` turns ``torch.accelerator.synchronize/empty_cache`` into no-ops
+for good and swaps ``torch.cuda.Stream``/``torch.Event`` for placeholders while it
+builds -- on a card those would silently break the vendor runtime.
+"""
+
+import os
+
+from vllm.utils.torch_utils import set_random_seed
+from vllm.v1.worker.gpu_worker import Worker, init_worker_distributed_environment
+from vllm.v1.worker.worker_base import CompilationTimes
+
+from vllm_accel.backends import get_backend
+from vllm_accel.ops.vendor_kernels import install_vendor_kernels
+from vllm_accel.worker.card_model_runner import AccelCardModelRunner
+from vllm_accel.worker.common import AccelWorkerMixin
+
+
+class AccelCardWorker(AccelWorkerMixin, Worker):
+    def __init__(self, vllm_config, local_rank: int, rank: int,
+                 distributed_init_method: str, is_driver_worker: bool = False):
+        self.backend = get_backend()
+        # The vendor library registers its collective backend at import: load it
+        # before anything can initialize torch.distributed.
+        self.backend.load()
+        install_vendor_kernels(self.backend)
+        super().__init__(vllm_config, local_rank, rank, distributed_init_method,
+                         is_driver_worker=is_driver_worker)
+        self._claim_device(local_rank)
+
+    def init_device(self) -> None:
+        """Select the card and join the process group."""
+        backend = self.backend
+        self.device = backend.torch_device(self.local_rank)
+        backend.set_device(self.local_rank)
+        backend.empty_cache()
+        init_method = self.distributed_init_method
+        os.environ["VLLM_DIST_IDENT"] = (
+            os.path.basename(init_method.removeprefix("file://"))
+            if init_method.startswith("file://") else init_method.split(":")[-1]
+        )
+        with backend.distributed_init(self.rank, self.local_rank,
+                                      self.parallel_config.world_size):
+            init_worker_distributed_environment(
+                self.vllm_config, self.rank, init_method, self.local_rank,
+                backend.dist_backend,
+            )
+        set_random_seed(self.model_config.seed)
+        backend.manual_seed_all(self.model_config.seed)
+        self.model_runner = AccelCardModelRunner(self.vllm_config, self.device)
+
+    def determine_available_memory(self) -> int:
+        return self.model_runner.plan_kv_cache_bytes(self.device_memory, self.local_rank)
+
+    def compile_or_warm_up_model(self) -> CompilationTimes:
+        # Cards run eagerly (no graphs to capture); reset the seed like vLLM does
+        # after profiling.
+        set_random_seed(self.model_config.seed, self.parallel_config.data_parallel_index)
+        self.backend.manual_seed_all(self.model_config.seed)
+        return CompilationTimes(
+            language_model=self.compilation_config.compilation_time,
+            encoder=self.compilation_config.encoder_compilation_time,
+        )
