@@ -262,7 +262,7 @@ def test_engine_awq_matches_hf_on_dequantized(case, tmp_path):
     assert "gcu_awq qkv_proj" in log and "gcu_awq o_proj" in log
     # layer 1's MLP stayed float: 2 layers x (qkv, o) + layer 0 x (gate_up, down)
     n_quant = 6 if skip else 8
-    assert f"on {n_quant} gcu_awq layers" in log
+    assert f"serves {n_quant} gcu_awq layers" in log
     expected = hf_greedy(tmp_path / "dequant", prompts, 16)
     got = [o["token_ids"] for o in results["outputs"]]
     agree, n = _agreement(got, expected)
@@ -288,7 +288,7 @@ def test_engine_awq_default_model(default_model, tmp_path):
         "prompts": prompts,
         "sampling": {"temperature": 0.0, "max_tokens": 32, "ignore_eos": True, "logprobs": 1},
     }, tmp_path, env={"ACCEL_REPACK_CACHE": str(tmp_path / "repack")})
-    assert "quantization=gcu_awq" in log and "on 120 gcu_awq layers" in log
+    assert "quantization=gcu_awq" in log and "serves 120 gcu_awq layers" in log
     expected = hf_greedy(tmp_path / "dequant", prompts, 32)
     got = [o["token_ids"] for o in results["outputs"]]
     agree, n = _agreement(got, expected)

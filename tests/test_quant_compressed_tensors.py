@@ -274,7 +274,7 @@ def test_engine_ct_matches_hf_on_dequantized(case, tmp_path):
     assert "quantization=gcu_compressed_tensors" in log
     assert "AccelCTWNA16LinearMethod serves" in log and "wint_prepared_linear[torch_fast]" in log
     n_quant = 6 if ignore else 8
-    assert f"on {n_quant} gcu_compressed_tensors layers" in log
+    assert f"serves {n_quant} gcu_compressed_tensors layers" in log
     expected = hf_greedy(tmp_path / "dequant", prompts, 16)
     got = [o["token_ids"] for o in results["outputs"]]
     agree, n = _agreement(got, expected)
@@ -302,7 +302,7 @@ def test_engine_ct_w4a16_default_model(default_model, tmp_path):
         "prompts": prompts,
         "sampling": {"temperature": 0.0, "max_tokens": 32, "ignore_eos": True, "logprobs": 1},
     }, tmp_path, env={"ACCEL_REPACK_CACHE": str(tmp_path / "repack")})
-    assert "on 120 gcu_compressed_tensors layers" in log
+    assert "serves 120 gcu_compressed_tensors layers" in log
     expected = hf_greedy(tmp_path / "dequant", prompts, 32)
     got = [o["token_ids"] for o in results["outputs"]]
     agree, n = _agreement(got, expected)

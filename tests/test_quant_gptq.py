@@ -434,7 +434,7 @@ def test_engine_gptq_default_model(default_model, tmp_path):
         "prompts": prompts,
         "sampling": {"temperature": 0.0, "max_tokens": 32, "ignore_eos": True, "logprobs": 1},
     }, tmp_path)
-    assert "quantization=gcu_gptq" in log and "on 120 gcu_gptq layers" in log
+    assert "quantization=gcu_gptq" in log and "serves 120 gcu_gptq layers" in log
     expected = hf_greedy(tmp_path / "dequant", prompts, 32)
     got = [o["token_ids"] for o in results["outputs"]]
     agree, n = _agreement(got, expected)

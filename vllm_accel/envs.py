@@ -44,8 +44,10 @@ environment_variables: dict[str, tuple[Callable[[], Any], str]] = {
     "ACCEL_BACKEND": (
         lambda: os.environ.get("ACCEL_BACKEND", "auto").strip().lower(),
         "Device backend: `auto` (Enflame torch_gcu if installed, else Sophgo "
-        "torch_tpu, else the simulator), `sim`, `gcu` or `sophtpu`. Forcing a real "
-        "backend whose library is missing is an error.",
+        "torch_tpu, else the simulator), `sim`, `gcu`, `sophtpu` or `virtual` (the "
+        "virtual GCU: a torch device on host memory running the CPU's kernels, "
+        "driven through the Enflame card path; built at first use with the C++ "
+        "compiler). Forcing a real backend whose library is missing is an error.",
     ),
     "ACCEL_SIM_DEVICE_MEMORY_GB": (
         _float("ACCEL_SIM_DEVICE_MEMORY_GB", 48.0),
@@ -56,6 +58,11 @@ environment_variables: dict[str, tuple[Callable[[], Any], str]] = {
         _float("ACCEL_SIM_HOST_MEMORY_FRACTION", 0.6),
         "Largest fraction of the host's available RAM (at worker start) that the "
         "simulated devices of one host may take together.",
+    ),
+    "ACCEL_VIRTUAL_GCU_COUNT": (
+        lambda: int(os.environ.get("ACCEL_VIRTUAL_GCU_COUNT", "8")),
+        "Devices of the virtual GCU (`ACCEL_BACKEND=virtual`) before "
+        "TOPS_VISIBLE_DEVICES; each has ACCEL_SIM_DEVICE_MEMORY_GB of host memory.",
     ),
     "ACCEL_KERNEL_PROVIDER": (
         lambda: os.environ.get("ACCEL_KERNEL_PROVIDER", "").strip().lower(),

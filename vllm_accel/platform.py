@@ -20,6 +20,7 @@ import os
 
 from vllm_accel.logger import init_logger
 from vllm.platforms.cpu import CpuPlatform
+from vllm.platforms.interface import PlatformEnum
 
 from vllm_accel import envs, patches
 from vllm_accel.backends import get_backend
@@ -92,6 +93,9 @@ def _accept_kv_cache_dtype_aliases(action) -> None:
 
 
 class AccelPlatform(CpuPlatform):
+    # A card is not a CPU to vLLM: its CPU-only paths (oneDNN-packed linear
+    # weights, CPU attention and ops) must not run on the card's tensors.
+    _enum = PlatformEnum.OOT if _backend.is_real_card else PlatformEnum.CPU
     # Identity and distributed settings come from the active device backend.
     device_name: str = _backend.device_name
     device_type: str = _backend.torch_device_type

@@ -15,7 +15,7 @@ from typing import Protocol, runtime_checkable
 
 from vllm_accel import envs
 
-BACKEND_CHOICES = ("auto", "sim", "gcu", "sophtpu")
+BACKEND_CHOICES = ("auto", "sim", "gcu", "sophtpu", "virtual")
 
 
 @runtime_checkable
@@ -114,6 +114,10 @@ def select_backend(choice: str) -> DeviceBackend:
         )
     if choice == "sim":
         return _sim()
+    if choice == "virtual":
+        from vllm_accel.backends.virtual_gcu import VirtualGcuBackend
+
+        return VirtualGcuBackend("ACCEL_BACKEND=virtual")
     from vllm_accel.backends import detect
 
     factories = {"gcu": _gcu, "sophtpu": _sophtpu}

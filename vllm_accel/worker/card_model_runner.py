@@ -5,8 +5,15 @@ the fake torch_gcu / torch_tpu); the forward path runs on a card only."""
 from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
 from vllm_accel.backends import get_backend
+from vllm_accel.logger import init_logger
 from vllm_accel.quant.base import log_load_summaries
 from vllm_accel.worker.memory import CardMemory, card_kv_bytes
+
+logger = init_logger(__name__)
+
+
+def _devices(tensors) -> str:
+    return ", ".join(sorted({str(t.device) for t in tensors})) or "none"
 
 
 class AccelCardModelRunner(GPUModelRunner):
@@ -18,7 +25,13 @@ class AccelCardModelRunner(GPUModelRunner):
         before = backend.memory_allocated()
         super().load_model(*args, **kwargs)
         self._weight_bytes = backend.memory_allocated() - before
+        logger.info("Model weights on %s (%.3f GiB allocated)", _devices(
+            self.get_model().parameters()), self._weight_bytes / 2**30)
         log_load_summaries()
+
+    def initialize_kv_cache(self, kv_cache_config, *args, **kwargs) -> None:
+        super().initialize_kv_cache(kv_cache_config, *args, **kwargs)
+        logger.info("KV cache on %s (%d layers)", _devices(self.kv_caches), len(self.kv_caches))
 
     def weight_bytes(self) -> int:
         return self._weight_bytes

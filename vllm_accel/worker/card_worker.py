@@ -9,6 +9,7 @@ for good and swaps ``torch.cuda.Stream``/``torch.Event`` for placeholders while 
 builds -- on a card those would silently break the vendor runtime.
 """
 
+import contextlib
 import os
 
 from vllm.utils.torch_utils import set_random_seed
@@ -37,6 +38,9 @@ class AccelCardWorker(AccelWorkerMixin, Worker):
         """Select the card and join the process group."""
         backend = self.backend
         self.device = backend.torch_device(self.local_rank)
+        # The API and EngineCore processes leave DeviceConfig.device unset (the
+        # device type exists only once the vendor library is loaded, here).
+        self.vllm_config.device_config.device = self.device
         backend.set_device(self.local_rank)
         backend.empty_cache()
         init_method = self.distributed_init_method
@@ -53,6 +57,11 @@ class AccelCardWorker(AccelWorkerMixin, Worker):
         set_random_seed(self.model_config.seed)
         backend.manual_seed_all(self.model_config.seed)
         self.model_runner = AccelCardModelRunner(self.vllm_config, self.device)
+
+    def _maybe_get_memory_pool_context(self, tag: str):
+        """No sleep-mode memory pool: that is CUDA's (and XPU's) cumem allocator;
+        the platform reports sleep mode unavailable."""
+        return contextlib.nullcontext()
 
     def determine_available_memory(self) -> int:
         return self.model_runner.plan_kv_cache_bytes(self.device_memory, self.local_rank)
