@@ -11,7 +11,13 @@ import torch
 
 TESTS = Path(__file__).parent
 # Small simulated GCU for engine tests: keeps KV allocation (host RAM) modest.
-ENGINE_ENV = {"ACCEL_SIM_DEVICE_MEMORY_GB": "4", "VLLM_LOGGING_LEVEL": "INFO"}
+# EngineCore runs inside the engine_run process (vLLM's in-process client): on 2
+# cores that halves an engine test (one interpreter fewer importing torch and
+# vLLM while the others start). Tokens do not depend on it; the server tests,
+# tensor parallel (worker processes) and tests that pass "1" keep vLLM's default
+# multiprocess engine.
+ENGINE_ENV = {"ACCEL_SIM_DEVICE_MEMORY_GB": "4", "VLLM_LOGGING_LEVEL": "INFO",
+              "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
 
 
 @pytest.fixture(autouse=True, scope="session")

@@ -40,9 +40,10 @@ def test_default_model_matches_hf_and_answers_paris(default_model, tmp_path):
         "prompts": prompts,
         "sampling": {"temperature": 0.0, "max_tokens": NEW_TOKENS, "ignore_eos": True},
         "chat": [[{"role": "user", "content": "What is the capital of France?"}]],
-    }, tmp_path)
+    }, tmp_path, env={"VLLM_ENABLE_V1_MULTIPROCESSING": "1"})  # vLLM's default engine
 
     assert results["platform"] == "AccelPlatform"
+    assert "(EngineCore pid=" in log  # a separate EngineCore process, as users run it
     # Our kernels and memory accounting ran in the worker.
     assert "GCU_ATTN attention kernels: vllm_accel.ops.attention_native" in log
     capacity = re.search(r"Device gcu:0 \(sim\) memory: capacity ([\d.]+) GiB", log)

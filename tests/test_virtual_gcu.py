@@ -14,6 +14,8 @@ import sys
 import pytest
 import virtual_gcu_checks
 from conftest import TESTS, build_tiny_model, hf_greedy, run_engine
+from quantizer import quantize_checkpoint, quantize_checkpoint_awq
+from quantizer_int8 import quantize_checkpoint_int8
 
 VIRTUAL_ENV = {"ACCEL_BACKEND": "virtual", "ACCEL_SIM_DEVICE_MEMORY_GB": "1",
                "TORCH_DEVICE_BACKEND_AUTOLOAD": "0"}
@@ -37,23 +39,77 @@ def test_device(name, device_checks):
     assert device_checks.get(name) == "ok", device_checks.get(name, "did not run")
 
 
-@pytest.mark.engine
-def test_tiny_model_on_the_card_path_matches_hf(tmp_path):
-    """fp32 greedy tokens of a tiny Llama on the virtual GCU equal HF's; weights
-    and KV cache live on the gcu device, sized by the card path's profile run."""
-    src = build_tiny_model(tmp_path / "float", num_heads=4, num_kv_heads=2, head_dim=32,
-                           hidden_size=128)
-    rng = random.Random(0)
-    prompts = [[rng.randrange(3, 512) for _ in range(n)] for n in (4, 9, 17, 33, 2, 60)]
-    results, log = run_engine({
-        "llm": {"model": str(src), "dtype": "float32", "skip_tokenizer_init": True,
-                "max_model_len": 256, "seed": 0},
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """4 query / 2 KV heads, hidden 256: real column/row shards at TP=2."""
+    root = tmp_path_factory.mktemp("virtual")
+    model = build_tiny_model(root / "float", num_heads=4, num_kv_heads=2, head_dim=64,
+                             hidden_size=256, layers=2, seed=3)
+    rng = random.Random(7)
+    prompts = [[rng.randrange(3, 512) for _ in range(n)] for n in (5, 23, 64, 2, 120)]
+    return model, prompts, hf_greedy(model, prompts, 16)
+
+
+def _generate(model, prompts, tmp_path, env, **llm):
+    return run_engine({
+        "llm": {"model": str(model), "dtype": "float32", "skip_tokenizer_init": True,
+                "max_model_len": 256, "seed": 0, **llm},
         "prompts": prompts,
         "sampling": {"temperature": 0.0, "max_tokens": 16, "ignore_eos": True,
                      "detokenize": False},
-    }, tmp_path, env=VIRTUAL_ENV)
+    }, tmp_path, env=env)
+
+
+@pytest.mark.engine
+def test_tiny_model_on_the_card_path_matches_hf(tiny, tmp_path):
+    """fp32 greedy tokens on the virtual GCU equal HF's; weights and KV cache
+    live on the gcu device, sized by the card path's profile run."""
+    model, prompts, expected = tiny
+    results, log = _generate(model, prompts, tmp_path, VIRTUAL_ENV)
     assert "device gcu via virtual GCU" in log
     assert "worker vllm_accel.worker.card_worker.AccelCardWorker" in log
     assert "Model weights on gcu:0 (" in log and "KV cache on gcu:0 (2 layers)" in log
     assert "Device gcu:0 KV cache:" in log
-    assert [o["token_ids"] for o in results["outputs"]] == hf_greedy(src, prompts, 16)
+    assert [o["token_ids"] for o in results["outputs"]] == expected
+
+
+@pytest.mark.engine
+@pytest.mark.tensor_parallel
+def test_tensor_parallel_over_eccl_matches_hf(tiny, tmp_path):
+    """TP=2: two virtual GCUs, one worker process each, collectives over eccl on
+    gcu tensors; the tokens equal HF's (so TP=1's, test above)."""
+    model, prompts, expected = tiny
+    results, log = _generate(model, prompts, tmp_path, VIRTUAL_ENV, tensor_parallel_size=2)
+    assert "backend=eccl" in log
+    for rank in (0, 1):
+        assert f"Model weights on gcu:{rank} (" in log and f"Worker_TP{rank}" in log
+    assert [o["token_ids"] for o in results["outputs"]] == expected
+
+
+def _gptq(src, dst):
+    quantize_checkpoint(src, dst, bits=4, group_size=64, sym=False, desc_act=True)
+
+
+def _awq(src, dst):
+    quantize_checkpoint_awq(src, dst, group_size=64)
+
+
+def _w8a8(src, dst):
+    quantize_checkpoint_int8(src, dst)
+
+
+@pytest.mark.engine
+@pytest.mark.parametrize("write", [_gptq, _awq, _w8a8], ids=["gptq-actorder", "awq", "ct-w8a8"])
+def test_quantized_with_int8_kv_gives_the_simulator_tokens(write, tiny, tmp_path):
+    """Our quant methods and the INT8 KV cache on device tensors: the same greedy
+    tokens as the simulated GCU (fp32, same kernels' numerics)."""
+    model, prompts, _ = tiny
+    write(model, tmp_path / "quantized")
+    virtual, log = _generate(tmp_path / "quantized", prompts, tmp_path, VIRTUAL_ENV,
+                             kv_cache_dtype="int8")
+    assert "int8_per_token_head" in log and "KV cache on gcu:0" in log
+    simulated, _ = _generate(tmp_path / "quantized", prompts, tmp_path,
+                             {"ACCEL_BACKEND": "sim", "ACCEL_SIM_DEVICE_MEMORY_GB": "1"},
+                             kv_cache_dtype="int8", enforce_eager=True)
+    assert ([o["token_ids"] for o in virtual["outputs"]]
+            == [o["token_ids"] for o in simulated["outputs"]])

@@ -145,11 +145,54 @@ def op_without_cpu_kernel_names_the_op():
     assert torch.ones(2, device="gcu").sum().item() == 2  # the device still works
 
 
+def _eccl_rank(rank: int, init_file: str, results) -> None:
+    """One rank of a 2-rank eccl group on gcu tensors (in place, like a card)."""
+    import torch.distributed as dist
+
+    from vllm_accel.backends.virtual_gcu.device import install
+
+    install(8, CAPACITY)
+    torch.gcu.set_device(rank)
+    dist.init_process_group("eccl", init_method=f"file://{init_file}", rank=rank,
+                            world_size=2)
+    x = torch.full((4,), float(rank + 1), device=f"gcu:{rank}")
+    dist.all_reduce(x)
+    gathered = torch.empty(8, device=f"gcu:{rank}")
+    dist.all_gather_into_tensor(gathered, torch.full((4,), float(rank), device=f"gcu:{rank}"))
+    shard = torch.empty(2, device=f"gcu:{rank}")
+    dist.reduce_scatter_tensor(shard, torch.arange(4, dtype=torch.float32, device=f"gcu:{rank}"))
+    b = torch.full((3,), float(rank), device=f"gcu:{rank}")
+    dist.broadcast(b, src=1)
+    dist.barrier()
+    results[rank] = (x.device.type, x.cpu().tolist(), gathered.cpu().tolist(),
+                     shard.cpu().tolist(), b.cpu().tolist())
+    dist.destroy_process_group()
+
+
 @check
-def eccl_is_registered():
+def eccl_collectives_on_device_tensors():
+    import multiprocessing
+    import tempfile
+
     import torch.distributed as dist
 
     assert "eccl" in dist.Backend.backend_list and dist.is_eccl_available()
+    ctx = multiprocessing.get_context("spawn")
+    with ctx.Manager() as manager, tempfile.TemporaryDirectory() as tmp:
+        results = manager.dict()
+        procs = [ctx.Process(target=_eccl_rank, args=(r, f"{tmp}/init", results))
+                 for r in range(2)]
+        for proc in procs:
+            proc.start()
+        for proc in procs:
+            proc.join(120)
+        assert all(proc.exitcode == 0 for proc in procs), [proc.exitcode for proc in procs]
+        for rank in range(2):
+            device, reduced, gathered, shard, broadcast = results[rank]
+            assert device == "gcu" and reduced == [3.0] * 4
+            assert gathered == [0.0] * 4 + [1.0] * 4
+            assert shard == [2.0 * v for v in (2 * rank, 2 * rank + 1)]
+            assert broadcast == [1.0] * 3
 
 
 def main() -> int:

@@ -96,6 +96,9 @@ class AccelPlatform(CpuPlatform):
     # A card is not a CPU to vLLM: its CPU-only paths (oneDNN-packed linear
     # weights, CPU attention and ops) must not run on the card's tensors.
     _enum = PlatformEnum.OOT if _backend.is_real_card else PlatformEnum.CPU
+    # vLLM torch.compiles small helpers (TP's vocab masking) with this backend;
+    # inductor has no code generator for a card's device.
+    simple_compile_backend: str = "eager" if _backend.is_real_card else CpuPlatform.simple_compile_backend
     # Identity and distributed settings come from the active device backend.
     device_name: str = _backend.device_name
     device_type: str = _backend.torch_device_type

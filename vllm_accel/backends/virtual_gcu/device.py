@@ -215,17 +215,63 @@ def _make_module(capacity: int) -> types.ModuleType:
     return gcu
 
 
+def _host(value):
+    """gcu tensors (also in lists) as CPU tensors over the same memory."""
+    if isinstance(value, torch.Tensor):
+        return torch.ops.vgcu.host_view(value) if value.device.type == DEVICE else value
+    if isinstance(value, (list, tuple)):
+        return type(value)(_host(v) for v in value)
+    return value
+
+
+#: ProcessGroup method (what torch.distributed calls) -> gloo backend method
+_COLLECTIVES = {
+    "allreduce": "allreduce", "allreduce_coalesced": "allreduce_coalesced",
+    "allgather": "allgather", "allgather_coalesced": "allgather_coalesced",
+    "all_gather_single": "_allgather_base",
+    "all_gather_single_coalesced": "allgather_into_tensor_coalesced",
+    "reduce_scatter": "reduce_scatter", "reduce_scatter_single": "_reduce_scatter_base",
+    "reduce_scatter_single_coalesced": "reduce_scatter_tensor_coalesced",
+    "all_to_all_single": "alltoall_base", "alltoall": "alltoall", "broadcast": "broadcast",
+    "reduce": "reduce", "gather": "gather", "scatter": "scatter", "barrier": "barrier",
+    "send": "send", "recv": "recv", "recv_anysource": "recv_anysource",
+}
+
+
+class EcclProcessGroup(torch.distributed.ProcessGroup):
+    """``eccl`` on the virtual GCU: gloo over the same host memory. gcu tensors
+    reach gloo as CPU views of their storage, so collectives work in place."""
+
+    def __init__(self, store, rank: int, size: int, timeout):
+        super().__init__(rank, size)
+        self._gloo = torch.distributed.ProcessGroupGloo(store, rank, size, timeout)
+        # torch names a group after its backends (destroy_process_group needs it)
+        self._register_backend(torch.device("cpu"), torch.distributed.ProcessGroup.BackendType.GLOO,
+                               self._gloo)
+
+    def getBackendName(self) -> str:
+        return "eccl"
+
+
+def _forward(name: str, gloo_name: str):
+    def collective(self, *args, **kwargs):
+        return getattr(self._gloo, gloo_name)(*(_host(a) for a in args),
+                                              **{k: _host(v) for k, v in kwargs.items()})
+
+    collective.__name__ = name
+    return collective
+
+
+for _name, _gloo_name in _COLLECTIVES.items():
+    setattr(EcclProcessGroup, _name, _forward(_name, _gloo_name))
+
+
 def _register_eccl() -> None:
-    """``eccl``: gloo underneath (the memory is the host's), for gcu tensors."""
     import torch.distributed as dist
 
     if "eccl" in dist.Backend.backend_list:
         return
-
-    def create(store, rank, size, timeout):
-        return dist.ProcessGroupGloo(store, rank, size, timeout)
-
-    dist.Backend.register_backend("eccl", create, devices=[DEVICE, "cpu"])
+    dist.Backend.register_backend("eccl", EcclProcessGroup, devices=[DEVICE, "cpu"])
     dist.is_eccl_available = lambda: True
 
 

@@ -19,6 +19,7 @@
 #include <ATen/ATen.h>
 #include <ATen/CPUGeneratorImpl.h>
 #include <ATen/EmptyTensor.h>
+#include <ATen/core/CachingHostAllocator.h>
 #include <ATen/core/GeneratorForPrivateuseone.h>
 #include <ATen/detail/PrivateUse1HooksInterface.h>
 #include <ATen/native/Resize.h>
@@ -295,7 +296,9 @@ void free_pinned(void* p) {
   std::free(p);
 }
 
-struct PinnedAllocator final : c10::Allocator {
+// A HostAllocator, registered for the device as a card's pinned allocator is
+// (torch.accelerator's host-cache calls reach it); nothing is cached.
+struct PinnedAllocator final : at::HostAllocator {
   c10::DataPtr allocate(size_t nbytes) override {
     void* p = nbytes ? std::aligned_alloc(kAlignment, (nbytes + kAlignment - 1) / kAlignment * kAlignment)
                      : nullptr;
@@ -310,9 +313,15 @@ struct PinnedAllocator final : c10::Allocator {
   void copy_data(void* dest, const void* src, std::size_t count) const override {
     std::memcpy(dest, src, count);
   }
+  bool record_event(void*, void*, c10::Stream) override { return true; }
+  void empty_cache() override {}
+  at::HostStats get_stats() override { return {}; }
+  void reset_accumulated_stats() override {}
+  void reset_peak_stats() override {}
 };
 
 PinnedAllocator g_pinned_allocator;
+REGISTER_HOST_ALLOCATOR(at::kPrivateUse1, &g_pinned_allocator)
 
 struct VirtualHooks final : at::PrivateUse1HooksInterface {
   bool isBuilt() const override { return true; }
@@ -593,6 +602,18 @@ void reset_peak_memory_stats(int64_t device) {
   g_memory[device].peak = g_memory[device].allocated.load();
 }
 int64_t capacity() { return g_capacity.load(); }
+// A CPU tensor over a device tensor's memory that keeps the device storage
+// alive (the eccl backend hands these to gloo: collectives in place, no copies).
+at::Tensor host_view(const at::Tensor& t) {
+  if (t.device().type() != DeviceType::PrivateUse1) return t;
+  const auto& storage = t.storage();
+  return at::for_blob(storage.mutable_data(), t.sizes())
+      .strides(t.strides())
+      .storage_offset(t.storage_offset())
+      .context(new c10::Storage(storage), [](void* s) { delete static_cast<c10::Storage*>(s); })
+      .options(at::TensorOptions().dtype(t.dtype()).device(at::kCPU))
+      .make_tensor();
+}
 void manual_seed(int64_t device, int64_t seed) {
   auto gen = default_generator(DeviceIndex(device));
   std::lock_guard<std::mutex> lock(gen.mutex());
@@ -620,6 +641,7 @@ TORCH_LIBRARY(vgcu, m) {
   m.def("max_memory_allocated(int device) -> int", &vgcu::max_memory_allocated);
   m.def("reset_peak_memory_stats(int device) -> ()", &vgcu::reset_peak_memory_stats);
   m.def("capacity() -> int", &vgcu::capacity);
+  m.def("host_view(Tensor t) -> Tensor", &vgcu::host_view);
   m.def("manual_seed(int device, int seed) -> ()", &vgcu::manual_seed);
   m.def("initial_seed(int device) -> int", &vgcu::initial_seed);
   m.def("seed(int device) -> int", &vgcu::seed);
