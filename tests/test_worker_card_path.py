@@ -55,7 +55,7 @@ def _worker(cls, backend):
     worker.distributed_init_method = "tcp://127.0.0.1:1234"
     worker.parallel_config = SimpleNamespace(world_size=4)
     worker.model_config = SimpleNamespace(seed=7)
-    worker.vllm_config = SimpleNamespace()
+    worker.vllm_config = SimpleNamespace(device_config=SimpleNamespace(device=None))
     return worker
 
 
@@ -88,6 +88,7 @@ def test_card_worker_skips_cpu_worker_patches(cpu_worker_tripwires):
     worker.init_device()
     assert reached == [("dist", 3, 1, "eccl")]  # vLLM's dist init only, over the card's backend
     assert worker.model_runner == ("card-runner", torch.device("cpu"))
+    assert worker.vllm_config.device_config.device == torch.device("cpu")  # for the loader
     assert card.calls == [("set_device", 1), ("empty_cache",),
                           ("distributed_init", 3, 1, 4), ("manual_seed_all", 7)]
     assert (torch.set_num_threads, torch.cuda.Stream, torch.Event,
