@@ -11,6 +11,9 @@ Engines
          (vllm.platforms.current_platform must be AccelPlatform).
   stock  VLLM_PLUGINS=lora_filesystem_resolver: the allowlist excludes our
          plugin, so vLLM falls back to its CpuPlatform (checked).
+  virtual  ACCEL_BACKEND=virtual: the card path (card worker, vLLM's GPU model
+         runner) on the virtual GCU, a torch device on host memory running the
+         CPU's kernels one aten op at a time; a correctness device, eager.
 
 Both get the same model, dtype, seed, max_model_len, explicit KV-cache size
 (kv_cache_memory_bytes; stock CPU would otherwise read gpu_memory_utilization
@@ -67,6 +70,9 @@ ENGINES: dict[str, dict[str, Any]] = {
     "accel-int8": {"platform": "AccelPlatform", "env": {}, "llm": {"kv_cache_dtype": "int8"}},
     "stock": {"platform": "CpuPlatform", "env": {"VLLM_PLUGINS": "lora_filesystem_resolver"},
               "llm": {}},
+    "virtual": {"platform": "AccelPlatform",
+                "env": {"ACCEL_BACKEND": "virtual", "TORCH_DEVICE_BACKEND_AUTOLOAD": "0"},
+                "llm": {}},
 }
 
 WARMUP_PROMPTS = 2
@@ -331,7 +337,7 @@ def compute_ratios(results: list[dict[str, Any]]) -> dict[str, float]:
     by = {(r["workload"], r["engine"]): r for r in results}
     ratios = {}
     for wl in dict.fromkeys(r["workload"] for r in results):
-        for engine, base in (("accel", "stock"), ("accel-int8", "accel")):
+        for engine, base in (("accel", "stock"), ("accel-int8", "accel"), ("virtual", "accel")):
             a, s = by.get((wl, engine)), by.get((wl, base))
             if a and s and s["out_tok_s"] > 0:
                 ratios[f"{wl} {engine}/{base}"] = a["out_tok_s"] / s["out_tok_s"]
@@ -345,7 +351,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="model path/name (default: vllm_accel.models.default_model_path())")
     p.add_argument("--workloads", default="W1,W3",
                    help="comma list of W1, W3, LONG, custom (default: %(default)s)")
-    p.add_argument("--engines", default="accel,stock", help="comma list of accel, accel-int8, stock (default: %(default)s)")
+    p.add_argument("--engines", default="accel,stock", help="comma list of accel, accel-int8, stock, virtual (default: %(default)s)")
     p.add_argument("--num-prompts", type=int, default=None, help="custom workload: prompts (default 1)")
     p.add_argument("--input-len", type=int, default=None, help="custom workload: input tokens (default 32)")
     p.add_argument("--output-len", type=int, default=None, help="custom workload: output tokens (default 32)")

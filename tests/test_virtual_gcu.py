@@ -113,3 +113,16 @@ def test_quantized_with_int8_kv_gives_the_simulator_tokens(write, tiny, tmp_path
                              kv_cache_dtype="int8", enforce_eager=True)
     assert ([o["token_ids"] for o in virtual["outputs"]]
             == [o["token_ids"] for o in simulated["outputs"]])
+
+
+@pytest.mark.engine
+def test_weights_larger_than_the_device_fail_at_startup_naming_the_fix(tiny, tmp_path):
+    model, prompts, _ = tiny
+    spec = {"llm": {"model": str(model), "dtype": "float32", "skip_tokenizer_init": True,
+                    "max_model_len": 256}, "prompts": prompts[:1],
+            "sampling": {"max_tokens": 1}}
+    with pytest.raises(AssertionError) as failed:  # run_engine asserts a clean exit
+        run_engine(spec, tmp_path, env={**VIRTUAL_ENV, "ACCEL_SIM_DEVICE_MEMORY_GB": "0.002"})
+    message = str(failed.value)
+    assert "do not fit device gcu:0" in message
+    assert "ACCEL_SIM_DEVICE_MEMORY_GB" in message and "--tensor-parallel-size" in message

@@ -1,6 +1,6 @@
 """A vendor card's model runner: vLLM's device (GPU) runner, memory from the
-vendor allocator. Only its memory accounting is exercised without hardware (by
-the fake torch_gcu / torch_tpu); the forward path runs on a card only."""
+vendor allocator. Without a card it runs on the virtual GCU
+(``ACCEL_BACKEND=virtual``), forward pass included."""
 
 from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 

@@ -12,6 +12,7 @@ builds -- on a card those would silently break the vendor runtime.
 import contextlib
 import os
 
+import torch
 from vllm.utils.torch_utils import set_random_seed
 from vllm.v1.worker.gpu_worker import Worker, init_worker_distributed_environment
 from vllm.v1.worker.worker_base import CompilationTimes
@@ -20,6 +21,25 @@ from vllm_accel.backends import get_backend
 from vllm_accel.ops.vendor_kernels import install_vendor_kernels
 from vllm_accel.worker.card_model_runner import AccelCardModelRunner
 from vllm_accel.worker.common import AccelWorkerMixin
+
+
+@contextlib.contextmanager
+def _must_fit(worker, what: str):
+    """The device running out of memory while the engine starts is a setup
+    error: say what did not fit and the fix."""
+    try:
+        yield
+    except torch.OutOfMemoryError as e:
+        free, total = worker.backend.mem_get_info()
+        raise RuntimeError(
+            f"{what} of {worker.model_config.model} do not fit device {worker.device} "
+            f"({total / 2**30:.2f} GiB, {free / 2**30:.2f} GiB free): "
+            f"{str(e).splitlines()[0]}. Fix: spread the model over more devices "
+            "(--tensor-parallel-size), serve a quantized checkpoint, lower "
+            "--max-num-batched-tokens, or use a device with more memory (on the virtual "
+            "GCU: ACCEL_SIM_DEVICE_MEMORY_GB); --gpu-memory-utilization sizes only the "
+            "KV cache, after these."
+        ) from e
 
 
 class AccelCardWorker(AccelWorkerMixin, Worker):
@@ -56,7 +76,12 @@ class AccelCardWorker(AccelWorkerMixin, Worker):
             )
         set_random_seed(self.model_config.seed)
         backend.manual_seed_all(self.model_config.seed)
-        self.model_runner = AccelCardModelRunner(self.vllm_config, self.device)
+        with _must_fit(self, "The runner's input buffers"):
+            self.model_runner = AccelCardModelRunner(self.vllm_config, self.device)
+
+    def load_model(self, *args, **kwargs) -> None:
+        with _must_fit(self, "The weights"):
+            super().load_model(*args, **kwargs)
 
     def _maybe_get_memory_pool_context(self, tag: str):
         """No sleep-mode memory pool: that is CUDA's (and XPU's) cumem allocator;
@@ -64,7 +89,8 @@ class AccelCardWorker(AccelWorkerMixin, Worker):
         return contextlib.nullcontext()
 
     def determine_available_memory(self) -> int:
-        return self.model_runner.plan_kv_cache_bytes(self.device_memory, self.local_rank)
+        with _must_fit(self, "The activations of the largest step"):
+            return self.model_runner.plan_kv_cache_bytes(self.device_memory, self.local_rank)
 
     def compile_or_warm_up_model(self) -> CompilationTimes:
         # Cards run eagerly (no graphs to capture); reset the seed like vLLM does
