@@ -33,9 +33,13 @@ def server(default_model, tmp_path_factory):
     log_path = tmp_path_factory.mktemp("server") / "server.log"
     log = open(log_path, "w")
     proc = subprocess.Popen(
+        # float32 like `make serve`: bf16 ties exactly on this chat's first token
         [VLLM, "serve", str(default_model), "--device", "gcu", "--host", "127.0.0.1",
-         "--port", str(port), "--enforce-eager", "--max-model-len", "2048"],
-        stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **ENGINE_ENV},
+         "--port", str(port), "--enforce-eager", "--max-model-len", "2048",
+         "--dtype", "float32"],
+        stdout=log, stderr=subprocess.STDOUT,
+        # vLLM's default multiprocess engine, as users run the server
+        env={**os.environ, **ENGINE_ENV, "VLLM_ENABLE_V1_MULTIPROCESSING": "1"},
     )
     base = f"http://127.0.0.1:{port}"
     deadline = time.time() + 300
