@@ -83,8 +83,8 @@ environment_variables: dict[str, tuple[Callable[[], Any], str]] = {
     ),
     "ACCEL_NATIVE_CACHE": (
         _path("ACCEL_NATIVE_CACHE", "~/.cache/vllm-accel/native"),
-        "Directory where the simulated GCU's C++ kernels (`cpu_native`) "
-        "are built on first use, for this CPU, with `$CXX` (else `c++`/`g++`); "
+        "Directory where the simulated GCU's C++ kernels (`cpu_native`) and the "
+        "virtual GCU are built on first use, for this CPU, with `$CXX` (else `c++`/`g++`); "
         "`off` (or `0`, `none`, empty) disables them and the torch kernels run.",
     ),
     "ACCEL_REPACK_CACHE": (
