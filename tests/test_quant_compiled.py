@@ -83,7 +83,6 @@ def _w8a8(static, symmetric, mm_method, monkeypatch):
             layer.input_zero_point = _param(torch.tensor([5, 5], dtype=torch.int32))
     if mm_method == "fp32_exact":  # as on a torch build without a CPU _int_mm
         monkeypatch.setattr(w8a8, "_int_mm_works", lambda device: False)
-        monkeypatch.setattr(w8a8, "_mm_methods", {})
     method = AccelW8A8LinearMethod("channel", not static, symmetric, prefix="test.qkv_proj")
     method.process_weights_after_loading(layer)
     assert method.mm_method == mm_method

@@ -292,8 +292,6 @@ def w8a8_to_resident(weight: torch.Tensor, weight_scale: torch.Tensor,
 # Resident bytes over all W8A8 layers of this process, logged after loading.
 _totals = {"layers": 0, "resident": 0, "fp16": 0}
 _logged_layer_types: set[str] = set()
-#: the int8 GEMM each device type got (probed at load, never inside a graph)
-_mm_methods: dict[str, str] = {}
 
 
 @load_summary
@@ -305,8 +303,8 @@ def _log_summary() -> None:
         "AccelW8A8LinearMethod serves %d layers: kernel int8_linear = %s.%s (int8 GEMM: %s); "
         "resident quantized weights %.2f MiB (fp16 %.2f MiB)", _totals["layers"],
         kernel.__module__, kernel.__qualname__,
-        ", ".join(f"{dev} {'torch._int_mm' if m == 'int_mm' else 'exact chunked fp32'}"
-                  for dev, m in sorted(_mm_methods.items())),
+        ", ".join(f"{dev} {'torch._int_mm' if ok else 'exact chunked fp32'}"
+                  for dev, ok in sorted(_int_mm_state.items())),
         _totals["resident"] / 2**20, _totals["fp16"] / 2**20)
 
 
@@ -389,8 +387,8 @@ class AccelW8A8LinearMethod(LinearMethodBase):
         keep("input_zero_point", res.input_zero_point)
         keep("weight_col_sums", res.weight_col_sums)
         device = res.weight.device
-        self.mm_method = _mm_methods.setdefault(
-            device.type, "int_mm" if _int_mm_works(device) else "fp32_exact")
+        # probed here, at load: never inside a compiled graph
+        self.mm_method = "int_mm" if _int_mm_works(device) else "fp32_exact"
         self._account(res)
 
     def _account(self, res: W8A8Resident) -> None:

@@ -98,20 +98,23 @@ void release_block(void* ctx) {
 
 void free_aligned(void* p) { std::free(p); }
 
+// Host memory for `nbytes` (null for 0), aligned for vector loads.
+void* alloc_aligned(size_t nbytes) {
+  return nbytes ? std::aligned_alloc(kAlignment, (nbytes + kAlignment - 1) / kAlignment * kAlignment)
+                : nullptr;
+}
+
 // A DeviceAllocator (what torch.accelerator's memory functions ask for):
 // nothing is cached, so "reserved" equals "allocated".
 struct VirtualAllocator final : c10::DeviceAllocator {
   c10::DataPtr allocate(size_t nbytes) override {
     const DeviceIndex device = t_current_device;
     charge(device, int64_t(nbytes));
-    void* host = nullptr;
-    if (nbytes) {
-      host = std::aligned_alloc(kAlignment, (nbytes + kAlignment - 1) / kAlignment * kAlignment);
-      if (!host) {
-        g_memory[device].allocated.fetch_sub(int64_t(nbytes));
-        TORCH_CHECK_WITH(OutOfMemoryError, false, "gcu:", int(device), ": the host could not ",
-                         "provide ", nbytes, " bytes");
-      }
+    void* host = alloc_aligned(nbytes);
+    if (nbytes && !host) {
+      g_memory[device].allocated.fetch_sub(int64_t(nbytes));
+      TORCH_CHECK_WITH(OutOfMemoryError, false, "gcu:", int(device), ": the host could not ",
+                       "provide ", nbytes, " bytes");
     }
     return {host, new Block{host, &free_aligned, int64_t(nbytes), device}, &release_block,
             device_at(device)};
@@ -178,14 +181,19 @@ at::Tensor adopt(const at::Tensor& cpu, DeviceIndex device) {
 // A CPU tensor over a device tensor's memory (same storage base, offset,
 // sizes and strides). The device tensor must outlive it.
 // With `resizable`, a CPU kernel may resize it (out= arguments): its storage
-// then moves to new CPU memory, and the fallback moves the result back.
-at::Tensor cpu_view(const at::Tensor& t, bool resizable = false) {
+// then moves to new CPU memory, and the fallback moves the result back. With
+// `keep_alive`, the view holds a reference to the device storage (for views
+// that leave the fallback, e.g. to gloo).
+at::Tensor cpu_view(const at::Tensor& t, bool resizable = false, bool keep_alive = false) {
   const auto& storage = t.storage();
   auto maker = at::for_blob(storage.mutable_data(), t.sizes());
   maker.strides(t.strides())
       .storage_offset(t.storage_offset())
-      .context(nullptr, [](void*) {})
       .options(at::TensorOptions().dtype(t.dtype()).device(at::kCPU));
+  if (keep_alive)
+    maker.context(new c10::Storage(storage), [](void* s) { delete static_cast<c10::Storage*>(s); });
+  else
+    maker.context(nullptr, [](void*) {});
   if (resizable) maker.resizeable_storage().allocator(c10::GetCPUAllocator());
   return maker.make_tensor();
 }
@@ -300,8 +308,7 @@ void free_pinned(void* p) {
 // (torch.accelerator's host-cache calls reach it); nothing is cached.
 struct PinnedAllocator final : at::HostAllocator {
   c10::DataPtr allocate(size_t nbytes) override {
-    void* p = nbytes ? std::aligned_alloc(kAlignment, (nbytes + kAlignment - 1) / kAlignment * kAlignment)
-                     : nullptr;
+    void* p = alloc_aligned(nbytes);
     TORCH_CHECK(!nbytes || p, "could not allocate ", nbytes, " bytes of pinned host memory");
     if (p) {
       std::lock_guard<std::mutex> lock(g_pinned_mutex);
@@ -601,18 +608,10 @@ void reset_peak_memory_stats(int64_t device) {
   check_index(device);
   g_memory[device].peak = g_memory[device].allocated.load();
 }
-int64_t capacity() { return g_capacity.load(); }
 // A CPU tensor over a device tensor's memory that keeps the device storage
 // alive (the eccl backend hands these to gloo: collectives in place, no copies).
 at::Tensor host_view(const at::Tensor& t) {
-  if (t.device().type() != DeviceType::PrivateUse1) return t;
-  const auto& storage = t.storage();
-  return at::for_blob(storage.mutable_data(), t.sizes())
-      .strides(t.strides())
-      .storage_offset(t.storage_offset())
-      .context(new c10::Storage(storage), [](void* s) { delete static_cast<c10::Storage*>(s); })
-      .options(at::TensorOptions().dtype(t.dtype()).device(at::kCPU))
-      .make_tensor();
+  return t.device().type() == DeviceType::PrivateUse1 ? cpu_view(t, false, true) : t;
 }
 void manual_seed(int64_t device, int64_t seed) {
   auto gen = default_generator(DeviceIndex(device));
@@ -640,7 +639,6 @@ TORCH_LIBRARY(vgcu, m) {
   m.def("memory_allocated(int device) -> int", &vgcu::memory_allocated);
   m.def("max_memory_allocated(int device) -> int", &vgcu::max_memory_allocated);
   m.def("reset_peak_memory_stats(int device) -> ()", &vgcu::reset_peak_memory_stats);
-  m.def("capacity() -> int", &vgcu::capacity);
   m.def("host_view(Tensor t) -> Tensor", &vgcu::host_view);
   m.def("manual_seed(int device, int seed) -> ()", &vgcu::manual_seed);
   m.def("initial_seed(int device) -> int", &vgcu::initial_seed);
