@@ -1,7 +1,9 @@
-"""The virtual GCU (``ACCEL_BACKEND=virtual``): a real ``gcu`` torch device on
-host memory whose kernels are the CPU's, driven through the card path.
+"""The virtual card: a real torch device on host memory whose kernels are the
+CPU's, driven through the card path -- as a GCU (``ACCEL_BACKEND=virtual``,
+torch_gcu's contract) and as an SG2260 (``ACCEL_BACKEND=virtual-sophtpu``,
+torch_tpu's contract, CHIP_MAP and sccl included).
 
-Device checks run in a fresh interpreter (``virtual_gcu_checks.py``; renaming
+Device checks run in a fresh interpreter (``virtual_device_checks.py``; renaming
 PrivateUse1 cannot be undone in-process) against the same computations on CPU
 tensors. The engine tests serve models on it through the card worker and runner
 (vLLM's GPU model runner) and compare with HF transformers.
@@ -12,31 +14,41 @@ import subprocess
 import sys
 
 import pytest
-import virtual_gcu_checks
+import virtual_device_checks
 from conftest import TESTS, build_tiny_model, hf_greedy, run_engine
 from quantizer import quantize_checkpoint, quantize_checkpoint_awq
 from quantizer_int8 import quantize_checkpoint_int8
 
 VIRTUAL_ENV = {"ACCEL_BACKEND": "virtual", "ACCEL_SIM_DEVICE_MEMORY_GB": "1",
                "TORCH_DEVICE_BACKEND_AUTOLOAD": "0"}
+# Local ranks 0, 1 on chips 6, 7: the card path must pass local ranks and let
+# torch_tpu map them.
+SOPHTPU_ENV = {**VIRTUAL_ENV, "ACCEL_BACKEND": "virtual-sophtpu", "ACCEL_DEVICE": "sophtpu",
+               "CHIP_MAP": "6,7"}
+FLAVOURS = {"gcu": (VIRTUAL_ENV, "gcu", ["gcu:0", "gcu:1"], "eccl"),
+            "sophtpu": (SOPHTPU_ENV, "tpu", ["tpu:6", "tpu:7"], "sccl")}
 
 
 @pytest.fixture(scope="module")
 def device_checks():
-    proc = subprocess.run([sys.executable, str(TESTS / "virtual_gcu_checks.py")],
-                          capture_output=True, text=True, timeout=600)
     results = {}
-    for line in proc.stdout.splitlines():
-        if line.startswith("CHECK "):
-            _, name, verdict = line.split(" ", 2)
-            results[name] = verdict
-    assert results, proc.stdout[-3000:] + proc.stderr[-3000:]
+    for flavour in ("gcu", "sophtpu"):
+        proc = subprocess.run([sys.executable, str(TESTS / "virtual_device_checks.py"), flavour],
+                              capture_output=True, text=True, timeout=600)
+        for line in proc.stdout.splitlines():
+            if line.startswith("CHECK "):
+                _, name, verdict = line.split(" ", 2)
+                results[flavour, name] = verdict
+        assert results, proc.stdout[-3000:] + proc.stderr[-3000:]
     return results
 
 
-@pytest.mark.parametrize("name", [fn.__name__ for fn in virtual_gcu_checks.CHECKS])
-def test_device(name, device_checks):
-    assert device_checks.get(name) == "ok", device_checks.get(name, "did not run")
+@pytest.mark.parametrize("flavour,name", [
+    *(("gcu", fn.__name__) for fn in virtual_device_checks.CHECKS),
+    *(("sophtpu", fn.__name__) for fn in virtual_device_checks.SOPHTPU_CHECKS)])
+def test_device(flavour, name, device_checks):
+    verdict = device_checks.get((flavour, name), "did not run")
+    assert verdict == "ok", verdict
 
 
 @pytest.fixture(scope="module")
@@ -61,28 +73,34 @@ def _generate(model, prompts, tmp_path, env, **llm):
 
 
 @pytest.mark.engine
-def test_tiny_model_on_the_card_path_matches_hf(tiny, tmp_path):
-    """fp32 greedy tokens on the virtual GCU equal HF's; weights and KV cache
-    live on the gcu device, sized by the card path's profile run."""
+@pytest.mark.parametrize("flavour", FLAVOURS)
+def test_tiny_model_on_the_card_path_matches_hf(flavour, tiny, tmp_path):
+    """fp32 greedy tokens on the virtual card equal HF's; weights and KV cache
+    live on the device, sized by the card path's profile run."""
+    env, device_name, devices, _ = FLAVOURS[flavour]
     model, prompts, expected = tiny
-    results, log = _generate(model, prompts, tmp_path, VIRTUAL_ENV)
-    assert "device gcu via virtual GCU" in log
+    results, log = _generate(model, prompts, tmp_path, env)
+    assert f"device {flavour} via virtual " in log
     assert "worker vllm_accel.worker.card_worker.AccelCardWorker" in log
-    assert "Model weights on gcu:0 (" in log and "KV cache on gcu:0 (2 layers)" in log
-    assert "Device gcu:0 KV cache:" in log
+    assert f"Model weights on {devices[0]} (" in log
+    assert f"KV cache on {devices[0]} (2 layers)" in log
+    assert f"Device {flavour}:0 KV cache:" in log  # local rank 0
     assert [o["token_ids"] for o in results["outputs"]] == expected
 
 
 @pytest.mark.engine
 @pytest.mark.tensor_parallel
-def test_tensor_parallel_over_eccl_matches_hf(tiny, tmp_path):
-    """TP=2: two virtual GCUs, one worker process each, collectives over eccl on
-    gcu tensors; the tokens equal HF's (so TP=1's, test above)."""
+@pytest.mark.parametrize("flavour", FLAVOURS)
+def test_tensor_parallel_over_the_vendor_collectives_matches_hf(flavour, tiny, tmp_path):
+    """TP=2: two virtual cards, one worker process each, collectives over the
+    vendor's backend (eccl / sccl with its chip map) on device tensors; the
+    tokens equal HF's (so TP=1's, test above)."""
+    env, _, devices, collectives = FLAVOURS[flavour]
     model, prompts, expected = tiny
-    results, log = _generate(model, prompts, tmp_path, VIRTUAL_ENV, tensor_parallel_size=2)
-    assert "backend=eccl" in log
-    for rank in (0, 1):
-        assert f"Model weights on gcu:{rank} (" in log and f"Worker_TP{rank}" in log
+    results, log = _generate(model, prompts, tmp_path, env, tensor_parallel_size=2)
+    assert f"backend={collectives}" in log
+    for rank, device in enumerate(devices):
+        assert f"Model weights on {device} (" in log and f"Worker_TP{rank}" in log
     assert [o["token_ids"] for o in results["outputs"]] == expected
 
 

@@ -44,10 +44,12 @@ environment_variables: dict[str, tuple[Callable[[], Any], str]] = {
     "ACCEL_BACKEND": (
         lambda: os.environ.get("ACCEL_BACKEND", "auto").strip().lower(),
         "Device backend: `auto` (Enflame torch_gcu if installed, else Sophgo "
-        "torch_tpu, else the simulator), `sim`, `gcu`, `sophtpu` or `virtual` (the "
+        "torch_tpu, else the simulator), `sim`, `gcu`, `sophtpu`, `virtual` (the "
         "virtual GCU: a torch device on host memory running the CPU's kernels, "
         "driven through the Enflame card path; built at first use with the C++ "
-        "compiler). Forcing a real backend whose library is missing is an error.",
+        "compiler) or `virtual-sophtpu` (the same device under Sophgo's torch_tpu "
+        "contract, driven through the SG2260 card path). Forcing a real backend "
+        "whose library is missing is an error.",
     ),
     "ACCEL_SIM_DEVICE_MEMORY_GB": (
         _float("ACCEL_SIM_DEVICE_MEMORY_GB", 48.0),
@@ -59,10 +61,12 @@ environment_variables: dict[str, tuple[Callable[[], Any], str]] = {
         "Largest fraction of the host's available RAM (at worker start) that the "
         "simulated devices of one host may take together.",
     ),
-    "ACCEL_VIRTUAL_GCU_COUNT": (
-        lambda: int(os.environ.get("ACCEL_VIRTUAL_GCU_COUNT", "8")),
-        "Devices of the virtual GCU (`ACCEL_BACKEND=virtual`) before "
-        "TOPS_VISIBLE_DEVICES; each has ACCEL_SIM_DEVICE_MEMORY_GB of host memory.",
+    "ACCEL_VIRTUAL_DEVICE_COUNT": (
+        lambda: int(os.environ.get("ACCEL_VIRTUAL_DEVICE_COUNT", "8")),
+        "Devices of the virtual card (`ACCEL_BACKEND=virtual` / `virtual-sophtpu`; "
+        "8, like an S60 or SG2260 server), before `TOPS_VISIBLE_DEVICES` (GCU) or "
+        "`CHIP_MAP` (SG2260) pick from them; each has ACCEL_SIM_DEVICE_MEMORY_GB of "
+        "host memory.",
     ),
     "ACCEL_KERNEL_PROVIDER": (
         lambda: os.environ.get("ACCEL_KERNEL_PROVIDER", "").strip().lower(),

@@ -100,7 +100,11 @@ class AccelPlatform(CpuPlatform):
     # inductor has no code generator for a card's device.
     simple_compile_backend: str = "eager" if _backend.is_real_card else CpuPlatform.simple_compile_backend
     # Identity and distributed settings come from the active device backend.
-    device_name: str = _backend.device_name
+    # On a card vLLM builds torch devices and collective backend strings from
+    # device_name ("<device_name>:<index>", "<device_name>:sccl"), so it must be
+    # the torch device type (SG2260: "tpu"); `--device sophtpu` is checked
+    # against the backend, not this.
+    device_name: str = _backend.torch_device_type if _backend.is_real_card else _backend.device_name
     device_type: str = _backend.torch_device_type
     dist_backend: str = _backend.dist_backend
     device_control_env_var: str = _backend.visible_devices_env
@@ -190,7 +194,7 @@ class AccelPlatform(CpuPlatform):
             os.environ.setdefault(name, value)
         if not user_block_size:
             cache_config.block_size = DEFAULT_BLOCK_SIZE
-        logger.info_once("vllm_accel: device %s via %s; worker %s", cls.device_name,
+        logger.info_once("vllm_accel: device %s via %s; worker %s", backend.device_name,
                          backend.describe(), backend.worker_cls)
 
     @classmethod
@@ -208,7 +212,7 @@ class AccelPlatform(CpuPlatform):
         compilation_config.cudagraph_capture_sizes = []
         if compilation_config.mode != CompilationMode.NONE:
             logger.info_once("vllm_accel: %s runs eagerly (no torch.compile / device "
-                             "graphs on real cards yet)", cls.device_name)
+                             "graphs on real cards yet)", get_backend().device_name)
             compilation_config.mode = CompilationMode.NONE
 
     @classmethod

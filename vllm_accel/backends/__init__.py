@@ -15,7 +15,7 @@ from typing import Protocol, runtime_checkable
 
 from vllm_accel import envs
 
-BACKEND_CHOICES = ("auto", "sim", "gcu", "sophtpu", "virtual")
+BACKEND_CHOICES = ("auto", "sim", "gcu", "sophtpu", "virtual", "virtual-sophtpu")
 
 
 @runtime_checkable
@@ -115,9 +115,13 @@ def select_backend(choice: str) -> DeviceBackend:
     if choice == "sim":
         return _sim()
     if choice == "virtual":
-        from vllm_accel.backends.virtual_gcu import VirtualGcuBackend
+        from vllm_accel.backends.virtual import VirtualGcuBackend
 
         return VirtualGcuBackend("ACCEL_BACKEND=virtual")
+    if choice == "virtual-sophtpu":
+        from vllm_accel.backends.virtual import VirtualSophTpuBackend
+
+        return VirtualSophTpuBackend("ACCEL_BACKEND=virtual-sophtpu")
     from vllm_accel.backends import detect
 
     factories = {"gcu": _gcu, "sophtpu": _sophtpu}

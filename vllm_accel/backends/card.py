@@ -113,6 +113,13 @@ class CardBackend:
         """Backend-specific set-up right after the import."""
 
     @property
+    def vendor_library(self) -> ModuleType:
+        """The vendor library itself (``torch_gcu``, ``torch_tpu``), for what it
+        offers beside ``torch.<device>`` (e.g. collective options)."""
+        self.load()
+        return sys.modules[self.vendor_modules[-1]]
+
+    @property
     def mod(self) -> ModuleType:
         """``torch.<device>``: the vendor's torch.cuda look-alike."""
         self.load()
@@ -121,8 +128,10 @@ class CardBackend:
     # ----- device ----------------------------------------------------------
 
     def torch_device(self, local_rank: int | None = None) -> torch.device:
+        """``<type>:<local_rank>``, or the current device's (no index: an index
+        read back from the vendor may already be mapped, e.g. through CHIP_MAP)."""
         if local_rank is None:
-            local_rank = self.mod.current_device()
+            return torch.device(self.torch_device_type)
         return torch.device(self.torch_device_type, local_rank)
 
     def device_count(self) -> int:

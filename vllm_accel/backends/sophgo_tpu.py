@@ -88,9 +88,7 @@ class SophgoTpuBackend(CardBackend):
 
     def sccl_options(self, world_size: int):
         """ProcessGroupSCCLOptions for the world group: local ranks as the chip map."""
-        import torch_tpu
-
-        opts = torch_tpu.ProcessGroupSCCLOptions()
+        opts = self.vendor_library.ProcessGroupSCCLOptions()
         opts.chip_map = list(range(world_size))
         return opts
 

@@ -1,55 +1,45 @@
-"""The Python face of the virtual GCU: what ``import torch_gcu`` does, on a
-device whose memory is host memory and whose kernels are the CPU's.
+"""The Python face of the virtual card: the device module (``torch.gcu`` /
+``torch.tpu``) and collectives both vendor libraries' stand-ins share.
 
 :func:`install` loads the C++ device (``csrc/virtual_device.cpp``), renames
-PrivateUse1 to ``gcu``, registers :data:`module` as ``torch.gcu`` (the API
-surface of torch_gcu 2.x that vLLM-GCU uses: devices honouring
-``TOPS_VISIBLE_DEVICES``, streams, events, memory counters, seeding, device
-properties), generates ``Tensor.gcu()`` / ``.is_gcu`` and registers the
-``eccl`` distributed backend (gloo over host memory). It is idempotent, and
-irreversible in a process, like the vendor library's import.
+PrivateUse1 to the vendor's name, registers the device module (the
+``torch.cuda``-shaped surface torch_gcu 2.x and torch_tpu expose: devices,
+streams, events, memory counters, seeding, device properties), and generates
+``Tensor.<name>()`` / ``.is_<name>``. Vendor differences (visibility, chip maps,
+what ``get_device_properties`` reports, the collective backend) are the
+flavours' (``torch_gcu.py``, ``torch_tpu.py``). Installing is irreversible in a
+process, like the vendor library's import.
 """
 
 from __future__ import annotations
 
 import contextlib
-import functools
 import os
 import time
 import types
 from collections import namedtuple
 
 import torch
+import torch.distributed as dist
 
-from vllm_accel.backends.virtual_gcu.build import load_library
+from vllm_accel.backends.virtual.build import load_library
 
-DEVICE = "gcu"
-#: what get_device_properties reports (an S60's fields; the name says virtual)
+#: get_device_properties' fields (an S60's; torch_tpu has the same names)
 DeviceProperties = namedtuple(
     "DeviceProperties", "name major minor multi_processor_count total_memory "
     "max_threads_per_multi_processor sip_count")
 
 
-def _visible_count(physical: int) -> int:
-    """Devices after ``TOPS_VISIBLE_DEVICES`` (a comma list of ordinals; an
-    empty, invalid or repeated entry ends the list, as CUDA's parsing does)."""
-    spec = os.environ.get("TOPS_VISIBLE_DEVICES")
-    if spec is None:
-        return physical
-    seen: list[int] = []
-    for part in spec.split(","):
-        part = part.strip()
-        if not part.isdigit() or int(part) >= physical or int(part) in seen:
-            break
-        seen.append(int(part))
-    return len(seen)
-
-
 def _ops():
-    return torch.ops.vgcu
+    return torch.ops.vdevice
 
 
-def _index(device=None) -> int:
+def device_type() -> str:
+    """What PrivateUse1 is called in this process (``gcu``, ``tpu``)."""
+    return torch._C._get_privateuse1_backend_name()
+
+
+def device_index(device=None) -> int:
     if device is None:
         return _ops().current_device()
     if isinstance(device, int):
@@ -59,13 +49,12 @@ def _index(device=None) -> int:
 
 
 class Stream:
-    """A stream of the virtual GCU: work runs when issued, so every stream is
+    """A stream of the virtual card: work runs when issued, so every stream is
     always complete."""
 
     def __init__(self, device=None, priority: int = 0):
-        self.device = torch.device(DEVICE, _index(device))
+        self.device = torch.device(device_type(), device_index(device))
         self.priority = priority
-        self.gcu_stream = 0
 
     def wait_stream(self, stream: "Stream") -> None:
         pass
@@ -117,9 +106,10 @@ class Event:
         return (end._at - self._at) * 1000.0
 
 
-def _make_module(capacity: int) -> types.ModuleType:
-    """``torch.gcu``: the functions below, in a module like torch_gcu's."""
-    gcu = types.ModuleType("torch.gcu")
+def device_module(name: str, capacity: int, device_name: str) -> types.ModuleType:
+    """``torch.<name>`` with the members both vendors share; ``device_name`` is
+    what ``get_device_properties().name`` says. Flavours replace members."""
+    module = types.ModuleType(f"torch.{name}")
     default_streams: dict[int, Stream] = {}
 
     def device_count() -> int:
@@ -129,42 +119,43 @@ def _make_module(capacity: int) -> types.ModuleType:
         return _ops().current_device()
 
     def set_device(device) -> None:
-        _ops().set_device(_index(device))
+        _ops().set_device(device_index(device))
 
     @contextlib.contextmanager
     def device(device):
         previous = current_device()
-        set_device(device)
+        module.set_device(device)
         try:
             yield
         finally:
-            set_device(previous)
+            _ops().set_device(previous)
 
     def device_of(tensor):
-        return device(tensor.device) if tensor.device.type == DEVICE else contextlib.nullcontext()
+        return device(tensor.device) if tensor.device.type == name else contextlib.nullcontext()
 
     def default_stream(device=None) -> Stream:
-        index = _index(device)
-        return default_streams.setdefault(index, Stream(index))
+        index = device_index(device)
+        if index not in default_streams:
+            default_streams[index] = module.Stream(index)
+        return default_streams[index]
 
     @contextlib.contextmanager
     def stream(stream):
         yield stream
 
     def mem_get_info(device=None) -> tuple[int, int]:
-        index = _index(device)
-        return capacity - _ops().memory_allocated(index), capacity
+        return capacity - _ops().memory_allocated(device_index(device)), capacity
 
     def memory_stats(device=None) -> dict[str, int]:
-        index = _index(device)
+        index = device_index(device)
         now, peak = _ops().memory_allocated(index), _ops().max_memory_allocated(index)
         return {"allocated_bytes.all.current": now, "allocated_bytes.all.peak": peak,
                 "reserved_bytes.all.current": now, "reserved_bytes.all.peak": peak}
 
     def get_device_properties(device=None) -> DeviceProperties:
-        _index(device)
-        return DeviceProperties("Virtual GCU (host memory, CPU kernels)", 3, 0,
-                                os.cpu_count() or 1, capacity, 1, os.cpu_count() or 1)
+        device_index(device)
+        cores = os.cpu_count() or 1
+        return DeviceProperties(device_name, 3, 0, cores, capacity, 1, cores)
 
     def manual_seed_all(seed: int) -> None:
         for index in range(device_count()):
@@ -189,20 +180,21 @@ def _make_module(capacity: int) -> types.ModuleType:
         "stream": stream,
         "set_stream": lambda stream: None,
         "mem_get_info": mem_get_info,
-        "memory_allocated": lambda device=None: _ops().memory_allocated(_index(device)),
-        "max_memory_allocated": lambda device=None: _ops().max_memory_allocated(_index(device)),
-        "memory_reserved": lambda device=None: _ops().memory_allocated(_index(device)),
-        "max_memory_reserved": lambda device=None: _ops().max_memory_allocated(_index(device)),
+        "memory_allocated": lambda device=None: _ops().memory_allocated(device_index(device)),
+        "max_memory_allocated": lambda device=None: _ops().max_memory_allocated(
+            device_index(device)),
+        "memory_reserved": lambda device=None: _ops().memory_allocated(device_index(device)),
+        "max_memory_reserved": lambda device=None: _ops().max_memory_allocated(
+            device_index(device)),
         "reset_peak_memory_stats": lambda device=None: _ops().reset_peak_memory_stats(
-            _index(device)),
+            device_index(device)),
         "reset_max_memory_allocated": lambda device=None: _ops().reset_peak_memory_stats(
-            _index(device)),
+            device_index(device)),
         "empty_cache": lambda: None,
         "memory_stats": memory_stats,
         "get_device_properties": get_device_properties,
-        "get_device_name": lambda device=None: get_device_properties(device).name,
+        "get_device_name": lambda device=None: module.get_device_properties(device).name,
         "get_device_capability": lambda device=None: (3, 0),
-        "get_sip_count": lambda device=None: os.cpu_count() or 1,
         "is_bf16_supported": lambda: True,
         "manual_seed": lambda seed: _ops().manual_seed(current_device(), int(seed)),
         "manual_seed_all": manual_seed_all,
@@ -210,15 +202,25 @@ def _make_module(capacity: int) -> types.ModuleType:
         "initial_seed": lambda: _ops().initial_seed(current_device()),
         "OutOfMemoryError": torch.OutOfMemoryError,
     }
-    for name, value in members.items():
-        setattr(gcu, name, value)
-    return gcu
+    for key, value in members.items():
+        setattr(module, key, value)
+    return module
+
+
+def install(name: str, count: int, capacity: int, module: types.ModuleType) -> None:
+    """Load the device (``count`` devices of ``capacity`` bytes), name it
+    ``name`` and register ``module`` as ``torch.<name>``."""
+    load_library()
+    _ops().configure(count, capacity)
+    torch.utils.rename_privateuse1_backend(name)
+    torch._register_device_module(name, module)
+    torch.utils.generate_methods_for_privateuse1_backend(for_storage=True)
 
 
 def _host(value):
-    """gcu tensors (also in lists) as CPU tensors over the same memory."""
+    """Device tensors (also in lists) as CPU tensors over the same memory."""
     if isinstance(value, torch.Tensor):
-        return torch.ops.vgcu.host_view(value) if value.device.type == DEVICE else value
+        return _ops().host_view(value) if value.device.type == device_type() else value
     if isinstance(value, (list, tuple)):
         return type(value)(_host(v) for v in value)
     return value
@@ -238,19 +240,22 @@ _COLLECTIVES = {
 }
 
 
-class EcclProcessGroup(torch.distributed.ProcessGroup):
-    """``eccl`` on the virtual GCU: gloo over the same host memory. gcu tensors
-    reach gloo as CPU views of their storage, so collectives work in place."""
+class HostCollectives(dist.ProcessGroup):
+    """A vendor collective backend (``eccl``, ``sccl``) on the virtual card: gloo
+    over the same host memory. Device tensors reach gloo as CPU views of their
+    storage, so collectives work in place."""
+
+    backend_name: str
 
     def __init__(self, store, rank: int, size: int, timeout):
         super().__init__(rank, size)
-        self._gloo = torch.distributed.ProcessGroupGloo(store, rank, size, timeout)
+        self._gloo = dist.ProcessGroupGloo(store, rank, size, timeout)
         # torch names a group after its backends (destroy_process_group needs it)
-        self._register_backend(torch.device("cpu"), torch.distributed.ProcessGroup.BackendType.GLOO,
+        self._register_backend(torch.device("cpu"), dist.ProcessGroup.BackendType.GLOO,
                                self._gloo)
 
     def getBackendName(self) -> str:
-        return "eccl"
+        return self.backend_name
 
 
 def _forward(name: str, gloo_name: str):
@@ -263,27 +268,4 @@ def _forward(name: str, gloo_name: str):
 
 
 for _name, _gloo_name in _COLLECTIVES.items():
-    setattr(EcclProcessGroup, _name, _forward(_name, _gloo_name))
-
-
-def _register_eccl() -> None:
-    import torch.distributed as dist
-
-    if "eccl" in dist.Backend.backend_list:
-        return
-    dist.Backend.register_backend("eccl", EcclProcessGroup, devices=[DEVICE, "cpu"])
-    dist.is_eccl_available = lambda: True
-
-
-@functools.cache
-def install(count: int, capacity: int) -> types.ModuleType:
-    """Load the device (``count`` devices of ``capacity`` bytes before
-    ``TOPS_VISIBLE_DEVICES``) and make it ``gcu``; returns ``torch.gcu``."""
-    load_library()
-    torch.ops.vgcu.configure(_visible_count(count), capacity)
-    torch.utils.rename_privateuse1_backend(DEVICE)
-    module = _make_module(capacity)
-    torch._register_device_module(DEVICE, module)
-    torch.utils.generate_methods_for_privateuse1_backend(for_storage=True)
-    _register_eccl()
-    return module
+    setattr(HostCollectives, _name, _forward(_name, _gloo_name))

@@ -1,4 +1,4 @@
-"""Builds the virtual GCU (``csrc/virtual_device.cpp``) at first use, for the
+"""Builds the virtual card (``csrc/virtual_device.cpp``) at first use, for the
 installed torch, and loads it.
 
 It is a torch C++ extension (it registers a device with torch's dispatcher), so
@@ -39,33 +39,33 @@ def _build(cxx: str) -> Path:
     key = hashlib.sha256("\0".join(
         [SOURCE.read_text(), cxx, version, " ".join(FLAGS), torch.__version__,
          str(Path(torch.__file__).parent)]).encode()).hexdigest()[:16]
-    target = Path(envs.ACCEL_NATIVE_CACHE) / f"virtual_gcu-{key}.so"
+    target = Path(envs.ACCEL_NATIVE_CACHE) / f"virtual_device-{key}.so"
     if target.exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
-    logger.info("Building the virtual GCU for torch %s (once per machine, about a minute)...",
+    logger.info("Building the virtual card for torch %s (once per machine, about a minute)...",
                 torch.__version__)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         built = Path(tmp) / target.name
         result = subprocess.run([cxx, *FLAGS, str(SOURCE), "-o", str(built), *_torch_flags()],
                                 capture_output=True, text=True)
         if result.returncode:
-            raise RuntimeError(f"building the virtual GCU with {cxx} failed:\n"
+            raise RuntimeError(f"building the virtual card with {cxx} failed:\n"
                                f"{result.stderr[-4000:]}")
         os.replace(built, target)
-    logger.info("Built the virtual GCU: %s", target)
+    logger.info("Built the virtual card: %s", target)
     return target
 
 
 @functools.cache
 def load_library() -> Path:
-    """Build (once) and load the virtual GCU into this process; its path."""
+    """Build (once) and load the virtual card into this process; its path."""
     cxx = compiler()
     if cxx is None:
-        raise RuntimeError("ACCEL_BACKEND=virtual needs a C++ compiler to build the virtual "
+        raise RuntimeError("ACCEL_BACKEND=virtual / virtual-sophtpu needs a C++ compiler to build the virtual "
                            "GCU against torch: install one (e.g. apt install g++) or set CXX.")
     if envs.ACCEL_NATIVE_CACHE.lower() in ("", "off", "0", "none"):
-        raise RuntimeError("ACCEL_BACKEND=virtual builds the virtual GCU into "
+        raise RuntimeError("ACCEL_BACKEND=virtual / virtual-sophtpu builds the virtual card into "
                            "ACCEL_NATIVE_CACHE, which is off: set it to a writable directory.")
     path = _build(cxx)
     torch.ops.load_library(str(path))

@@ -1,4 +1,5 @@
-// The virtual GCU: a real torch device (PrivateUse1, renamed "gcu" from Python)
+// The virtual card: a real torch device (PrivateUse1, renamed "gcu" or "tpu" from
+// Python, after the vendor library it stands in for)
 // whose memory is host memory and whose kernels are the CPU's.
 //
 // * Memory: every device tensor is allocated here, with per-device accounting
@@ -40,7 +41,7 @@
 #include <mutex>
 #include <set>
 
-namespace vgcu {
+namespace vdevice {
 
 using c10::DeviceIndex;
 using c10::DeviceType;
@@ -60,10 +61,13 @@ thread_local DeviceIndex t_current_device = 0;
 
 c10::Device device_at(DeviceIndex index) { return c10::Device(DeviceType::PrivateUse1, index); }
 
+// What PrivateUse1 is called now ("gcu", "tpu"), for messages.
+std::string device_name() { return c10::get_privateuse1_backend(); }
+
 void check_index(int64_t index) {
-  TORCH_CHECK(index >= 0 && index < g_device_count.load(), "gcu:", index,
-              " does not exist: the virtual GCU has ", g_device_count.load(),
-              " device(s) (TOPS_VISIBLE_DEVICES / ACCEL_VIRTUAL_GCU_COUNT)");
+  TORCH_CHECK(index >= 0 && index < g_device_count.load(), device_name(), ":", index,
+              " does not exist: the virtual device has ", g_device_count.load(),
+              " device(s) (ACCEL_VIRTUAL_DEVICE_COUNT, then the vendor's visibility variable)");
 }
 
 // Accounts `bytes` on `device`, or raises torch.OutOfMemoryError past the capacity.
@@ -72,9 +76,9 @@ void charge(DeviceIndex device, int64_t bytes) {
   const int64_t now = mem.allocated.fetch_add(bytes) + bytes;
   if (now > g_capacity.load()) {
     mem.allocated.fetch_sub(bytes);
-    TORCH_CHECK_WITH(OutOfMemoryError, false, "gcu:", int(device), " out of memory: tried to ",
+    TORCH_CHECK_WITH(OutOfMemoryError, false, device_name(), ":", int(device), " out of memory: tried to ",
                      "allocate ", bytes, " bytes with ", now - bytes, " of ", g_capacity.load(),
-                     " bytes in use (virtual GCU capacity: ACCEL_SIM_DEVICE_MEMORY_GB)");
+                     " bytes in use (virtual device capacity: ACCEL_SIM_DEVICE_MEMORY_GB)");
   }
   int64_t peak = mem.peak.load();
   while (now > peak && !mem.peak.compare_exchange_weak(peak, now)) {
@@ -113,7 +117,7 @@ struct VirtualAllocator final : c10::DeviceAllocator {
     void* host = alloc_aligned(nbytes);
     if (nbytes && !host) {
       g_memory[device].allocated.fetch_sub(int64_t(nbytes));
-      TORCH_CHECK_WITH(OutOfMemoryError, false, "gcu:", int(device), ": the host could not ",
+      TORCH_CHECK_WITH(OutOfMemoryError, false, device_name(), ":", int(device), ": the host could not ",
                        "provide ", nbytes, " bytes");
     }
     return {host, new Block{host, &free_aligned, int64_t(nbytes), device}, &release_block,
@@ -544,8 +548,8 @@ void cpu_kernel_fallback(const c10::OperatorHandle& op, torch::jit::Stack* stack
   try {
     op.redispatchBoxed(c10::DispatchKeySet(c10::DispatchKey::CPU), stack);
   } catch (const c10::NotImplementedError& e) {
-    TORCH_CHECK_NOT_IMPLEMENTED(false, "'", schema.operator_name(), "' cannot run on the virtual ",
-                                "GCU: it runs every op with the CPU's kernel, and this op has ",
+    TORCH_CHECK_NOT_IMPLEMENTED(false, "'", schema.operator_name(), "' cannot run on the virtual ", device_name(),
+                                ": it runs every op with the CPU's kernel, and this op has ",
                                 "none. ", e.what_without_backtrace());
   }
   const size_t num_returns = schema.returns().size();
@@ -558,41 +562,41 @@ void cpu_kernel_fallback(const c10::OperatorHandle& op, torch::jit::Stack* stack
   }
 }
 
-}  // namespace vgcu
+}  // namespace vdevice
 
 // Registered at load: the generator factory, the hooks.
 namespace {
 struct RegisterHooks {
   RegisterHooks() {
-    static vgcu::VirtualHooks hooks;
+    static vdevice::VirtualHooks hooks;
     at::RegisterPrivateUse1HooksInterface(&hooks);
   }
 } register_hooks;
 }  // namespace
 
 TORCH_LIBRARY_IMPL(aten, PrivateUse1, m) {
-  m.impl("empty.memory_format", &vgcu::empty_memory_format);
-  m.impl("empty_strided", &vgcu::empty_strided);
+  m.impl("empty.memory_format", &vdevice::empty_memory_format);
+  m.impl("empty_strided", &vdevice::empty_strided);
   m.impl("as_strided", TORCH_FN(at::native::as_strided_tensorimpl));
   m.impl("view", TORCH_FN(at::native::view));
   m.impl("_reshape_alias", TORCH_FN(at::native::_reshape_alias));
-  m.impl("resize_", &vgcu::resize_);
-  m.impl("_copy_from", &vgcu::copy_from);
-  m.impl("_copy_from_and_resize", &vgcu::copy_from_and_resize);
-  m.impl("set_.source_Storage", &vgcu::set_source_storage);
-  m.impl("set_.source_Storage_storage_offset", &vgcu::set_storage);
+  m.impl("resize_", &vdevice::resize_);
+  m.impl("_copy_from", &vdevice::copy_from);
+  m.impl("_copy_from_and_resize", &vdevice::copy_from_and_resize);
+  m.impl("set_.source_Storage", &vdevice::set_source_storage);
+  m.impl("set_.source_Storage_storage_offset", &vdevice::set_storage);
 }
 
 TORCH_LIBRARY_IMPL(_, PrivateUse1, m) {
-  m.fallback(torch::CppFunction::makeFromBoxedFunction<&vgcu::cpu_kernel_fallback>());
+  m.fallback(torch::CppFunction::makeFromBoxedFunction<&vdevice::cpu_kernel_fallback>());
 }
 
-// Python-facing controls and counters: torch.ops.vgcu.*
-namespace vgcu {
+// Python-facing controls and counters: torch.ops.vdevice.*
+namespace vdevice {
 void configure(int64_t count, int64_t capacity) {
-  TORCH_CHECK(count >= 0 && count <= kMaxDevices, "the virtual GCU supports 0..", int(kMaxDevices),
+  TORCH_CHECK(count >= 0 && count <= kMaxDevices, "the virtual device supports 0..", int(kMaxDevices),
               " devices, got ", count);
-  TORCH_CHECK(capacity > 0, "the virtual GCU capacity must be positive, got ", capacity);
+  TORCH_CHECK(capacity > 0, "the virtual device capacity must be positive, got ", capacity);
   g_device_count = int(count);
   g_capacity = capacity;
 }
@@ -632,18 +636,18 @@ void set_device(int64_t device) {
   check_index(device);
   t_current_device = DeviceIndex(device);
 }
-}  // namespace vgcu
+}  // namespace vdevice
 
-TORCH_LIBRARY(vgcu, m) {
-  m.def("configure(int count, int capacity) -> ()", &vgcu::configure);
-  m.def("memory_allocated(int device) -> int", &vgcu::memory_allocated);
-  m.def("max_memory_allocated(int device) -> int", &vgcu::max_memory_allocated);
-  m.def("reset_peak_memory_stats(int device) -> ()", &vgcu::reset_peak_memory_stats);
-  m.def("host_view(Tensor t) -> Tensor", &vgcu::host_view);
-  m.def("manual_seed(int device, int seed) -> ()", &vgcu::manual_seed);
-  m.def("initial_seed(int device) -> int", &vgcu::initial_seed);
-  m.def("seed(int device) -> int", &vgcu::seed);
-  m.def("device_count() -> int", &vgcu::device_count);
-  m.def("current_device() -> int", &vgcu::current_device);
-  m.def("set_device(int device) -> ()", &vgcu::set_device);
+TORCH_LIBRARY(vdevice, m) {
+  m.def("configure(int count, int capacity) -> ()", &vdevice::configure);
+  m.def("memory_allocated(int device) -> int", &vdevice::memory_allocated);
+  m.def("max_memory_allocated(int device) -> int", &vdevice::max_memory_allocated);
+  m.def("reset_peak_memory_stats(int device) -> ()", &vdevice::reset_peak_memory_stats);
+  m.def("host_view(Tensor t) -> Tensor", &vdevice::host_view);
+  m.def("manual_seed(int device, int seed) -> ()", &vdevice::manual_seed);
+  m.def("initial_seed(int device) -> int", &vdevice::initial_seed);
+  m.def("seed(int device) -> int", &vdevice::seed);
+  m.def("device_count() -> int", &vdevice::device_count);
+  m.def("current_device() -> int", &vdevice::current_device);
+  m.def("set_device(int device) -> ()", &vdevice::set_device);
 }

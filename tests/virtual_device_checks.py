@@ -1,7 +1,9 @@
-"""Checks of the virtual GCU device, run in a fresh interpreter by
-test_virtual_gcu.py (renaming PrivateUse1 to ``gcu`` cannot be undone in a
-process). Prints one ``CHECK <name> ok`` or ``CHECK <name> FAIL <why>`` line
-per check; the oracle is the same computation on CPU tensors."""
+"""Checks of the virtual card, run in a fresh interpreter by test_virtual_gcu.py
+(renaming PrivateUse1 cannot be undone in a process): ``python
+virtual_device_checks.py gcu`` checks the device under torch_gcu's contract,
+``... sophtpu`` under torch_tpu's. Prints one ``CHECK <name> ok`` or ``CHECK
+<name> FAIL <why>`` line per check; the oracle is the same computation on CPU
+tensors, or the vendor contract (shared notes, vendor-apis sections 1.2, 2)."""
 
 import os
 import sys
@@ -9,13 +11,22 @@ import traceback
 
 import torch
 
-os.environ.setdefault("TOPS_VISIBLE_DEVICES", "1,3,5")  # 3 of the 8 devices
+os.environ["TOPS_VISIBLE_DEVICES"] = "1,3,5"  # 3 of the 8 GCUs
+os.environ["CHIP_MAP"] = "3,5"  # SG2260: local rank 0 -> chip 3, 1 -> chip 5
+os.environ["ACCEL_VIRTUAL_DEVICE_COUNT"] = "8"
+os.environ["ACCEL_SIM_DEVICE_MEMORY_GB"] = "0.25"
 CAPACITY = 256 << 20
-CHECKS = []
+CHECKS = []  # torch_gcu's contract
+SOPHTPU_CHECKS = []  # torch_tpu's
 
 
 def check(fn):
     CHECKS.append(fn)
+    return fn
+
+
+def sophtpu_check(fn):
+    SOPHTPU_CHECKS.append(fn)
     return fn
 
 
@@ -39,7 +50,7 @@ def device_selection():
     try:
         torch.gcu.set_device(3)
     except RuntimeError as e:
-        assert "TOPS_VISIBLE_DEVICES" in str(e)
+        assert "gcu:3 does not exist" in str(e), str(e)
     else:
         raise AssertionError("gcu:3 is not visible")
 
@@ -139,68 +150,134 @@ def op_without_cpu_kernel_names_the_op():
     try:
         torch._cudnn_rnn_flatten_weight([x], 1, 3, 0, 3, 0, 1, False, False)
     except NotImplementedError as e:
-        assert "_cudnn_rnn_flatten_weight" in str(e) and "virtual GCU" in str(e), str(e)
+        assert "_cudnn_rnn_flatten_weight" in str(e) and "virtual gcu" in str(e), str(e)
     else:
         raise AssertionError("expected NotImplementedError")
     assert torch.ones(2, device="gcu").sum().item() == 2  # the device still works
 
 
-def _eccl_rank(rank: int, init_file: str, results) -> None:
-    """One rank of a 2-rank eccl group on gcu tensors (in place, like a card)."""
+def _collectives_rank(flavour: str, rank: int, init_file: str, results) -> None:
+    """One rank of a 2-rank group of the vendor's collective backend on device
+    tensors, in place, set up as our backend does on a card."""
     import torch.distributed as dist
 
-    from vllm_accel.backends.virtual_gcu.device import install
+    from vllm_accel.backends.virtual import VirtualGcuBackend, VirtualSophTpuBackend
 
-    install(8, CAPACITY)
-    torch.gcu.set_device(rank)
-    dist.init_process_group("eccl", init_method=f"file://{init_file}", rank=rank,
-                            world_size=2)
-    x = torch.full((4,), float(rank + 1), device=f"gcu:{rank}")
+    backend = (VirtualGcuBackend if flavour == "gcu" else VirtualSophTpuBackend)("check")
+    with backend.distributed_init(rank, rank, 2):
+        backend.set_device(rank)
+        dist.init_process_group(backend.dist_backend, init_method=f"file://{init_file}",
+                                rank=rank, world_size=2)
+    dev = backend.torch_device(rank)
+    x = torch.full((4,), float(rank + 1), device=dev)
     dist.all_reduce(x)
-    gathered = torch.empty(8, device=f"gcu:{rank}")
-    dist.all_gather_into_tensor(gathered, torch.full((4,), float(rank), device=f"gcu:{rank}"))
-    shard = torch.empty(2, device=f"gcu:{rank}")
-    dist.reduce_scatter_tensor(shard, torch.arange(4, dtype=torch.float32, device=f"gcu:{rank}"))
-    b = torch.full((3,), float(rank), device=f"gcu:{rank}")
+    gathered = torch.empty(8, device=dev)
+    dist.all_gather_into_tensor(gathered, torch.full((4,), float(rank), device=dev))
+    shard = torch.empty(2, device=dev)
+    dist.reduce_scatter_tensor(shard, torch.arange(4, dtype=torch.float32, device=dev))
+    b = torch.full((3,), float(rank), device=dev)
     dist.broadcast(b, src=1)
     dist.barrier()
-    results[rank] = (x.device.type, x.cpu().tolist(), gathered.cpu().tolist(),
-                     shard.cpu().tolist(), b.cpu().tolist())
+    results[rank] = (str(x.device), dist.get_backend(), x.cpu().tolist(),
+                     gathered.cpu().tolist(), shard.cpu().tolist(), b.cpu().tolist())
     dist.destroy_process_group()
 
 
-@check
-def eccl_collectives_on_device_tensors():
+def _two_rank_collectives(flavour: str) -> dict:
     import multiprocessing
     import tempfile
 
-    import torch.distributed as dist
-
-    assert "eccl" in dist.Backend.backend_list and dist.is_eccl_available()
     ctx = multiprocessing.get_context("spawn")
     with ctx.Manager() as manager, tempfile.TemporaryDirectory() as tmp:
         results = manager.dict()
-        procs = [ctx.Process(target=_eccl_rank, args=(r, f"{tmp}/init", results))
+        procs = [ctx.Process(target=_collectives_rank, args=(flavour, r, f"{tmp}/init", results))
                  for r in range(2)]
         for proc in procs:
             proc.start()
         for proc in procs:
             proc.join(120)
         assert all(proc.exitcode == 0 for proc in procs), [proc.exitcode for proc in procs]
-        for rank in range(2):
-            device, reduced, gathered, shard, broadcast = results[rank]
-            assert device == "gcu" and reduced == [3.0] * 4
-            assert gathered == [0.0] * 4 + [1.0] * 4
-            assert shard == [2.0 * v for v in (2 * rank, 2 * rank + 1)]
-            assert broadcast == [1.0] * 3
+        results = dict(results)
+    for rank in range(2):
+        _, _, reduced, gathered, shard, broadcast = results[rank]
+        assert reduced == [3.0] * 4
+        assert gathered == [0.0] * 4 + [1.0] * 4
+        assert shard == [2.0 * v for v in (2 * rank, 2 * rank + 1)]
+        assert broadcast == [1.0] * 3
+    return results
 
 
-def main() -> int:
-    from vllm_accel.backends.virtual_gcu.device import install
+@check
+def eccl_collectives_on_device_tensors():
+    import torch.distributed as dist
 
-    install(8, CAPACITY)
+    assert "eccl" in dist.Backend.backend_list and dist.is_eccl_available()
+    results = _two_rank_collectives("gcu")
+    assert [results[r][:2] for r in range(2)] == [("gcu:0", "eccl"), ("gcu:1", "eccl")]
+
+
+@sophtpu_check
+def tpu_identity_and_quirks():
+    import warnings
+
+    assert torch._C._get_privateuse1_backend_name() == "tpu"
+    assert torch.tpu.device_count() == 8  # torch_tpu does no visibility filtering
+    props = torch.tpu.get_device_properties(0)
+    assert props.total_memory == 0 and "SG2260" in props.name  # as torch_tpu reports
+    with warnings.catch_warnings(record=True):
+        assert torch.tpu.get_device_capability() is None
+    assert torch.tpu.mem_get_info()[1] == CAPACITY
+    t = torch.ones(3, device="tpu")
+    assert t.is_tpu and torch.ones(1).tpu().is_tpu
+    torch.ops.my_ops.enable_profile(1000, 1)
+    torch.ops.my_ops.disable_profile()
+
+
+@sophtpu_check
+def chip_map_maps_local_ranks():
+    torch.tpu.set_device(1)  # local rank 1 -> chip 5
+    assert torch.tpu.current_device() == 5
+    assert str(torch.device("tpu:0")) == "tpu:3"  # torch_tpu maps device indices too
+    assert str(torch.device("tpu", 1)) == "tpu:5" and str(torch.device(0)) == "tpu:3"
+    assert isinstance(torch.device("cpu"), torch.device) and torch.device("cpu").type == "cpu"
+    before = torch.tpu.memory_allocated(5)
+    t = torch.empty(1 << 20, dtype=torch.uint8, device=torch.device("tpu", 1))
+    assert t.device.index == 5 and torch.tpu.memory_allocated(5) == before + (1 << 20)
+    assert torch.tpu.mem_get_info()[0] == CAPACITY - torch.tpu.memory_allocated(5)
+    try:
+        torch.tpu.mem_get_info(0)
+    except RuntimeError as e:
+        assert "current device" in str(e)
+    else:
+        raise AssertionError("torch_tpu answers mem_get_info only for the current device")
+
+
+@sophtpu_check
+def sccl_needs_a_chip_map_then_runs_collectives():
+    import tempfile
+
+    import torch.distributed as dist
+
+    with tempfile.TemporaryDirectory() as tmp:
+        try:
+            dist.init_process_group("sccl", init_method=f"file://{tmp}/init", rank=0,
+                                    world_size=1)
+        except RuntimeError as e:
+            assert "set_chip_map" in str(e), str(e)
+        else:
+            raise AssertionError("sccl must refuse to start without a chip map")
+    results = _two_rank_collectives("sophtpu")
+    # our backend sets local ranks; CHIP_MAP puts them on chips 3 and 5
+    assert [results[r][:2] for r in range(2)] == [("tpu:3", "sccl"), ("tpu:5", "sccl")]
+
+
+def main(flavour: str) -> int:
+    if flavour == "gcu":
+        import vllm_accel.backends.virtual.torch_gcu  # noqa: F401
+    else:
+        import vllm_accel.backends.virtual.torch_tpu  # noqa: F401
     failed = 0
-    for fn in CHECKS:
+    for fn in CHECKS if flavour == "gcu" else SOPHTPU_CHECKS:
         try:
             fn()
             print(f"CHECK {fn.__name__} ok", flush=True)
@@ -212,4 +289,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(sys.argv[1]))
