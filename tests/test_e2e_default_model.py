@@ -1,11 +1,12 @@
 """The default model (SmolLM2-135M-Instruct) offline through `LLM(...)` on the
-simulated GCU: fp32 greedy tokens must equal HF transformers `generate`."""
+simulated GCU and on the virtual GCU (the card path): fp32 greedy tokens must
+equal HF transformers `generate`."""
 
 import re
 
 import pytest
 
-from conftest import hf_greedy, run_engine
+from conftest import TESTS, hf_greedy, run_engine
 
 RAW_PROMPTS = [
     "The capital of France is",
@@ -22,8 +23,9 @@ CHAT_QUESTIONS = [
 NEW_TOKENS = 24
 
 
-@pytest.mark.engine
-def test_default_model_matches_hf_and_answers_paris(default_model, tmp_path):
+@pytest.fixture(scope="module")
+def workload(default_model):
+    """(tokenizer, 8 prompts, HF's greedy continuations)."""
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(default_model)
@@ -33,14 +35,31 @@ def test_default_model_matches_hf_and_answers_paris(default_model, tmp_path):
         for q in CHAT_QUESTIONS
     ]
     prompts = [tok(p)["input_ids"] for p in RAW_PROMPTS] + [list(ids) for ids in chat_ids]
+    return tok, prompts, hf_greedy(default_model, prompts, NEW_TOKENS)
 
-    results, log = run_engine({
-        "llm": {"model": str(default_model), "dtype": "float32", "enforce_eager": True,
-                "max_model_len": 1024, "seed": 0},
+
+def _assert_matches_hf(results, workload):
+    tok, prompts, expected = workload
+    got = [o["token_ids"] for o in results["outputs"]]
+    for prompt, g, e in zip(prompts, got, expected):
+        assert g == e, f"prompt {tok.decode(prompt)!r}: vLLM {tok.decode(g)!r} vs HF {tok.decode(e)!r}"
+    assert "Paris" in results["chat"][0]
+
+
+def _spec(default_model, prompts, **llm):
+    return {
+        "llm": {"model": str(default_model), "dtype": "float32", "max_model_len": 1024,
+                "seed": 0, **llm},
         "prompts": prompts,
         "sampling": {"temperature": 0.0, "max_tokens": NEW_TOKENS, "ignore_eos": True},
         "chat": [[{"role": "user", "content": "What is the capital of France?"}]],
-    }, tmp_path, env={"VLLM_ENABLE_V1_MULTIPROCESSING": "1"})  # vLLM's default engine
+    }
+
+
+@pytest.mark.engine
+def test_default_model_matches_hf_and_answers_paris(default_model, workload, tmp_path):
+    results, log = run_engine(_spec(default_model, workload[1], enforce_eager=True), tmp_path,
+                              env={"VLLM_ENABLE_V1_MULTIPROCESSING": "1"})  # vLLM's default engine
 
     assert results["platform"] == "AccelPlatform"
     assert "(EngineCore pid=" in log  # a separate EngineCore process, as users run it
@@ -51,9 +70,17 @@ def test_default_model_matches_hf_and_answers_paris(default_model, tmp_path):
     weights = re.search(r"weights ([\d.]+) GiB", log)
     assert weights and float(weights.group(1)) >= 0.25  # 135M params, >= 2 bytes each
     assert re.search(r"Device gcu:0 KV cache: \d+ blocks x 64 tokens", log)
+    _assert_matches_hf(results, workload)
 
-    got = [o["token_ids"] for o in results["outputs"]]
-    expected = hf_greedy(default_model, prompts, NEW_TOKENS)
-    for prompt, g, e in zip(prompts, got, expected):
-        assert g == e, f"prompt {tok.decode(prompt)!r}: vLLM {tok.decode(g)!r} vs HF {tok.decode(e)!r}"
-    assert "Paris" in results["chat"][0]
+
+@pytest.mark.engine
+def test_default_model_on_the_virtual_gcu_matches_hf(default_model, workload, tmp_path):
+    """The card path (card worker, vLLM's GPU model runner, our attention and
+    ops on gcu tensors), with every torch.cuda entry point raising for vLLM and
+    vllm_accel."""
+    results, log = run_engine(_spec(default_model, workload[1]), tmp_path, env={
+        "ACCEL_BACKEND": "virtual", "TORCH_DEVICE_BACKEND_AUTOLOAD": "0",
+        "ACCEL_TEST_FORBID_CUDA": "1", "PYTHONPATH": str(TESTS / "forbid_cuda")})
+    assert "device gcu via virtual GCU" in log and "Model weights on gcu:0 (" in log
+    assert "torch.cuda entry points raise" in log and "FORBIDDEN_CUDA_CALL" not in log
+    _assert_matches_hf(results, workload)

@@ -1,5 +1,6 @@
 """Chunked prefill and prefix caching on the default model: exact same greedy
-tokens as a run without them (fp32), with the prefix cache really hit."""
+tokens as a run without them (fp32), with the prefix cache really hit, on the
+simulated GCU and through the card path on the virtual GCU."""
 
 import random
 
@@ -40,13 +41,13 @@ def workload(default_model):
     return {"prompts": [long_prompt, *shorts], "prompt_batches": [shared[:1], shared[1:]]}
 
 
-def _run(default_model, tmp_path, workload, **llm):
+def _run(default_model, tmp_path, workload, env=None, **llm):
     return run_engine({
         "llm": {"model": str(default_model), "dtype": "float32", "enforce_eager": True,
                 "max_model_len": 2048, "seed": 0, "disable_log_stats": False, **llm},
         "sampling": {"temperature": 0.0, "max_tokens": NEW_TOKENS, "ignore_eos": True},
         **workload,
-    }, tmp_path)[0]
+    }, tmp_path, env=env)[0]
 
 
 @pytest.fixture(scope="module")
@@ -71,8 +72,26 @@ def test_prefix_caching_matches_and_hits(default_model, tmp_path, workload, base
     cached = _run(default_model, tmp_path, workload, enable_prefix_caching=True)
     assert cached["outputs"] == baseline["outputs"]
     assert cached["batches"] == baseline["batches"]
-    hits = cached["prefix_cache"]["vllm:prefix_cache_hits"]
-    queries = cached["prefix_cache"]["vllm:prefix_cache_queries"]
+    _assert_hits(cached)
+    assert baseline["prefix_cache"].get("vllm:prefix_cache_hits", 0) == 0
+
+
+def _assert_hits(results):
+    hits = results["prefix_cache"]["vllm:prefix_cache_hits"]
+    queries = results["prefix_cache"]["vllm:prefix_cache_queries"]
     # Two requests reuse at least the 640 tokens of whole 64-token system blocks.
     assert hits >= 2 * 640 and queries > hits
-    assert baseline["prefix_cache"].get("vllm:prefix_cache_hits", 0) == 0
+
+
+@pytest.mark.engine
+def test_chunked_prefill_and_prefix_caching_on_the_virtual_gcu(default_model, tmp_path,
+                                                               workload, baseline):
+    """Both at once through the card path (GPU model runner, our attention on gcu
+    tensors): the simulator's unchunked, uncached tokens, and real cache hits."""
+    both = _run(default_model, tmp_path, workload,
+                env={"ACCEL_BACKEND": "virtual", "TORCH_DEVICE_BACKEND_AUTOLOAD": "0"},
+                enable_chunked_prefill=True, max_num_batched_tokens=64,
+                enable_prefix_caching=True)
+    assert both["outputs"] == baseline["outputs"]
+    assert both["batches"] == baseline["batches"]
+    _assert_hits(both)

@@ -1,7 +1,9 @@
 """`vllm serve MODEL --device gcu` (the real console script) and OpenAI clients.
 
-One server for the module; every test talks to it over loopback. Bad requests
-must get a 4xx while the server keeps serving.
+One server per backend: the simulated GCU, and the virtual GCU through the card
+path (with every torch.cuda entry point raising for vLLM and vllm_accel); every
+test talks to each over loopback. Bad requests must get a 4xx while the server
+keeps serving.
 """
 
 import os
@@ -15,7 +17,7 @@ import httpx
 import openai
 import pytest
 
-from conftest import ENGINE_ENV
+from conftest import ENGINE_ENV, TESTS
 
 VLLM = str(Path(sys.executable).parent / "vllm")
 pytestmark = pytest.mark.server
@@ -27,8 +29,15 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture(scope="module")
-def server(default_model, tmp_path_factory):
+BACKEND_ENV = {
+    "sim": {},
+    "virtual": {"ACCEL_BACKEND": "virtual", "TORCH_DEVICE_BACKEND_AUTOLOAD": "0",
+                "ACCEL_TEST_FORBID_CUDA": "1", "PYTHONPATH": str(TESTS / "forbid_cuda")},
+}
+
+
+@pytest.fixture(scope="module", params=list(BACKEND_ENV))
+def server(request, default_model, tmp_path_factory):
     port = _free_port()
     log_path = tmp_path_factory.mktemp("server") / "server.log"
     log = open(log_path, "w")
@@ -39,7 +48,8 @@ def server(default_model, tmp_path_factory):
          "--dtype", "float32"],
         stdout=log, stderr=subprocess.STDOUT,
         # vLLM's default multiprocess engine, as users run the server
-        env={**os.environ, **ENGINE_ENV, "VLLM_ENABLE_V1_MULTIPROCESSING": "1"},
+        env={**os.environ, **ENGINE_ENV, "VLLM_ENABLE_V1_MULTIPROCESSING": "1",
+             **BACKEND_ENV[request.param]},
     )
     base = f"http://127.0.0.1:{port}"
     deadline = time.time() + 300
@@ -55,7 +65,8 @@ def server(default_model, tmp_path_factory):
     else:
         proc.kill()
         raise AssertionError(f"server not healthy in time:\n{log_path.read_text()[-5000:]}")
-    yield {"base": base, "proc": proc, "log": log_path, "model": str(default_model)}
+    yield {"base": base, "proc": proc, "log": log_path, "model": str(default_model),
+           "backend": request.param}
     proc.terminate()
     try:
         proc.wait(timeout=60)
@@ -73,7 +84,19 @@ def test_models_and_health(server, client):
     assert [m.id for m in client.models.list().data] == [server["model"]]
     assert httpx.get(server["base"] + "/health").status_code == 200
     log = server["log"].read_text()
-    assert "vllm_accel: device gcu via simulated GCU" in log
+    if server["backend"] == "sim":
+        assert "vllm_accel: device gcu via simulated GCU" in log
+    else:
+        assert "vllm_accel: device gcu via virtual GCU" in log
+        assert "worker vllm_accel.worker.card_worker.AccelCardWorker" in log
+        assert "Model weights on gcu:0 (" in log and "KV cache on gcu:0 (30 layers)" in log
+        assert "torch.cuda entry points raise for vLLM and vllm_accel" in log
+
+        _assert_no_cuda_call(server)
+
+
+def _assert_no_cuda_call(server) -> None:
+    assert "FORBIDDEN_CUDA_CALL" not in server["log"].read_text()
 
 
 def test_chat_answers_paris_and_stream_matches(server, client):
@@ -155,3 +178,5 @@ def test_vllm_bench_serve(server):
                  "--random-output-len", "8", "--seed", "0")
     assert bench.returncode == 0, (bench.stdout + bench.stderr)[-3000:]
     assert "Successful requests:                     4" in bench.stdout
+    if server["backend"] == "virtual":  # the last test: the card path served all of the above
+        _assert_no_cuda_call(server)

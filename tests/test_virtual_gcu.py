@@ -9,9 +9,11 @@ tensors. The engine tests serve models on it through the card worker and runner
 (vLLM's GPU model runner) and compare with HF transformers.
 """
 
+import os
 import random
 import subprocess
 import sys
+import textwrap
 
 import pytest
 import virtual_device_checks
@@ -144,3 +146,29 @@ def test_weights_larger_than_the_device_fail_at_startup_naming_the_fix(tiny, tmp
     message = str(failed.value)
     assert "do not fit device gcu:0" in message
     assert "ACCEL_SIM_DEVICE_MEMORY_GB" in message and "--tensor-parallel-size" in message
+
+
+def test_the_cuda_guard_raises_for_vllm_and_vllm_accel_only():
+    """tests/forbid_cuda, which the virtual-card engine and server tests run
+    under, can fail: functions and classes of torch.cuda raise for the card
+    path's callers."""
+    code = textwrap.dedent("""
+        import torch
+        for caller, call in [("vllm.v1.worker.probe", "torch.cuda.is_available()"),
+                             ("vllm.v1.worker.probe", "torch.cuda.Event()"),
+                             ("vllm_accel.worker.probe", "torch.cuda.Stream()"),
+                             ("triton.probe", "torch.cuda.is_available()")]:
+            try:
+                exec(call, {"__name__": caller, "torch": torch})
+                print(caller, call, "ran")
+            except RuntimeError as e:
+                print(caller, call, "raised" if "FORBIDDEN_CUDA_CALL" in str(e) else e)
+    """)
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120, env={**os.environ, "ACCEL_TEST_FORBID_CUDA": "1",
+                                            "PYTHONPATH": str(TESTS / "forbid_cuda")})
+    assert proc.stdout.splitlines() == [
+        "vllm.v1.worker.probe torch.cuda.is_available() raised",
+        "vllm.v1.worker.probe torch.cuda.Event() raised",
+        "vllm_accel.worker.probe torch.cuda.Stream() raised",
+        "triton.probe torch.cuda.is_available() ran"], proc.stderr
