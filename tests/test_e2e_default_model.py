@@ -63,6 +63,8 @@ def test_default_model_matches_hf_and_answers_paris(default_model, workload, tmp
 
     assert results["platform"] == "AccelPlatform"
     assert "(EngineCore pid=" in log  # a separate EngineCore process, as users run it
+    assert ("worker vllm_accel.worker.sim_worker.AccelSimWorker, model runner "
+            "vllm_accel.worker.sim_model_runner.AccelSimModelRunner") in log
     # Our kernels and memory accounting ran in the worker.
     assert "GCU_ATTN attention kernels: vllm_accel.ops.attention_native" in log
     capacity = re.search(r"Device gcu:0 \(sim\) memory: capacity ([\d.]+) GiB", log)

@@ -88,7 +88,8 @@ def test_models_and_health(server, client):
         assert "vllm_accel: device gcu via simulated GCU" in log
     else:
         assert "vllm_accel: device gcu via virtual GCU" in log
-        assert "worker vllm_accel.worker.card_worker.AccelCardWorker" in log
+        assert ("Rank 0 on gcu:0: worker vllm_accel.worker.card_worker.AccelCardWorker, model "
+                "runner vllm_accel.worker.card_model_runner.AccelCardModelRunner") in log
         assert "Model weights on gcu:0 (" in log and "KV cache on gcu:0 (30 layers)" in log
         assert "torch.cuda entry points raise for vLLM and vllm_accel" in log
 

@@ -83,7 +83,8 @@ def test_tiny_model_on_the_card_path_matches_hf(flavour, tiny, tmp_path):
     model, prompts, expected = tiny
     results, log = _generate(model, prompts, tmp_path, env)
     assert f"device {flavour} via virtual " in log
-    assert "worker vllm_accel.worker.card_worker.AccelCardWorker" in log
+    assert (f"Rank 0 on {devices[0]}: worker vllm_accel.worker.card_worker.AccelCardWorker, "
+            "model runner vllm_accel.worker.card_model_runner.AccelCardModelRunner") in log
     assert f"Model weights on {devices[0]} (" in log
     assert f"KV cache on {devices[0]} (2 layers)" in log
     assert f"Device {flavour}:0 KV cache:" in log  # local rank 0

@@ -78,6 +78,7 @@ class AccelCardWorker(AccelWorkerMixin, Worker):
         backend.manual_seed_all(self.model_config.seed)
         with _must_fit(self, "The runner's input buffers"):
             self.model_runner = AccelCardModelRunner(self.vllm_config, self.device)
+        self._log_classes()
 
     def load_model(self, *args, **kwargs) -> None:
         with _must_fit(self, "The weights"):

@@ -32,6 +32,12 @@ class AccelWorkerMixin:
         self.backend.set_device(local_rank)
         self.device_memory = self.backend.total_memory(local_rank, local_world_size)
 
+    def _log_classes(self) -> None:
+        """Which worker and model runner serve this rank (both differ per backend)."""
+        logger.info("Rank %d on %s: worker %s.%s, model runner %s.%s", self.rank, self.device,
+                    type(self).__module__, type(self).__qualname__,
+                    type(self.model_runner).__module__, type(self.model_runner).__qualname__)
+
     def initialize_from_config(self, kv_cache_config) -> None:
         super().initialize_from_config(kv_cache_config)
         logger.info(

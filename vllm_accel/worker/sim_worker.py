@@ -40,6 +40,7 @@ class AccelSimWorker(AccelWorkerMixin, CPUWorker):
         # CPUWorker.init_device builds vLLM's CPUModelRunner by name; replace it
         # with ours (the first one holds no model or KV cache yet).
         self.model_runner = AccelSimModelRunner(self.vllm_config, self.device)
+        self._log_classes()
 
     def determine_available_memory(self) -> int:
         if self._should_warm_up_model():
