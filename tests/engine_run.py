@@ -6,14 +6,18 @@ of their state). Input: a JSON file path with ``llm`` (LLM kwargs), ``prompts``
 (strings or token-id lists), ``sampling`` (SamplingParams kwargs), ``chat``
 (optional list of message lists, sampled with ``chat_sampling`` if given), ``prompt_batches`` (optional: lists of prompts
 generated one batch after another, e.g. to hit the prefix cache). Output: one
-stdout line "ENGINE_RESULT <json>" (outputs, batch outputs, prefix-cache counters).
+stdout line "ENGINE_RESULT <json>" (outputs, batch outputs, prefix-cache and
+preemption counters when ``disable_log_stats`` is False).
 """
 
+import faulthandler
 import json
+import signal
 import sys
 
 
 def main() -> None:
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # stacks of a hung run
     spec = json.load(open(sys.argv[1]))
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
@@ -44,10 +48,10 @@ def main() -> None:
                             use_tqdm=False)
         results["batches"].append([list(o.outputs[0].token_ids) for o in outs])
     if spec["llm"].get("disable_log_stats") is False:  # LLM disables stats by default
-        results["prefix_cache"] = {
-            m.name: m.value for m in llm.get_metrics()
-            if m.name in ("vllm:prefix_cache_hits", "vllm:prefix_cache_queries")
-        }
+        metrics = {m.name: getattr(m, "value", None) for m in llm.get_metrics()}
+        results["prefix_cache"] = {name: metrics[name] for name in
+                                   ("vllm:prefix_cache_hits", "vllm:prefix_cache_queries")}
+        results["preemptions"] = metrics.get("vllm:num_preemptions")
     if spec.get("chat"):
         chat_params = SamplingParams(**spec.get("chat_sampling", spec["sampling"]))
         outs = llm.chat(spec["chat"], chat_params, use_tqdm=False)

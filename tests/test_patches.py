@@ -36,3 +36,69 @@ def test_int8_kv_alias_patch_maps_before_validation(monkeypatch):
     args.create_engine_config()
     EngineArgs(model="unused", kv_cache_dtype="fp8").create_engine_config()
     assert seen == ["int8_per_token_head", "fp8"]
+
+
+def test_missing_local_model_path_is_named_before_vllm_builds_the_config(monkeypatch, tmp_path):
+    """The same wrapper rejects a path-shaped model that does not exist; repo ids
+    and existing directories reach vLLM unchanged."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    seen = []
+    monkeypatch.setattr(EngineArgs, "create_engine_config",
+                        lambda self, *a, **k: seen.append(self.model))
+    patches.apply_all("general")
+    missing = str(tmp_path / "no" / "such-model")
+    with pytest.raises(ValueError, match=f"Model path '{missing}' does not exist"):
+        EngineArgs(model=missing).create_engine_config()
+    for model in ("HuggingFaceTB/SmolLM2-135M-Instruct", "gpt2", str(tmp_path)):
+        EngineArgs(model=model).create_engine_config()
+    assert seen == ["HuggingFaceTB/SmolLM2-135M-Instruct", "gpt2", str(tmp_path)]
+
+
+def test_sync_client_raises_once_the_engine_is_dead_instead_of_blocking():
+    """The wrapper returns queued outputs through vLLM's get_output, and raises
+    EngineDeadError within a poll interval once the engine is marked dead."""
+    import queue
+    import threading
+    import time
+    from types import SimpleNamespace
+
+    from vllm.v1.engine.core_client import SyncMPClient
+    from vllm.v1.engine.exceptions import EngineDeadError
+
+    patches.apply_all("general")
+    client = SimpleNamespace(outputs_queue=queue.Queue(),
+                             resources=SimpleNamespace(engine_dead=False))
+    failure = ValueError("from the output thread")
+    client._format_exception = lambda e: e
+    client.outputs_queue.put(failure)
+    with pytest.raises(ValueError, match="from the output thread"):
+        SyncMPClient.get_output(client)  # an item: vLLM's own path
+    threading.Timer(0.3, lambda: setattr(client.resources, "engine_dead", True)).start()
+    start = time.monotonic()
+    with pytest.raises(EngineDeadError):
+        SyncMPClient.get_output(client)
+    assert time.monotonic() - start < 0.3 + 2 * patches.ENGINE_DEATH_POLL_S
+
+
+def test_serve_exits_nonzero_only_after_the_engine_died(monkeypatch):
+    """ServeSubcommand.cmd raises SystemExit(message) when terminate_if_errored
+    ended the server because the engine errored; a clean stop stays clean."""
+    from types import SimpleNamespace
+
+    from vllm.entrypoints.cli.serve import ServeSubcommand
+    from vllm.entrypoints.launchers import launcher
+    from vllm.entrypoints.serve.exception_handling.handlers import vllm_error
+
+    runs = []
+    monkeypatch.setattr(ServeSubcommand, "cmd", staticmethod(lambda args: runs.append(args)))
+    monkeypatch.setattr(vllm_error, "terminate_if_errored", vllm_error.terminate_if_errored)
+    monkeypatch.setattr(launcher, "terminate_if_errored",
+                        lambda server, engine: setattr(server, "should_exit", engine.errored))
+    patches.apply_all("cli")
+    ServeSubcommand.cmd("clean")  # no engine death: returns normally
+    server = SimpleNamespace(should_exit=False)
+    launcher.terminate_if_errored(server, SimpleNamespace(errored=True, is_running=False))
+    with pytest.raises(SystemExit, match="the engine died"):
+        ServeSubcommand.cmd("crashed")
+    assert runs == ["clean", "crashed"]

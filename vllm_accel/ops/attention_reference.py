@@ -1,7 +1,7 @@
 """The ``reference`` provider of paged attention: written for obviousness, not speed.
 
 One request at a time, its pages read with plain indexing, K/V dequantized to
-float32, heads expanded for GQA, softmax over an explicit causal mask. The tests
+float32 (INT8 codes times their scales; float8 values times the layer's scales), heads expanded for GQA, softmax over an explicit causal mask. The tests
 hold every other provider (``torch_fast`` in ``attention_kernels``, a vendor's) to
 the same float64 oracle, and ``ACCEL_KERNEL_PROVIDER=reference`` runs it in the
 engine. Page layout: see ``attention_kernels``.
@@ -30,8 +30,10 @@ def _request_kv(kv_cache: torch.Tensor, block_ids: torch.Tensor, seq_len: int):
     return k, v
 
 
-def paged_attention(query, kv_cache, block_table, query_start_loc, seq_lens, scale):
-    """Causal attention of each request's newest ``q_len`` tokens over its cache."""
+def paged_attention(query, kv_cache, block_table, query_start_loc, seq_lens, scale,
+                    k_scale: float = 1.0, v_scale: float = 1.0):
+    """Causal attention of each request's newest ``q_len`` tokens over its cache
+    (``k_scale``/``v_scale``: a float8 cache's per-layer scales)."""
     out = torch.zeros_like(query)
     h = query.shape[1]
     block_size = kv_cache.shape[2]
@@ -41,6 +43,7 @@ def paged_attention(query, kv_cache, block_table, query_start_loc, seq_lens, sca
         if end == start:
             continue
         k, v = _request_kv(kv_cache, block_table[i, : -(-seq_len // block_size)], seq_len)
+        k, v = k * k_scale, v * v_scale
         k = k.repeat_interleave(h // k.shape[0], dim=0)  # [H, S, D]
         v = v.repeat_interleave(h // v.shape[0], dim=0)
         q = query[start:end].float().transpose(0, 1)  # [H, q_len, D]
@@ -51,12 +54,13 @@ def paged_attention(query, kv_cache, block_table, query_start_loc, seq_lens, sca
     return out
 
 
-def paged_decode(query, kv_cache, block_table, seq_lens, scale):
+def paged_decode(query, kv_cache, block_table, seq_lens, scale, k_scale=1.0, v_scale=1.0):
     """Decode is prefill with one query token per request."""
     query_start_loc = torch.arange(query.shape[0] + 1, dtype=torch.int32)
-    return paged_attention(query, kv_cache, block_table, query_start_loc, seq_lens, scale)
+    return paged_attention(query, kv_cache, block_table, query_start_loc, seq_lens, scale,
+                           k_scale, v_scale)
 
 
-for _suffix in ("", "_int8"):  # the page reader handles both cache dtypes
+for _suffix in ("", "_int8", "_fp8"):  # the page reader handles every cache dtype
     register_kernel("paged_prefill" + _suffix)(paged_attention)
     register_kernel("paged_decode" + _suffix)(paged_decode)

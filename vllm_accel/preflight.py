@@ -1,0 +1,115 @@
+"""Checks before any engine process starts, so the last line a user reads names
+the file, path or setting and the fix (vLLM would fail later, in a worker, with
+"Engine core initialization failed. See root cause above" or a bare
+AssertionError, or mistake a missing local path for a malformed repo id).
+"""
+
+import json
+import os
+import struct
+from pathlib import Path
+
+class StartupError(ValueError):
+    """A configuration the plugin refuses before any worker starts. The platform
+    raises it inside vLLM's pydantic config validation; the engine-args patch
+    re-raises it unwrapped so it is the last line the user reads."""
+
+
+#: bytes per element of safetensors' dtype names
+_SAFETENSORS_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4,
+                      "U32": 4, "I16": 2, "U16": 2, "I8": 1, "U8": 1, "BOOL": 1,
+                      "F8_E4M3": 1, "F8_E5M2": 1}
+_FLOATS = {"F64", "F32", "F16", "BF16"}
+#: quantization made at load (quant/w8a16.py): the checkpoint overstates the weights
+ONLINE_QUANTIZATION = frozenset({"w8a16"})
+
+
+def _looks_like_a_path(model: str) -> bool:
+    """A Hugging Face repo id is ``name`` or ``org/name``; anything absolute,
+    relative to here or home, or deeper is a local path."""
+    return (model.startswith(("/", "./", "../", "~")) or model in (".", "..")
+            or model.count("/") > 1)
+
+
+def check_model_path(model: str) -> None:
+    if _looks_like_a_path(model) and not Path(model).expanduser().exists():
+        raise StartupError(
+            f"Model path {model!r} does not exist. Pass an existing local model "
+            "directory (config.json + weights), or a Hugging Face repo id "
+            "('org/name'); `make setup` converts the default model to "
+            "~/.cache/vllm-accel/models/SmolLM2-135M-Instruct.")
+
+
+def _safetensors_header(path: Path) -> dict:
+    """The header of ``path``; a clear error if the file is cut short."""
+    size = path.stat().st_size
+    with path.open("rb") as f:
+        head = f.read(8)
+        if len(head) < 8:
+            raise StartupError(f"{path} is truncated ({size} bytes, not even a safetensors "
+                             "header): re-download or re-convert the checkpoint.")
+        (length,) = struct.unpack("<Q", head)
+        if 8 + length > size:
+            raise StartupError(f"{path} is truncated: its header alone needs {8 + length} "
+                             f"bytes, the file has {size}. Re-download or re-convert the "
+                             "checkpoint.")
+        try:
+            header = json.loads(f.read(length))
+        except ValueError:
+            raise StartupError(f"{path} is corrupt (its safetensors header is not JSON): "
+                             "re-download or re-convert the checkpoint.") from None
+    tensors = {k: v for k, v in header.items() if k != "__metadata__"}
+    need = 8 + length + max((v["data_offsets"][1] for v in tensors.values()), default=0)
+    if need > size:
+        raise StartupError(f"{path} is truncated: its tensors need {need} bytes, the file "
+                         f"has {size}. Re-download or re-convert the checkpoint.")
+    return tensors
+
+
+def check_weights(model: str, dtype_bytes: int) -> int:
+    """Validate every ``*.safetensors`` file of a local model directory; the
+    bytes its weights take with floating-point tensors stored at
+    ``dtype_bytes`` per element (0 when there is no local safetensors file)."""
+    root = Path(model).expanduser()
+    if not root.is_dir():
+        return 0
+    total = 0
+    for path in sorted(root.glob("*.safetensors")):
+        for info in _safetensors_header(path).values():
+            count = 1
+            for dim in info["shape"]:
+                count *= dim
+            dtype = info["dtype"]
+            per = dtype_bytes if dtype in _FLOATS else _SAFETENSORS_BYTES.get(dtype, 1)
+            total += count * per
+    return total
+
+
+def check_fits(model: str, weight_bytes: int, ranks: int, capacity: int,
+               capacity_hint: str) -> None:
+    """Weights split over ``ranks`` devices of ``capacity`` bytes each must fit."""
+    per_rank = weight_bytes / max(1, ranks)
+    if per_rank > capacity:
+        gib = 1 << 30
+        raise StartupError(
+            f"The weights of {model} take about {per_rank / gib:.3f} GiB per device "
+            f"({weight_bytes / gib:.3f} GiB over {ranks} rank(s)), more than the "
+            f"{capacity / gib:.3f} GiB each device has. Raise {capacity_hint}, spread "
+            "the model with --tensor-parallel-size, or serve a quantized checkpoint.")
+
+
+def check_cores_for_ranks(parallel_config) -> None:
+    """Each simulated GCU is a worker process bound to its own CPU cores (vLLM's
+    CPU binding, ``VLLM_CPU_OMP_THREADS_BIND=auto``): more ranks than usable cores
+    would die later on a bare AssertionError inside vLLM; say so first."""
+    if os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "auto") != "auto":
+        return  # explicit core lists (or nobind): vLLM checks those itself
+    ranks = parallel_config.local_world_size * max(1, parallel_config._api_process_count)
+    cores = len(os.sched_getaffinity(0))
+    if ranks > cores:
+        raise StartupError(
+            f"{ranks} simulated GCU ranks were asked for (--tensor-parallel-size "
+            f"{parallel_config.tensor_parallel_size}, --data-parallel-size "
+            f"{parallel_config.data_parallel_size}), but this process may use "
+            f"{cores} CPU core(s) and each rank needs at least one. Lower "
+            f"--tensor-parallel-size to {cores} or fewer, or run on more cores.")
