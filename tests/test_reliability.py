@@ -124,3 +124,43 @@ def test_engine_core_killed_fails_fast(tiny, tmp_path):
     text = _kill_during_generation(proc, log, "EngineCore")
     assert "EngineDeadError" in text, text[-3000:]
     assert "ENGINE_RESULT" not in text
+
+
+SCORING_SCRIPT = """
+import random
+import sys
+
+from vllm import LLM, SamplingParams
+from vllm.inputs import TokensPrompt
+
+if __name__ == "__main__":
+    rng = random.Random(0)
+    prompts = [TokensPrompt(prompt_token_ids=[rng.randrange(3, 512) for _ in range(110)])
+               for _ in range(4)]
+    # A temporary LLM, dropped right after generate: the pattern that aborted at exit.
+    outs = LLM(model=sys.argv[1], max_model_len=256, seed=0,
+               skip_tokenizer_init=True).generate(
+        prompts, SamplingParams(max_tokens=1, prompt_logprobs=1, detokenize=False),
+        use_tqdm=False)
+    print("SCORED", sum(len(o.prompt_logprobs) - 1 for o in outs))
+"""
+
+
+@pytest.mark.engine
+def test_prompt_logprobs_scoring_script_exits_cleanly_every_time(tiny, tmp_path):
+    """Issue 11's exit abort (`terminate called without an active exception`,
+    status 134, 3 of 10 runs on an Intel Xeon): an AWQ checkpoint scored with
+    prompt_logprobs in vLLM's default mode (compiled, multiprocess engine), three
+    times; every run must print its result and exit 0."""
+    from quantizer import quantize_checkpoint_awq
+
+    quantize_checkpoint_awq(tiny, tmp_path / "awq", group_size=64)
+    script = tmp_path / "score.py"
+    script.write_text(SCORING_SCRIPT)
+    env = {**os.environ, **ENGINE_ENV, "VLLM_ENABLE_V1_MULTIPROCESSING": "1"}
+    for run in range(3):
+        proc = subprocess.run([sys.executable, str(script), str(tmp_path / "awq")],
+                              capture_output=True, text=True, timeout=600, env=env)
+        output = proc.stdout + proc.stderr
+        assert proc.returncode == 0 and "terminate called" not in output, (run, output[-3000:])
+        assert "SCORED 436" in proc.stdout
