@@ -173,3 +173,13 @@ def test_the_cuda_guard_raises_for_vllm_and_vllm_accel_only():
         "vllm.v1.worker.probe torch.cuda.Event() raised",
         "vllm_accel.worker.probe torch.cuda.Stream() raised",
         "triton.probe torch.cuda.is_available() ran"], proc.stderr
+
+
+def test_no_compiler_is_a_clear_error_naming_the_fix(monkeypatch):
+    from vllm_accel.backends.virtual import build
+
+    monkeypatch.setattr(build, "compiler", lambda: None)
+    build.load_library.cache_clear()
+    with pytest.raises(RuntimeError, match="needs a C.. compiler .*install one .*or set CXX"):
+        build.load_library()
+    build.load_library.cache_clear()
