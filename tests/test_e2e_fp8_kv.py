@@ -1,6 +1,7 @@
-"""fp8 KV caches end to end on the default model (`--kv-cache-dtype fp8`,
-`fp8_e4m3`, `fp8_e5m2`, as stock vLLM CPU offers them), and a clear startup error
-for a KV dtype the backend cannot store.
+"""Reduced-precision KV caches end to end on the default model: fp8
+(`--kv-cache-dtype fp8`, `fp8_e4m3`, `fp8_e5m2`, as stock vLLM CPU offers them)
+and bf16/fp16 caches under an fp32 model; a clear startup error for a KV dtype
+the backend cannot store. (The INT8 cache: test_e2e_int8_kv.py.)
 
 Agreement is teacher-forced against the fp32 model with an fp32 cache: the
 reference generates 32 tokens per chat prompt; the fp8-KV engine (same fp32
@@ -15,8 +16,9 @@ from conftest import run_engine
 from test_e2e_int8_kv import NEW_TOKENS, QUESTIONS  # the same 8 chat prompts x 32 tokens
 #: share of the 256 teacher-forced positions where the fp8-KV engine's top token
 #: is the fp32 reference's. Measured (AMD EPYC Zen 5): 0.945 (fp8 = e4m3, 3
-#: mantissa bits), 0.887 (e5m2, 2 bits); an unscaled-garbage cache scores ~0.
-MIN_AGREEMENT = {"fp8": 0.9, "fp8_e5m2": 0.85}
+#: mantissa bits), 0.887 (e5m2, 2 bits), 0.996 (bfloat16), 1.000 (float16); an
+#: unscaled-garbage cache scores ~0.
+MIN_AGREEMENT = {"fp8": 0.9, "fp8_e5m2": 0.85, "bfloat16": 0.95, "float16": 0.97}
 
 
 def _spec(default_model, prompts, **llm):
@@ -42,17 +44,19 @@ def reference(default_model, tmp_path_factory):
     return prompts, [o["token_ids"] for o in results["outputs"]], answer, paris[0]
 
 
-# "fp8" (= e4m3) in vLLM's default compiled mode; e5m2 eager.
+# "fp8" (= e4m3) in vLLM's default compiled mode; the others eager.
 @pytest.mark.engine
-@pytest.mark.parametrize("kv_cache_dtype,eager", [("fp8", False), ("fp8_e5m2", True)])
-def test_fp8_kv_predicts_the_fp32_tokens(kv_cache_dtype, eager, default_model, reference,
-                                         tmp_path):
+@pytest.mark.parametrize("kv_cache_dtype,eager", [("fp8", False), ("fp8_e5m2", True),
+                                                  ("bfloat16", True), ("float16", True)])
+def test_kv_cache_dtype_predicts_the_fp32_tokens(kv_cache_dtype, eager, default_model,
+                                                 reference, tmp_path):
     prompts, generated, answer, paris = reference
     spec = _spec(default_model, [p + g for p, g in zip(prompts, generated)]
                  + [prompts[0] + answer], kv_cache_dtype=kv_cache_dtype, enforce_eager=eager)
     spec["sampling"].update(max_tokens=1, prompt_logprobs=1)
     scored, log = run_engine(spec, tmp_path)
-    assert "paged_prefill_fp8" in log  # the fp8 kernels ran
+    if kv_cache_dtype.startswith("fp8"):
+        assert "paged_prefill_fp8" in log  # the fp8 kernels ran
     agree = sum(top == token
                 for out, p, g in zip(scored["outputs"], prompts, generated)
                 for top, token in zip(out["prompt_top"][len(p):], g))
