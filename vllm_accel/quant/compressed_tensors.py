@@ -55,6 +55,7 @@ from vllm.model_executor.parameter import (
 from vllm_accel.logger import init_logger
 from vllm_accel.quant.base import AccelQuantConfig, is_moe, layer_error, load_summary
 from vllm_accel.quant import repack_cache
+from vllm_accel.quant.w8a8 import AccelW8A8LinearMethod
 from vllm_accel.quant.packed import (
     ResidentStats,
     WIntResident,
@@ -310,11 +311,6 @@ class AccelCompressedTensorsConfig(AccelQuantConfig):
         if dynamic and not a.get("symmetric", True):
             raise _fail(prefix, "asymmetric dynamic input activations are not supported",
                         _unsupported_fix(scheme))
-        try:
-            from vllm_accel.quant.w8a8 import AccelW8A8LinearMethod
-        except ImportError as e:
-            raise _fail(prefix, f"the W8A8 method is unavailable ({e})",
-                        "install a vllm_accel build that includes quant/w8a8.py") from e
         return AccelW8A8LinearMethod(weight_strategy=w["strategy"], input_dynamic=dynamic,
                                      input_symmetric=bool(a.get("symmetric", True)),
                                      prefix=prefix)

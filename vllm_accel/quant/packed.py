@@ -258,14 +258,6 @@ def keep_generic_layout(res: WIntResident, act_dtype: torch.dtype) -> None:
     return None
 
 
-def int_weight_linear(x: torch.Tensor, res: WIntResident,
-                      bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``x @ W.T (+ bias)`` for a resident weight, through the kernel registry."""
-    return get_kernel(KERNEL_NAME)(x, res.qweight, res.scales, res.zeros, bits=res.bits,
-                                   group_size=res.group_size, perm=res.perm,
-                                   g_idx=res.g_idx, bias=bias)
-
-
 # ---------------------------------------------------------------------------
 # Layer parameters and resident-bytes accounting
 # ---------------------------------------------------------------------------
