@@ -18,6 +18,12 @@ TESTS = Path(__file__).parent
 # multiprocess engine.
 ENGINE_ENV = {"ACCEL_SIM_DEVICE_MEMORY_GB": "4", "VLLM_LOGGING_LEVEL": "INFO",
               "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+#: every public torch.cuda entry point raises for vLLM / vllm_accel callers
+#: (tests/forbid_cuda/sitecustomize.py): proves the card path makes no CUDA call
+FORBID_CUDA_ENV = {"ACCEL_TEST_FORBID_CUDA": "1", "PYTHONPATH": str(TESTS / "forbid_cuda")}
+#: the virtual GCU through the card path, with the CUDA guard
+VIRTUAL_GCU_ENV = {"ACCEL_BACKEND": "virtual", "TORCH_DEVICE_BACKEND_AUTOLOAD": "0",
+                   **FORBID_CUDA_ENV}
 
 
 @pytest.fixture(autouse=True, scope="session")

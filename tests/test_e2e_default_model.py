@@ -6,7 +6,7 @@ import re
 
 import pytest
 
-from conftest import TESTS, hf_greedy, run_engine
+from conftest import VIRTUAL_GCU_ENV, hf_greedy, run_engine
 
 RAW_PROMPTS = [
     "The capital of France is",
@@ -80,9 +80,7 @@ def test_default_model_on_the_virtual_gcu_matches_hf(default_model, workload, tm
     """The card path (card worker, vLLM's GPU model runner, our attention and
     ops on gcu tensors), with every torch.cuda entry point raising for vLLM and
     vllm_accel."""
-    results, log = run_engine(_spec(default_model, workload[1]), tmp_path, env={
-        "ACCEL_BACKEND": "virtual", "TORCH_DEVICE_BACKEND_AUTOLOAD": "0",
-        "ACCEL_TEST_FORBID_CUDA": "1", "PYTHONPATH": str(TESTS / "forbid_cuda")})
+    results, log = run_engine(_spec(default_model, workload[1]), tmp_path, env=VIRTUAL_GCU_ENV)
     assert "device gcu via virtual GCU" in log and "Model weights on gcu:0 (" in log
     assert "torch.cuda entry points raise" in log and "FORBIDDEN_CUDA_CALL" not in log
     _assert_matches_hf(results, workload)

@@ -17,7 +17,7 @@ import textwrap
 
 import pytest
 import virtual_device_checks
-from conftest import TESTS, build_tiny_model, hf_greedy, run_engine
+from conftest import FORBID_CUDA_ENV, TESTS, build_tiny_model, hf_greedy, run_engine
 from quantizer import quantize_checkpoint, quantize_checkpoint_awq
 from quantizer_int8 import quantize_checkpoint_int8
 
@@ -166,8 +166,7 @@ def test_the_cuda_guard_raises_for_vllm_and_vllm_accel_only():
                 print(caller, call, "raised" if "FORBIDDEN_CUDA_CALL" in str(e) else e)
     """)
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          timeout=120, env={**os.environ, "ACCEL_TEST_FORBID_CUDA": "1",
-                                            "PYTHONPATH": str(TESTS / "forbid_cuda")})
+                          timeout=120, env={**os.environ, **FORBID_CUDA_ENV})
     assert proc.stdout.splitlines() == [
         "vllm.v1.worker.probe torch.cuda.is_available() raised",
         "vllm.v1.worker.probe torch.cuda.Event() raised",
