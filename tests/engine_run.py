@@ -5,7 +5,9 @@ spawns EngineCore and workers; a fresh interpreter keeps pytest's process free
 of their state). Input: a JSON file path with ``llm`` (LLM kwargs), ``prompts``
 (strings or token-id lists), ``sampling`` (SamplingParams kwargs), ``chat``
 (optional list of message lists, sampled with ``chat_sampling`` if given), ``prompt_batches`` (optional: lists of prompts
-generated one batch after another, e.g. to hit the prefix cache). Output: one
+generated one batch after another, e.g. to hit the prefix cache), ``requests``
+(optional: {"prompt", "sampling"} pairs, each with its own SamplingParams kwargs;
+``structured_outputs`` there is a StructuredOutputsParams dict). Output: one
 stdout line "ENGINE_RESULT <json>" (outputs, batch outputs, prefix-cache and
 preemption counters when ``disable_log_stats`` is False).
 """
@@ -42,6 +44,22 @@ def main() -> None:
                             for step in (o.prompt_logprobs or [])]}
             for o in outs
         ]
+    if spec.get("requests"):
+        from vllm.sampling_params import StructuredOutputsParams
+
+        def params_of(sampling: dict) -> SamplingParams:
+            sampling = dict(sampling)
+            if "structured_outputs" in sampling:
+                sampling["structured_outputs"] = StructuredOutputsParams(
+                    **sampling["structured_outputs"])
+            if "logit_bias" in sampling:  # JSON object keys are strings
+                sampling["logit_bias"] = {int(k): v for k, v in sampling["logit_bias"].items()}
+            return SamplingParams(**sampling)
+
+        params_list = [params_of(r["sampling"]) for r in spec["requests"]]
+        outs = llm.generate([r["prompt"] for r in spec["requests"]], params_list, use_tqdm=False)
+        results["requests"] = [{"token_ids": list(o.outputs[0].token_ids),
+                                "text": o.outputs[0].text} for o in outs]
     results["batches"] = []
     for batch in spec.get("prompt_batches", []):
         outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in batch], params,

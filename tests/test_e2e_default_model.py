@@ -1,7 +1,9 @@
 """The default model (SmolLM2-135M-Instruct) offline through `LLM(...)` on the
 simulated GCU and on the virtual GCU (the card path): fp32 greedy tokens must
-equal HF transformers `generate`."""
+equal HF transformers `generate`; structured outputs and vLLM's logits
+processors must hold their constraints on both."""
 
+import json
 import re
 
 import pytest
@@ -46,19 +48,59 @@ def _assert_matches_hf(results, workload):
     assert "Paris" in results["chat"][0]
 
 
-def _spec(default_model, prompts, **llm):
+QUESTION = "The capital of France is"
+CHOICES = ["yes", "no", "maybe"]
+CODE = r"[0-9]{3}-[a-z]{4}"
+BIASED, ALLOWED = 28, [11, 12, 13, 28]
+#: (sampling kwargs, check(token ids, text, " Paris" token id)): each check fails
+#: if the engine ignored the constraint (greedy " Paris ..." breaks every one)
+CONSTRAINED = [
+    ({"structured_outputs": {"choice": CHOICES}}, lambda ids, text, paris: text in CHOICES),
+    ({"structured_outputs": {"regex": CODE}}, lambda ids, text, paris: re.fullmatch(CODE, text)),
+    ({"structured_outputs": {"json": {"type": "object", "required": ["city"],
+                                      "properties": {"city": {"type": "string"}}}},
+      "max_tokens": 40},
+     lambda ids, text, paris: isinstance(json.loads(text)["city"], str)),
+    ({"logit_bias": {BIASED: 100.0}}, lambda ids, text, paris: set(ids) == {BIASED}),
+    ({"allowed_token_ids": ALLOWED}, lambda ids, text, paris: set(ids) <= set(ALLOWED)),
+    ({"bad_words": [" Paris"]}, lambda ids, text, paris: paris not in ids),
+    ({"min_tokens": 5, "stop_token_ids": "PARIS"},
+     lambda ids, text, paris: len(ids) >= 5 and paris not in ids[:5]),
+]
+#: seeded sampling through min_p / top_k, twice: same seed, same tokens
+SEEDED = {"temperature": 1.0, "min_p": 0.05, "top_k": 20, "seed": 7, "max_tokens": 12}
+
+
+def _constrained_requests(paris: int) -> list[dict]:
+    requests = [{"prompt": QUESTION, "sampling": {
+        "temperature": 0.0, "max_tokens": 12,
+        **{k: ([paris] if v == "PARIS" else v) for k, v in kwargs.items()}}}
+        for kwargs, _ in CONSTRAINED]
+    return requests + [{"prompt": QUESTION, "sampling": SEEDED}] * 2
+
+
+def _assert_constraints_hold(results, tok):
+    paris = tok.encode(" Paris")[0]
+    got = results["requests"]
+    for (kwargs, check), out in zip(CONSTRAINED, got):
+        assert check(out["token_ids"], out["text"], paris), f"{kwargs}: {out['text']!r}"
+    assert got[-1]["token_ids"] == got[-2]["token_ids"] and len(got[-1]["token_ids"]) == 12
+
+
+def _spec(default_model, prompts, tok, **llm):
     return {
         "llm": {"model": str(default_model), "dtype": "float32", "max_model_len": 1024,
                 "seed": 0, **llm},
         "prompts": prompts,
         "sampling": {"temperature": 0.0, "max_tokens": NEW_TOKENS, "ignore_eos": True},
         "chat": [[{"role": "user", "content": "What is the capital of France?"}]],
+        "requests": _constrained_requests(tok.encode(" Paris")[0]),
     }
 
 
 @pytest.mark.engine
-def test_default_model_matches_hf_and_answers_paris(default_model, workload, tmp_path):
-    results, log = run_engine(_spec(default_model, workload[1], enforce_eager=True), tmp_path,
+def test_default_model_matches_hf_answers_paris_and_keeps_constraints(default_model, workload, tmp_path):
+    results, log = run_engine(_spec(default_model, workload[1], workload[0], enforce_eager=True), tmp_path,
                               env={"VLLM_ENABLE_V1_MULTIPROCESSING": "1"})  # vLLM's default engine
 
     assert results["platform"] == "AccelPlatform"
@@ -73,14 +115,17 @@ def test_default_model_matches_hf_and_answers_paris(default_model, workload, tmp
     assert weights and float(weights.group(1)) >= 0.25  # 135M params, >= 2 bytes each
     assert re.search(r"Device gcu:0 KV cache: \d+ blocks x 64 tokens", log)
     _assert_matches_hf(results, workload)
+    _assert_constraints_hold(results, workload[0])
 
 
 @pytest.mark.engine
-def test_default_model_on_the_virtual_gcu_matches_hf(default_model, workload, tmp_path):
+def test_default_model_on_the_virtual_gcu_matches_hf_and_keeps_constraints(default_model, workload, tmp_path):
     """The card path (card worker, vLLM's GPU model runner, our attention and
     ops on gcu tensors), with every torch.cuda entry point raising for vLLM and
     vllm_accel."""
-    results, log = run_engine(_spec(default_model, workload[1]), tmp_path, env=VIRTUAL_GCU_ENV)
+    results, log = run_engine(_spec(default_model, workload[1], workload[0]), tmp_path,
+                              env=VIRTUAL_GCU_ENV)
     assert "device gcu via virtual GCU" in log and "Model weights on gcu:0 (" in log
     assert "torch.cuda entry points raise" in log and "FORBIDDEN_CUDA_CALL" not in log
     _assert_matches_hf(results, workload)
+    _assert_constraints_hold(results, workload[0])

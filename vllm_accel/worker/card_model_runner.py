@@ -2,6 +2,7 @@
 vendor allocator. Without a card it runs on the virtual GCU
 (``ACCEL_BACKEND=virtual``), forward pass included."""
 
+from vllm.v1.structured_output.utils import apply_grammar_bitmask
 from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
 from vllm_accel.backends import get_backend
@@ -35,6 +36,24 @@ class AccelCardModelRunner(GPUModelRunner):
 
     def weight_bytes(self) -> int:
         return self._weight_bytes
+
+    def sample_tokens(self, grammar_output):
+        """Apply structured-output masks on the host, then sample as vLLM does.
+
+        vLLM hands a non-CPU device's logits to xgrammar, which picks its
+        torch.compile kernel for any device but cuda/npu; inductor has no code
+        generator for a vendor device (a virtual GCU dies with ``KeyError: 'gcu'``).
+        Masking a host copy costs one logits round trip, only on steps that
+        carry a grammar.
+        """
+        state = self.execute_model_state
+        if grammar_output is not None and state is not None:
+            host_logits = state.logits.cpu()
+            apply_grammar_bitmask(state.scheduler_output, grammar_output, self.input_batch,
+                                  host_logits)
+            state.logits.copy_(host_logits)
+            grammar_output = None
+        return super().sample_tokens(grammar_output)
 
     def plan_kv_cache_bytes(self, device_memory: int, local_rank: int) -> int:
         """Profile one worst-case step, then size the KV cache from the allocator."""
