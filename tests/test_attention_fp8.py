@@ -12,7 +12,7 @@ the default model's answers teacher-forced.
 
 import pytest
 import torch
-from test_attention_kernels import GQA, HKV, TOL, batch_mix, make_case, read_kv, reference
+from paged_cases import GQA, HKV, TOL, batch_mix, make_case, read_kv, reference
 
 from vllm_accel.ops import attention_kernels, attention_reference  # noqa: F401  (register)
 from vllm_accel.ops.attention_kernels import FP8_KV_FORMATS

@@ -17,12 +17,17 @@ import math
 import pytest
 import torch
 # tests/ has no __init__: pytest's default (prepend) import mode puts it on sys.path.
-from test_attention_kernels import GQA, HKV, TOL, batch_mix, make_case, reference
+from paged_cases import (GQA, HKV, INT8_ERR, TOL, assert_within_int8_bound, batch_mix, build,
+                         int8_cache, kernel_args, make_case, read_slots, reference,
+                         request_slots, write_shuffled)
 
-from vllm_accel.ops import attention_kernels, attention_native  # noqa: F401  (register)
+from vllm_accel.ops import (  # noqa: F401  (register)
+    attention_kernels,
+    attention_native,
+    attention_reference,
+)
 from vllm_accel.ops.registry import get_kernel
 
-cache_write_int8 = get_kernel("cache_write_int8", "reference")
 
 #: every provider of the readers is held to the same oracle
 PROVIDERS = ["reference", "torch_fast", "cpu_native"]
@@ -35,13 +40,6 @@ def provider(request):
         globals()[name] = get_kernel(name, request.param)
     return request.param
 
-#: Bound: |out - ref| <= INT8_ERR * max|V of the request| + TOL[dtype] (the bf16/fp32
-#: tolerance of the unquantized kernels). Measured worst over the full cross product
-#: below (4 mixes x bs 16..128 x GQA 1/3/8 x D 64/128 x fp32/bf16 x both layouts,
-#: decode + prefill): 0.0093 (fp32); bf16 0.0107 raw, 0.0024 beyond the bf16
-#: tolerance. Theory: V rounding alone is <= max|V| / 254 = 0.0039; K rounding
-#: perturbs the logits by ~0.007 std. 0.02 leaves ~2x margin.
-INT8_ERR = 0.02
 SENTINEL = 0x5A  # byte pre-filled in the write tests: must survive where nothing was written
 
 MIXES = ["decode", "prefill", "prefill_ctx", "mixed"]
@@ -49,75 +47,6 @@ BLOCK_SIZES = [16, 32, 64, 128]
 HEAD_SIZES = [64, 128]
 DTYPES = [torch.float32, torch.bfloat16]
 LAYOUTS = ["LBHNC", "LHBNC"]
-
-
-def int8_cache(num_blocks, bs, d, layout, g=None, fill=None):
-    """A logical [NB, Hkv, BS, 2D+8] int8 cache; ``fill`` byte, else finite garbage."""
-    width = 2 * d + 8
-    shape = (HKV, num_blocks, bs, width) if layout == "LHBNC" else (num_blocks, HKV, bs, width)
-    if fill is not None:
-        phys = torch.full(shape, fill, dtype=torch.int8)
-    else:
-        phys = torch.randint(-128, 128, shape, generator=g, dtype=torch.int8)
-        pages = phys.view(-1, bs * width)
-        garbage_scales = torch.rand(pages.shape[0], 2 * bs, generator=g) * 100
-        pages[:, 2 * bs * d :].view(torch.float32).copy_(garbage_scales)
-    return phys.transpose(0, 1) if layout == "LHBNC" else phys
-
-
-def write_shuffled(cache, block_table, ks, vs, g, **scales):
-    """cache_write_int8 of all requests' K/V plus 4 padding rows, in shuffled order."""
-    bs = cache.shape[2]
-    slots = []
-    for i, k in enumerate(ks):
-        pos = torch.arange(len(k))
-        slots.append(block_table[i, pos // bs].long() * bs + pos % bs)
-    slot_mapping = torch.cat(slots + [torch.full((4,), -1, dtype=torch.long)])
-    pad = torch.randn(4, *ks[0].shape[1:], generator=g).to(ks[0].dtype) * 1e3
-    key, value = torch.cat(ks + [pad]), torch.cat(vs + [pad])
-    order = torch.randperm(len(slot_mapping), generator=g)
-    cache_write_int8(key[order], value[order], cache, slot_mapping[order], **scales)
-
-
-def build(reqs, bs, ratio, d, dtype, layout, seed, fill=None, **scales):
-    """make_case's data and block table, written into an int8 cache."""
-    qs, ks, vs, block_table, bf16_cache = make_case(reqs, bs, ratio * HKV, HKV, d, dtype,
-                                                    seed=seed, layout=layout, fill=0.0)
-    g = torch.Generator().manual_seed(seed + 1)
-    num_blocks = sum(math.ceil(s / bs) for _, s in reqs) + 3  # as make_case
-    cache = int8_cache(num_blocks, bs, d, layout, g, fill)
-    write_shuffled(cache, block_table, ks, vs, g, **scales)
-    return qs, ks, vs, block_table, cache, bf16_cache
-
-
-def read_slots(cache, blk, off):
-    """(K int8, V int8 [n, Hkv, D], scales float32 [n, Hkv, 2]) at (block, offset) pairs."""
-    n, (_, hkv, bs, width) = len(blk), cache.shape
-    d = (width - 8) // 2
-    page = cache[blk].reshape(n, hkv, bs * width)
-    rows = torch.arange(n)
-    k = page[..., : bs * d].reshape(n, hkv, bs, d)[rows, :, off]
-    v = page[..., bs * d : 2 * bs * d].reshape(n, hkv, bs, d)[rows, :, off]
-    s = page[..., 2 * bs * d :].reshape(n, hkv, bs, 8).contiguous().view(torch.float32)
-    return k, v, s[rows, :, off]
-
-
-def request_slots(block_table, i, seq_len, bs):
-    pos = torch.arange(seq_len)
-    return block_table[i, pos // bs].long(), pos % bs
-
-
-def kernel_args(reqs):
-    query_start_loc = torch.tensor([0] + [q for q, _ in reqs]).cumsum(0).to(torch.int32)
-    seq_lens = torch.tensor([s for _, s in reqs], dtype=torch.int32)
-    return query_start_loc, seq_lens
-
-
-def assert_within_int8_bound(out, expected, vmax, dtype):
-    """|out - expected| <= INT8_ERR * vmax (per row) + TOL[dtype], reporting the worst."""
-    tol = TOL[dtype]["atol"] + TOL[dtype]["rtol"] * expected.abs()
-    excess = ((out.double() - expected).abs() - tol) / vmax
-    assert excess.max() <= INT8_ERR, f"error {excess.max():.4f} * max|V| > {INT8_ERR}"
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)

@@ -21,7 +21,8 @@ from vllm_accel.ops import (  # noqa: F401  (register)
 )
 from vllm_accel.ops.registry import get_kernel
 
-cache_write = get_kernel("cache_write", "reference")
+from paged_cases import GQA, HKV, TOL, batch_mix, make_case, read_kv, reference
+
 
 #: every provider of the readers is held to the same oracle
 PROVIDERS = ["reference", "torch_fast", "cpu_native"]
@@ -33,89 +34,6 @@ def provider(request):
     for name in ['paged_decode', 'paged_prefill']:
         globals()[name] = get_kernel(name, request.param)
     return request.param
-
-TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.bfloat16: dict(atol=2e-2, rtol=2e-2)}
-HKV = 2
-GQA = [1, 3, 8]  # H = ratio * HKV
-PAD_COLS = 2  # extra block-table columns per request, filled with garbage ids
-
-
-def batch_mix(name: str, bs: int) -> list[tuple[int, int]]:
-    """(q_len, seq_len) per request; lengths straddle block boundaries."""
-    return {
-        "decode": [(1, 1), (1, bs), (1, bs + 1), (1, 3 * bs - 7), (1, 45)],
-        "prefill": [(1, 1), (bs, bs), (2 * bs + 3, 2 * bs + 3), (23, 23)],
-        "prefill_ctx": [(17, 2 * bs), (bs, 2 * bs), (5, bs + 9), (40, 40 + bs // 2)],
-        "mixed": [(30, 30 + bs + 3), (1, 2 * bs + 5), (19, 19), (1, 1), (1, bs)],
-    }[name]
-
-
-def empty_cache(num_blocks, hkv, bs, d, dtype, layout, fill):
-    """A logical [NB, Hkv, BS, 2D] cache in the given physical layout."""
-    if layout == "LHBNC":
-        return torch.full((hkv, num_blocks, bs, 2 * d), fill, dtype=dtype).transpose(0, 1)
-    return torch.full((num_blocks, hkv, bs, 2 * d), fill, dtype=dtype)
-
-
-def read_kv(kv_cache, blk, off, d):
-    """K and V at (block, offset) pairs: a page holds its K rows, then its V rows."""
-    nb, hkv, bs, _ = kv_cache.shape
-    page = kv_cache[blk]  # [n, Hkv, BS, 2D] -> reinterpret each page as [2, BS, D]
-    page = page.reshape(len(blk), hkv, 2, bs, d)
-    rows = torch.arange(len(blk))
-    return page[rows, :, 0, off], page[rows, :, 1, off]
-
-
-def make_case(reqs, bs, h, hkv, d, dtype, seed, layout="LHBNC", fill=None):
-    """Unpaged per-request Q/K/V, a shuffled block table and the filled cache."""
-    g = torch.Generator().manual_seed(seed)
-    need = [math.ceil(s / bs) for _, s in reqs]
-    num_blocks = sum(need) + 3  # a few blocks nobody owns
-    perm = torch.randperm(num_blocks, generator=g)
-    width = max(need) + PAD_COLS
-    block_table = torch.randint(0, num_blocks, (len(reqs), width), generator=g, dtype=torch.int32)
-    used = 0
-    for i, n in enumerate(need):
-        block_table[i, :n] = perm[used : used + n].to(torch.int32)
-        used += n
-
-    def rand(*shape):
-        return torch.randn(*shape, generator=g).to(dtype)
-
-    qs = [rand(q, h, d) for q, _ in reqs]
-    ks = [rand(s, hkv, d) for _, s in reqs]
-    vs = [rand(s, hkv, d) for _, s in reqs]
-
-    # Slot mapping for every token of every request, plus padding rows, shuffled.
-    slots = []
-    for i, (_, s) in enumerate(reqs):
-        pos = torch.arange(s)
-        slots.append(block_table[i, pos // bs].long() * bs + pos % bs)
-    n_pad = 4
-    slot_mapping = torch.cat(slots + [torch.full((n_pad,), -1, dtype=torch.long)])
-    key = torch.cat(ks + [rand(n_pad, hkv, d)])
-    value = torch.cat(vs + [rand(n_pad, hkv, d)])
-    order = torch.randperm(len(slot_mapping), generator=g)
-    if fill is None:  # finite garbage: a masked key must contribute exactly 0
-        kv_cache = empty_cache(num_blocks, hkv, bs, d, dtype, layout, 0.0)
-        kv_cache.copy_((torch.rand(kv_cache.shape, generator=g) * 2e4 - 1e4).to(dtype))
-    else:
-        kv_cache = empty_cache(num_blocks, hkv, bs, d, dtype, layout, fill)
-    cache_write(key[order], value[order], kv_cache, slot_mapping[order])
-    return qs, ks, vs, block_table, kv_cache
-
-
-def reference(q, k, v, scale):
-    """float64 causal attention; q holds the last len(q) of len(k) positions."""
-    q, k, v = q.double(), k.double(), v.double()
-    group = q.shape[1] // k.shape[1]
-    k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
-    scores = torch.einsum("qhd,khd->hqk", q, k) * scale
-    context = k.shape[0] - q.shape[0]
-    q_pos = torch.arange(q.shape[0])[:, None] + context
-    scores = scores.masked_fill(torch.arange(k.shape[0])[None, :] > q_pos, float("-inf"))
-    return torch.einsum("hqk,khd->qhd", torch.softmax(scores, dim=-1), v)
-
 
 @pytest.mark.parametrize("layout", ["LBHNC", "LHBNC"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

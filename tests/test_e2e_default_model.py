@@ -127,5 +127,7 @@ def test_default_model_on_the_virtual_gcu_matches_hf_and_keeps_constraints(defau
                               env=VIRTUAL_GCU_ENV)
     assert "device gcu via virtual GCU" in log and "Model weights on gcu:0 (" in log
     assert "torch.cuda entry points raise" in log and "FORBIDDEN_CUDA_CALL" not in log
+    # Triton has no backend for the virtual device: probed, refused, logged why
+    assert "Kernel provider triton: Triton kernels do not run on gcu" in log
     _assert_matches_hf(results, workload)
     _assert_constraints_hold(results, workload[0])

@@ -21,9 +21,11 @@ CASES = {
     "llama-gqa3-bs64-native-compiled": ("llama", 6, 2, 32, 64, "cpu_native", True),
     # the obvious per-request kernels, forced through ACCEL_KERNEL_PROVIDER
     "llama-gqa2-bs128-reference": ("llama", 4, 2, 16, 128, "reference", False),
+    # the Triton kernels, forced, in Triton's interpreter (no CPU backend)
+    "qwen2-gqa2-bs16-triton": ("qwen2", 4, 2, 16, 16, "triton", False),
 }
 KERNEL_MODULES = {"cpu_native": "attention_native", "torch_fast": "attention_kernels",
-                  "reference": "attention_reference"}
+                  "reference": "attention_reference", "triton": "triton.paged_attention"}
 
 
 @pytest.mark.engine
@@ -43,7 +45,8 @@ def test_tiny_model_matches_hf(case, tmp_path):
         "prompts": prompts,
         "sampling": {"temperature": 0.0, "max_tokens": 16, "ignore_eos": True,
                      "detokenize": False},
-    }, tmp_path, env={"ACCEL_KERNEL_PROVIDER": provider})
+    }, tmp_path, env={"ACCEL_KERNEL_PROVIDER": provider,
+                      **({"TRITON_INTERPRET": "1"} if provider == "triton" else {})})
     assert results["platform"] == "AccelPlatform"
     assert f"vllm_accel.ops.{KERNEL_MODULES[provider]}.paged_decode" in log
     assert ("Warming up model for the compilation" in log) == compiled

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_attention_int8 import assert_within_int8_bound, build, kernel_args
-from test_attention_kernels import HKV, batch_mix, make_case, reference
+from paged_cases import assert_within_int8_bound, build, kernel_args
+from paged_cases import HKV, batch_mix, make_case, reference
 
 from vllm_accel.ops import (  # noqa: F401  (custom_ops registers the reference ops)
     attention_native,

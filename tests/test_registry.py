@@ -1,6 +1,7 @@
 """Kernel registry: provider preference, forcing, and clear errors."""
 
 import pytest
+import torch
 
 from vllm_accel.ops import registry
 
@@ -44,3 +45,13 @@ def test_builtin_kernels_have_reference_providers():
     for name in ("cache_write", "paged_decode", "paged_prefill", "rms_norm",
                  "silu_and_mul", "rotary_embedding"):
         assert registry.REFERENCE in registry.providers_of(name), name
+
+
+def test_triton_on_cpu_needs_the_interpreter(monkeypatch):
+    """Forcing the Triton provider on the simulator without the interpreter fails
+    with the fix (the sim worker raises this as a startup error)."""
+    from vllm_accel.ops.triton.provider import probe_triton
+
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    usable, why = probe_triton(torch.device("cpu"))
+    assert not usable and "TRITON_INTERPRET=1" in why

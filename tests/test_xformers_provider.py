@@ -11,7 +11,7 @@ implementation of xformers' documented semantics (bottom-right causal mask,
 import pytest
 import torch
 
-from test_attention_kernels import make_case, reference
+from paged_cases import make_case, reference
 
 from vllm_accel.ops import registry
 from vllm_accel.ops.vendor_kernels import probe_xformers, xformers_paged_prefill

@@ -52,7 +52,7 @@ class SophgoTpuBackend(CardBackend):
     # A rank -> chip map, not a filter; vLLM's DP launcher writes a chip list here,
     # which read as a map gives each DP rank its chips.
     visible_devices_env = "CHIP_MAP"
-    kernel_providers = ("sophgo_vendor", "torch_fast")
+    kernel_providers = ("sophgo_vendor", "triton", "torch_fast")
     vendor_modules = ("torch_tpu",)
 
     def describe(self) -> str:

@@ -19,6 +19,8 @@ Providers:
 * ``xformers``: ``paged_prefill`` through ``xformers.ops.memory_efficient_attention``
   (what Enflame's vLLM uses for prefill), registered only when a probe on the
   device succeeds.
+* ``triton``: our Triton kernels (``ops/triton``), registered only when a probe
+  kernel compiles and runs on the device.
 """
 
 from collections.abc import Callable
@@ -27,6 +29,7 @@ import torch
 
 from vllm_accel.logger import init_logger
 from vllm_accel.ops.registry import fallback_kernel, register_kernel
+from vllm_accel.ops.triton.provider import TRITON, install_triton_kernels
 
 logger = init_logger(__name__)
 
@@ -203,6 +206,8 @@ def install_vendor_kernels(backend) -> dict[str, str]:
             report[f"{XFORMERS}:paged_prefill"] = "registered (" + why + ")"
         else:
             report[f"{XFORMERS}:paged_prefill"] = why
+    if TRITON in providers:
+        _, report[TRITON] = install_triton_kernels(backend.torch_device())
     for key, status in report.items():
         logger.info("Kernel provider %s: %s", key, status)
     return report

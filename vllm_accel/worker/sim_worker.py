@@ -13,8 +13,11 @@ from vllm.utils.mem_utils import format_gib
 from vllm.v1.worker.cpu_worker import CPUWorker
 from vllm.v1.worker.gpu_worker import Worker
 
+from vllm_accel import envs
 from vllm_accel.backends import get_backend
 from vllm_accel.logger import init_logger
+from vllm_accel.ops.triton.provider import TRITON, install_triton_kernels
+from vllm_accel.preflight import StartupError
 from vllm_accel.worker.common import AccelWorkerMixin
 from vllm_accel.worker.sim_model_runner import AccelSimModelRunner
 
@@ -26,6 +29,11 @@ class AccelSimWorker(AccelWorkerMixin, CPUWorker):
                  distributed_init_method: str, is_driver_worker: bool = False):
         self.backend = get_backend()
         self.backend.load()
+        if envs.ACCEL_KERNEL_PROVIDER == TRITON:
+            registered, status = install_triton_kernels(torch.device("cpu"))
+            if not registered:
+                raise StartupError(f"ACCEL_KERNEL_PROVIDER=triton: {status}.")
+            logger.info("Kernel provider %s: %s", TRITON, status)
         # CPUWorker.__init__ checks host RAM against gpu_memory_utilization; our
         # budget is the device's, so bind host memory as it does and skip the check.
         cpu_node = get_allowed_cpu_list()[0].numa_node

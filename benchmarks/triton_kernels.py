@@ -1,0 +1,216 @@
+#!/usr/bin/env python
+"""The Triton provider's kernels on a GPU against the GPU's own copy bandwidth.
+
+Needs only torch and triton (no vLLM): run it where the kernels run::
+
+    python benchmarks/triton_kernels.py [--json benchmarks/results/triton_<gpu>.json]
+
+It measures device-to-device copy bandwidth first (``torch`` copy of a 1 GiB
+buffer: bytes read + written per second), then times each kernel with
+``triton.testing.do_bench`` (median; the L2 cache is flushed between calls) and
+prints time, bytes moved per second, % of the copy bandwidth and the speedup over a
+torch reference of the same op on the same GPU:
+
+* paged decode attention, batch 64, context 2048, 32 query / 8 KV heads, head
+  128, block 64, bf16 and INT8 KV; reference: gather the pages + SDPA;
+* W4A16 (group 128, symmetric) at batch 1, 16, 64 for 4096x4096, 4096->14336,
+  14336->4096; reference: dequantize the weight + matmul;
+* W8A8 (per-token dynamic) at batch 64 and 512; reference: dequantize + matmul,
+  and ``torch._int_mm`` with the same quantization.
+
+Bytes counted are the ones the op must move: the KV cache pages read (+ query and
+output), the packed weight + scales + activations + output.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+import triton
+from triton.testing import do_bench
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from vllm_accel.ops.triton import int8_gemm, paged_attention, wint_gemm  # noqa: E402
+
+DEV = "cuda"
+
+
+def copy_bandwidth() -> float:
+    """Device-to-device copy: bytes read + written per second."""
+    src = torch.empty(1 << 30, dtype=torch.uint8, device=DEV)
+    dst = torch.empty_like(src)
+    ms = do_bench(lambda: dst.copy_(src), warmup=10, rep=200)
+    return 2 * src.numel() / (ms * 1e-3)
+
+
+def row(name, ms, nbytes, bandwidth, ref_ms=None, ref_name=None):
+    achieved = nbytes / (ms * 1e-3)
+    r = {"kernel": name, "us": round(ms * 1e3, 2), "GB/s": round(achieved / 1e9, 1),
+         "pct_of_copy_bw": round(100 * achieved / bandwidth, 1)}
+    if ref_ms is not None:
+        r.update({"reference": ref_name, "reference_us": round(ref_ms * 1e3, 2),
+                  "speedup": round(ref_ms / ms, 2)})
+    print(f"{name:48s} {r['us']:9.1f} us {r['GB/s']:8.1f} GB/s {r['pct_of_copy_bw']:6.1f}%"
+          + (f"  ref {r['reference_us']:9.1f} us  x{r['speedup']:.2f}" if ref_ms else ""))
+    return r
+
+
+# ---------------------------------------------------------------------------
+# Paged decode attention
+# ---------------------------------------------------------------------------
+
+
+def decode_case(batch=64, context=2048, heads=32, kv_heads=8, head=128, bs=64, int8=False):
+    g = torch.Generator(device=DEV).manual_seed(0)
+    blocks_per_req = context // bs
+    num_blocks = batch * blocks_per_req
+    width = 2 * head + 8 if int8 else 2 * head
+    if int8:
+        cache = torch.randint(-127, 128, (kv_heads, num_blocks, bs, width), dtype=torch.int8,
+                              device=DEV, generator=g)
+        pages = cache.view(kv_heads * num_blocks, bs * width)
+        pages[:, 2 * bs * head:].view(torch.float32).uniform_(0.005, 0.02, generator=g)
+    else:
+        cache = torch.randn(kv_heads, num_blocks, bs, width, dtype=torch.bfloat16, device=DEV,
+                            generator=g)
+    cache = cache.transpose(0, 1)  # LHBNC: head-major pages
+    block_table = torch.randperm(num_blocks, device=DEV, generator=g).to(torch.int32)
+    block_table = block_table.view(batch, blocks_per_req)
+    seq_lens = torch.full((batch,), context, dtype=torch.int32, device=DEV)
+    query = torch.randn(batch, heads, head, dtype=torch.bfloat16, device=DEV, generator=g)
+    kv_bytes = batch * context * kv_heads * (2 * head + (8 if int8 else 0)) * (1 if int8 else 2)
+    return query, cache, block_table, seq_lens, kv_bytes + 2 * query.numel() * 2
+
+
+def gather_sdpa(query, cache, block_table, seq_lens, scale):
+    """Torch reference: gather every request's pages into K/V, then SDPA (GQA)."""
+    b, h, d = query.shape
+    hkv, bs = cache.shape[1], cache.shape[2]
+    pages = cache[block_table.long()]  # [B, nblk, Hkv, BS, W]
+    if cache.dtype == torch.int8:
+        flat = pages.reshape(*pages.shape[:4], -1)
+        k = flat[..., : bs * d].reshape(*pages.shape[:3], bs, d).to(query.dtype)
+        v = flat[..., bs * d: 2 * bs * d].reshape(*pages.shape[:3], bs, d).to(query.dtype)
+        sc = flat[..., 2 * bs * d:].contiguous().view(torch.float32).reshape(
+            *pages.shape[:3], bs, 2).to(query.dtype)
+        k, v = k * sc[..., :1], v * sc[..., 1:]
+    else:
+        k, v = pages.reshape(*pages.shape[:3], 2, bs, d).unbind(3)
+    k = k.permute(0, 2, 1, 3, 4).reshape(b, hkv, -1, d)
+    v = v.permute(0, 2, 1, 3, 4).reshape(b, hkv, -1, d)
+    o = F.scaled_dot_product_attention(query[:, :, None], k, v, scale=scale, enable_gqa=True)
+    return o[:, :, 0]
+
+
+def bench_decode(bandwidth):
+    rows = []
+    for int8 in (False, True):
+        query, cache, bt, seq_lens, nbytes = decode_case(int8=int8)
+        scale = 128**-0.5
+        out = paged_attention.paged_decode(query, cache, bt, seq_lens, scale)
+        ref = gather_sdpa(query, cache, bt, seq_lens, scale)
+        err = (out.float() - ref.float()).abs().max().item()
+        assert err < 5e-2, f"decode {'int8' if int8 else 'bf16'} mismatch {err}"
+        ms = do_bench(lambda: paged_attention.paged_decode(query, cache, bt, seq_lens, scale))
+        ref_ms = do_bench(lambda: gather_sdpa(query, cache, bt, seq_lens, scale))
+        r = row(f"paged_decode {'int8' if int8 else 'bf16'} KV b64 ctx2048 32q/8kv d128 bs64",
+                ms, nbytes, bandwidth, ref_ms, "gather + SDPA")
+        r["max_abs_error_vs_reference"] = err
+        rows.append(r)
+    return rows
+
+
+# ---------------------------------------------------------------------------
+# Quantized GEMMs
+# ---------------------------------------------------------------------------
+
+SHAPES = [(4096, 4096), (4096, 14336), (14336, 4096)]  # (in, out)
+
+
+def w4_case(k, n, group=128):
+    g = torch.Generator(device=DEV).manual_seed(k + n)
+    qweight = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, device=DEV, generator=g)
+    scales = (torch.rand(n, k // group, device=DEV, generator=g) * 0.01 + 1e-3).half()
+    return qweight, scales
+
+
+def dequant_w4(qweight, scales, group=128):
+    lo, hi = (qweight & 0xF), (qweight >> 4)
+    codes = torch.stack((lo, hi), -1).reshape(qweight.shape[0], -1).to(torch.bfloat16)
+    s = scales.to(torch.bfloat16).repeat_interleave(group, 1)
+    return (codes - 8) * s
+
+
+def bench_w4a16(bandwidth):
+    rows = []
+    for k, n in SHAPES:
+        qweight, scales = w4_case(k, n)
+        for m in (1, 16, 64):
+            x = torch.randn(m, k, dtype=torch.bfloat16, device=DEV)
+            fn = lambda: wint_gemm.wint_linear(x, qweight, scales, None, bits=4,  # noqa: E731
+                                               group_size=128)
+            ref = lambda: x @ dequant_w4(qweight, scales).T  # noqa: E731
+            y, want = fn(), ref()
+            err = ((y.float() - want.float()).abs().max() / want.float().abs().max()).item()
+            assert err < 2e-2, f"W4A16 {k}x{n} m{m} mismatch {err}"
+            nbytes = qweight.numel() + scales.numel() * 2 + (x.numel() + m * n) * 2
+            r = row(f"W4A16 g128 {k}->{n} batch {m}", do_bench(fn), nbytes, bandwidth,
+                    do_bench(ref), "dequantize + matmul")
+            dense_w = dequant_w4(qweight, scales)
+            r["bf16_dense_us"] = round(do_bench(lambda: x @ dense_w.T) * 1e3, 2)
+            rows.append(r)
+    return rows
+
+
+def bench_w8a8(bandwidth):
+    rows = []
+    for k, n in SHAPES[:2]:
+        g = torch.Generator(device=DEV).manual_seed(n)
+        w = torch.randint(-127, 128, (n, k), dtype=torch.int8, device=DEV, generator=g)
+        w_scale = torch.rand(n, device=DEV, generator=g) * 0.01
+        for m in (64, 512):
+            x = torch.randn(m, k, dtype=torch.bfloat16, device=DEV)
+            fn = lambda: int8_gemm.int8_linear(x, w, w_scale)  # noqa: E731
+            ref = lambda: x @ (w.to(torch.bfloat16) * w_scale[:, None].to(torch.bfloat16)).T  # noqa: E731
+
+            def int_mm():
+                s = x.abs().amax(1, keepdim=True).float() / 127
+                q = torch.round(x.float() / s).clamp(-127, 127).to(torch.int8)
+                return (torch._int_mm(q, w.t()).float() * s * w_scale).to(x.dtype)
+
+            y, want = fn(), int_mm()
+            err = ((y.float() - want.float()).abs().max() / want.float().abs().max()).item()
+            assert err < 2e-2, f"W8A8 {k}x{n} m{m} mismatch {err}"
+            nbytes = w.numel() + (x.numel() + m * n) * 2
+            r = row(f"W8A8 {k}->{n} batch {m}", do_bench(fn), nbytes, bandwidth, do_bench(ref),
+                    "dequantize + matmul")
+            r["torch_int_mm_us"] = round(do_bench(int_mm) * 1e3, 2)
+            rows.append(r)
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--json", help="write the results here")
+    args = parser.parse_args()
+    props = torch.cuda.get_device_properties(0)
+    bandwidth = copy_bandwidth()
+    print(f"GPU: {props.name} ({props.multi_processor_count} SMs); torch {torch.__version__}, "
+          f"triton {triton.__version__}")
+    print(f"device-to-device copy bandwidth: {bandwidth / 1e9:.1f} GB/s (read + write)")
+    results = {"gpu": props.name, "torch": torch.__version__, "triton": triton.__version__,
+               "copy_bandwidth_GBps": round(bandwidth / 1e9, 1),
+               "paged_decode": bench_decode(bandwidth), "w4a16": bench_w4a16(bandwidth),
+               "w8a8": bench_w8a8(bandwidth)}
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(results, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,84 @@
+"""Registers the Triton kernels with the kernel registry when Triton runs on the device.
+
+Card backends list ``triton`` after their vendor ops and before the torch kernels;
+the card worker calls :func:`install_triton_kernels` with its device, which first
+compiles and runs a probe (a small paged decode compared with the torch kernel):
+a vendor whose Triton backend is missing or broken keeps the torch kernels, and the
+log says why. The simulator runs them only when ``ACCEL_KERNEL_PROVIDER=triton``
+forces it, which needs ``TRITON_INTERPRET=1`` (Triton has no CPU backend).
+"""
+
+import torch
+
+from vllm_accel.ops.registry import fallback_kernel, register_kernel
+
+TRITON = "triton"
+
+
+def probe_triton(device: torch.device) -> tuple[bool, str]:
+    """Whether the Triton kernels compile and give the torch kernel's answer on
+    ``device``, and why not."""
+    import os
+
+    if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        return False, ("Triton has no CPU backend; set TRITON_INTERPRET=1 to run its "
+                       "interpreter (slow: for tests)")
+    try:
+        from vllm_accel.ops.attention_kernels import paged_decode as torch_decode
+        from vllm_accel.ops.triton import paged_attention
+    except Exception as exc:  # triton missing, or a build that fails to import
+        return False, f"Triton not importable ({type(exc).__name__}: {exc})"
+    try:
+        g = torch.Generator().manual_seed(0)
+        cache = torch.randn(3, 2, 16, 2 * 64, generator=g).to(device)
+        query = torch.randn(2, 4, 64, generator=g).to(device)
+        block_table = torch.tensor([[2, 0], [1, 2]], dtype=torch.int32, device=device)
+        seq_lens = torch.tensor([20, 7], dtype=torch.int32, device=device)
+        got = paged_attention.paged_decode(query, cache, block_table, seq_lens, 0.125)
+        want = torch_decode(query, cache, block_table, seq_lens, 0.125)
+        error = float((got - want).abs().max())
+    except Exception as exc:
+        first_line = (str(exc).strip().splitlines() or [""])[0]
+        return False, (f"Triton kernels do not run on {device.type} "
+                       f"({type(exc).__name__}: {first_line[:200]})")
+    if not error <= 1e-3:
+        return False, f"Triton probe on {device.type} is wrong (max error {error:g})"
+    return True, f"probe kernel compiled and matched the torch kernel on {device.type}"
+
+
+def _keep_generic_layout(res, act_dtype):
+    """The Triton GEMM reads the generic resident layout: no prepared copy."""
+    return None
+
+
+def _int8_linear(x, weight, weight_scale, *, input_scale=None, input_zero_point=None,
+                 input_symmetric=True, weight_col_sums=None, bias=None, mm_method="auto"):
+    """Triton's W8A8 GEMM; dynamic asymmetric activations go to the next provider."""
+    from vllm_accel.ops.triton import int8_gemm
+
+    if input_scale is None and not input_symmetric:
+        return fallback_kernel("int8_linear", TRITON)(
+            x, weight, weight_scale, input_scale=input_scale,
+            input_zero_point=input_zero_point, input_symmetric=input_symmetric,
+            weight_col_sums=weight_col_sums, bias=bias, mm_method=mm_method)
+    return int8_gemm.int8_linear(x, weight, weight_scale, input_scale=input_scale,
+                                 input_zero_point=input_zero_point,
+                                 weight_col_sums=weight_col_sums, bias=bias)
+
+
+def install_triton_kernels(device: torch.device) -> tuple[bool, str]:
+    """Probe, then register the Triton kernels: (registered, why)."""
+    usable, why = probe_triton(device)
+    if not usable:
+        return False, why
+    from vllm_accel.ops.triton import paged_attention, wint_gemm
+
+    for name in ("paged_decode", "paged_decode_int8"):
+        register_kernel(name, TRITON)(paged_attention.paged_decode)
+    for name in ("paged_prefill", "paged_prefill_int8"):
+        register_kernel(name, TRITON)(paged_attention.paged_prefill)
+    register_kernel("wint_linear", TRITON)(wint_gemm.wint_linear)
+    register_kernel("wint_prepare", TRITON)(_keep_generic_layout)
+    register_kernel("int8_linear", TRITON)(_int8_linear)
+    return True, ("registered paged_decode, paged_prefill (bf16/fp16/fp32 and int8 KV), "
+                  f"wint_linear, int8_linear ({why})")

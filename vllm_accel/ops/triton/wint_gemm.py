@@ -1,0 +1,207 @@
+"""Weight-only integer GEMM in Triton on the resident layout (torch + triton only).
+
+``y = x @ W.T (+ bias)`` with ``W[o, i] = (code[o, i] - zero[o, g(i)]) * scale[o, g(i)]``
+read straight from ``quant/packed.py``'s layout: uint8 codes output-major (8-bit
+``[N, K]``; 4-bit ``[N, K/2]``, even column in the low nibble), scales ``[N, G]``
+fp16/fp32, zero points ``[N, G]`` or none (symmetric ``2**(bits-1)``), the act-order
+permutation applied to ``x``'s columns and ``g_idx`` for non-contiguous groups.
+
+4-bit bytes are never interleaved back into columns: a byte's low nibbles multiply
+``x``'s even columns and its high nibbles the odd ones, two half-width products per
+K step. Small batches (decode) take a GEMV form -- products reduced with ``tl.sum``
+over K slices split across programs and added atomically in float32 -- that streams
+the packed weight once at memory bandwidth; larger ones use ``tl.dot`` tiles.
+Dequantization and accumulation run in float32; the result is rounded once.
+
+The entry point is a ``torch.library`` custom op, so torch.compile keeps it as one
+call instead of tracing into Triton.
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+from vllm_accel.ops.triton.paged_attention import interpreted
+
+#: largest batch that takes the GEMV form
+GEMV_MAX_ROWS = 8
+
+
+@triton.jit
+def _scale_zero(s_ptr, z_ptr, gidx_ptr, n, kk, k_ok, mask, G, group_size, BITS: tl.constexpr,
+                HAS_Z: tl.constexpr, HAS_GIDX: tl.constexpr):
+    """Float32 scale and zero point ``[BN, BK]`` of rows ``n`` at resident columns ``kk``."""
+    if HAS_GIDX:
+        g = tl.load(gidx_ptr + kk, mask=k_ok, other=0)
+    else:
+        g = kk // group_size
+    sz = n[:, None] * G + g[None, :]
+    s = tl.load(s_ptr + sz, mask=mask, other=0.0).to(tl.float32)
+    if HAS_Z:
+        z = tl.load(z_ptr + sz, mask=mask, other=0.0).to(tl.float32)
+    else:
+        z = tl.full([1, 1], 2 ** (BITS - 1), tl.float32)
+    return s, z
+
+
+@triton.jit
+def _dequant(w_ptr, s_ptr, z_ptr, gidx_ptr, n, n_ok, kk, k_ok, G, group_size, stride_w,
+             BITS: tl.constexpr, HAS_Z: tl.constexpr, HAS_GIDX: tl.constexpr):
+    """Float32 weights of rows ``n``: 8-bit -> ``[BN, BK]`` at columns ``kk``;
+    4-bit -> (low, high) nibbles ``[BN, BK]`` of the bytes holding columns
+    ``kk`` (even) and ``kk + 1``."""
+    mask = n_ok[:, None] & k_ok[None, :]
+    if BITS == 4:
+        byte = tl.load(w_ptr + n[:, None] * stride_w + (kk // 2)[None, :], mask=mask, other=0)
+        s, z = _scale_zero(s_ptr, z_ptr, gidx_ptr, n, kk, k_ok, mask, G, group_size, BITS, HAS_Z,
+                           HAS_GIDX)
+        lo = ((byte & 0xF).to(tl.float32) - z) * s
+        if HAS_GIDX:  # the odd column may sit in another group
+            s, z = _scale_zero(s_ptr, z_ptr, gidx_ptr, n, kk + 1, k_ok, mask, G, group_size, BITS,
+                               HAS_Z, HAS_GIDX)
+        hi = ((byte >> 4).to(tl.float32) - z) * s
+        return lo, hi
+    code = tl.load(w_ptr + n[:, None] * stride_w + kk[None, :], mask=mask, other=0)
+    s, z = _scale_zero(s_ptr, z_ptr, gidx_ptr, n, kk, k_ok, mask, G, group_size, BITS, HAS_Z,
+                       HAS_GIDX)
+    w = (code.to(tl.float32) - z) * s
+    return w, w
+
+
+@triton.jit
+def _wint_gemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, gidx_ptr, y_ptr, N, K, G, group_size,
+                      stride_x, stride_w, stride_y, k_per_prog,
+                      BITS: tl.constexpr, HAS_Z: tl.constexpr, HAS_GIDX: tl.constexpr,
+                      BN: tl.constexpr, BK: tl.constexpr, ROWS: tl.constexpr):
+    """Programs: (output tile, K slice). Each row of ``x`` (``ROWS`` <= 8) gets its
+    partial sum for the tile, added atomically into float32 ``y``."""
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    n = pid_n * BN + tl.arange(0, BN)
+    n_ok = n < N
+    k_begin = pid_k * k_per_prog
+    k_end = tl.minimum(K, k_begin + k_per_prog)
+    for r in tl.static_range(ROWS):
+        acc = tl.zeros([BN], tl.float32)
+        for k0 in range(k_begin, k_end, BK):
+            if BITS == 4:
+                kk = k0 + 2 * tl.arange(0, BK // 2)
+                k_ok = kk < k_end
+                lo, hi = _dequant(w_ptr, s_ptr, z_ptr, gidx_ptr, n, n_ok, kk, k_ok, G,
+                                  group_size, stride_w, BITS, HAS_Z, HAS_GIDX)
+                x_even = tl.load(x_ptr + r * stride_x + kk, mask=k_ok, other=0.0)
+                x_odd = tl.load(x_ptr + r * stride_x + kk + 1, mask=k_ok, other=0.0)
+                acc += tl.sum(lo * x_even.to(tl.float32)[None, :], 1)
+                acc += tl.sum(hi * x_odd.to(tl.float32)[None, :], 1)
+            else:
+                kk = k0 + tl.arange(0, BK)
+                k_ok = kk < k_end
+                w, _ = _dequant(w_ptr, s_ptr, z_ptr, gidx_ptr, n, n_ok, kk, k_ok, G,
+                                group_size, stride_w, BITS, HAS_Z, HAS_GIDX)
+                xv = tl.load(x_ptr + r * stride_x + kk, mask=k_ok, other=0.0)
+                acc += tl.sum(w * xv.to(tl.float32)[None, :], 1)
+        tl.atomic_add(y_ptr + r * stride_y + n, acc, mask=n_ok)
+
+
+@triton.jit
+def _dot_acc(acc, x, w, DOT_F32: tl.constexpr):
+    """``acc + x @ w.T``: float32 (IEEE) products, or ``w`` rounded to ``x``'s dtype
+    for the tensor cores."""
+    if DOT_F32:
+        return acc + tl.dot(x.to(tl.float32), tl.trans(w), input_precision="ieee")
+    return acc + tl.dot(x, tl.trans(w.to(x.dtype)))
+
+
+@triton.jit
+def _wint_gemm_kernel(x_ptr, w_ptr, s_ptr, z_ptr, gidx_ptr, y_ptr, M, N, K, G, group_size,
+                      stride_x, stride_w, stride_y,
+                      BITS: tl.constexpr, HAS_Z: tl.constexpr, HAS_GIDX: tl.constexpr,
+                      BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                      DOT_F32: tl.constexpr):
+    """``tl.dot`` tiles: ``x`` tile ``[BM, BK]`` times the dequantized weight tile."""
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    m = pid_m * BM + tl.arange(0, BM)
+    n = pid_n * BN + tl.arange(0, BN)
+    m_ok = m < M
+    n_ok = n < N
+    acc = tl.zeros([BM, BN], tl.float32)
+    for k0 in range(0, K, BK):
+        if BITS == 4:
+            kk = k0 + 2 * tl.arange(0, BK // 2)
+            k_ok = kk < K
+            lo, hi = _dequant(w_ptr, s_ptr, z_ptr, gidx_ptr, n, n_ok, kk, k_ok, G, group_size,
+                              stride_w, BITS, HAS_Z, HAS_GIDX)
+            x_mask = m_ok[:, None] & k_ok[None, :]
+            x_even = tl.load(x_ptr + m[:, None] * stride_x + kk[None, :], mask=x_mask, other=0.0)
+            x_odd = tl.load(x_ptr + m[:, None] * stride_x + kk[None, :] + 1, mask=x_mask,
+                            other=0.0)
+            acc = _dot_acc(acc, x_even, lo, DOT_F32)
+            acc = _dot_acc(acc, x_odd, hi, DOT_F32)
+        else:
+            kk = k0 + tl.arange(0, BK)
+            k_ok = kk < K
+            w, _ = _dequant(w_ptr, s_ptr, z_ptr, gidx_ptr, n, n_ok, kk, k_ok, G, group_size,
+                            stride_w, BITS, HAS_Z, HAS_GIDX)
+            xv = tl.load(x_ptr + m[:, None] * stride_x + kk[None, :],
+                         mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+            acc = _dot_acc(acc, xv, w, DOT_F32)
+    tl.store(y_ptr + m[:, None] * stride_y + n[None, :], acc,
+             mask=m_ok[:, None] & n_ok[None, :])
+
+
+@torch.library.custom_op("vllm_accel_triton::wint_mm", mutates_args=())
+def wint_mm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
+            zeros: torch.Tensor | None, g_idx: torch.Tensor | None, bits: int,
+            group_size: int) -> torch.Tensor:
+    """float32 ``x @ W.T`` for a 2-D ``x`` whose columns are already in resident order."""
+    m, k = x.shape
+    n, groups = scales.shape
+    x = x.contiguous()
+    qweight = qweight.contiguous()
+    scales = scales.contiguous()
+    zeros = zeros.contiguous() if zeros is not None else scales  # unused when None
+    if g_idx is None and bits == 4 and group_size % 2:  # a byte's nibbles in two groups
+        g_idx = torch.arange(k, device=x.device) // group_size
+    gidx = g_idx.to(torch.int32).contiguous() if g_idx is not None else scales
+    common = dict(BITS=bits, HAS_Z=zeros is not scales, HAS_GIDX=gidx is not scales)
+    if m <= GEMV_MAX_ROWS:
+        y = torch.zeros(m, n, dtype=torch.float32, device=x.device)
+        bn, bk = 32, 128
+        k_per_prog = triton.cdiv(triton.cdiv(k, 4), bk) * bk  # 4 K slices
+        grid = (triton.cdiv(n, bn), triton.cdiv(k, k_per_prog))
+        _wint_gemv_kernel[grid](x, qweight, scales, zeros, gidx, y, n, k, groups,
+                                group_size, x.stride(0), qweight.stride(0), y.stride(0),
+                                k_per_prog, BN=bn, BK=bk, ROWS=m, **common)
+        return y
+    y = torch.empty(m, n, dtype=torch.float32, device=x.device)
+    bm, bn, bk = 64, 64, 64
+    grid = (triton.cdiv(m, bm), triton.cdiv(n, bn))
+    dot_f32 = x.dtype == torch.float32 or (
+        interpreted(_wint_gemm_kernel) and x.dtype == torch.bfloat16)
+    _wint_gemm_kernel[grid](x, qweight, scales, zeros, gidx, y, m, n, k, groups, group_size,
+                            x.stride(0), qweight.stride(0), y.stride(0), BM=bm, BN=bn, BK=bk,
+                            DOT_F32=dot_f32, **common)
+    return y
+
+
+@wint_mm.register_fake
+def _wint_mm_shape(x, qweight, scales, zeros, g_idx, bits, group_size):
+    return x.new_empty((x.shape[0], scales.shape[0]), dtype=torch.float32)
+
+
+def wint_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
+                zeros: torch.Tensor | None, *, bits: int, group_size: int,
+                perm: torch.Tensor | None = None, g_idx: torch.Tensor | None = None,
+                bias: torch.Tensor | None = None) -> torch.Tensor:
+    """Same contract as the ``reference`` ``wint_linear`` (quant/packed.py)."""
+    out_features = scales.shape[0]
+    in_features = x.shape[-1]
+    gs = in_features if group_size == -1 else group_size
+    x2 = x.reshape(-1, in_features)
+    if perm is not None:
+        x2 = x2.index_select(1, perm)
+    y = wint_mm(x2, qweight, scales, zeros, g_idx, bits, gs)
+    if bias is not None:
+        y += bias.to(torch.float32)
+    return y.to(x.dtype).reshape(*x.shape[:-1], out_features)
