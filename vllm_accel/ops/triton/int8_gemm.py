@@ -17,7 +17,7 @@ import triton.language as tl
 INT8_MAX = 127
 #: adding and subtracting 1.5 * 2**23 rounds a float32 of magnitude < 2**22 to the
 #: nearest integer, ties to even (the FPU's rounding mode)
-_ROUND_MAGIC = 12582912.0
+_ROUND_MAGIC = tl.constexpr(12582912.0)
 
 
 @triton.jit

@@ -25,46 +25,68 @@ from vllm_accel.ops.triton.paged_attention import interpreted
 
 #: largest batch that takes the GEMV form
 GEMV_MAX_ROWS = 8
+#: GEMV tile (rows x K columns), K slices per row tile, warps (tuned on an H100)
+GEMV = {"bn": 16, "bk": 128, "splits": 4, "num_warps": 4}
+#: tl.dot tiles; K is split until about ``programs`` programs run (small batches
+#: have few output tiles: one per SM would idle most of an H100's 132)
+GEMM = {"bn": 128, "bk": 128, "num_warps": 4, "num_stages": 3, "programs": 264}
 
 
 @triton.jit
-def _scale_zero(s_ptr, z_ptr, gidx_ptr, n, kk, k_ok, mask, G, group_size, BITS: tl.constexpr,
-                HAS_Z: tl.constexpr, HAS_GIDX: tl.constexpr):
-    """Float32 scale and zero point ``[BN, BK]`` of rows ``n`` at resident columns ``kk``."""
-    if HAS_GIDX:
-        g = tl.load(gidx_ptr + kk, mask=k_ok, other=0)
+def _scale_zero(s_ptr, z_ptr, gidx_ptr, n, n_ok, kk, k_ok, mask, k0, G, group_size,
+                BITS: tl.constexpr, HAS_Z: tl.constexpr, HAS_GIDX: tl.constexpr,
+                ONE_GROUP: tl.constexpr):
+    """Float32 scale and zero point of rows ``n`` at resident columns ``kk``:
+    ``[BN, 1]`` when the whole K tile starting at ``k0`` lies in one group
+    (``ONE_GROUP``), else gathered per column ``[BN, BK]``."""
+    if ONE_GROUP:
+        sz = n[:, None] * G + k0 // group_size
+        smask = n_ok[:, None]
     else:
-        g = kk // group_size
-    sz = n[:, None] * G + g[None, :]
-    s = tl.load(s_ptr + sz, mask=mask, other=0.0).to(tl.float32)
+        if HAS_GIDX:
+            g = tl.load(gidx_ptr + kk, mask=k_ok, other=0)
+        else:
+            g = kk // group_size
+        sz = n[:, None] * G + g[None, :]
+        smask = mask
+    s = tl.load(s_ptr + sz, mask=smask, other=0.0).to(tl.float32)
     if HAS_Z:
-        z = tl.load(z_ptr + sz, mask=mask, other=0.0).to(tl.float32)
+        z = tl.load(z_ptr + sz, mask=smask, other=0.0).to(tl.float32)
     else:
         z = tl.full([1, 1], 2 ** (BITS - 1), tl.float32)
     return s, z
 
 
 @triton.jit
-def _dequant(w_ptr, s_ptr, z_ptr, gidx_ptr, n, n_ok, kk, k_ok, G, group_size, stride_w,
-             BITS: tl.constexpr, HAS_Z: tl.constexpr, HAS_GIDX: tl.constexpr):
+def _code_plus_2_23(code):
+    """``2**23 + code`` as float32 for an integer code < 2**23, by writing the code
+    into the mantissa of 2**23: an OR instead of a (slow) int-to-float conversion."""
+    return (code | 0x4B000000).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _dequant(w_ptr, s_ptr, z_ptr, gidx_ptr, n, n_ok, kk, k_ok, k0, G, group_size, stride_w,
+             BITS: tl.constexpr, HAS_Z: tl.constexpr, HAS_GIDX: tl.constexpr,
+             ONE_GROUP: tl.constexpr):
     """Float32 weights of rows ``n``: 8-bit -> ``[BN, BK]`` at columns ``kk``;
     4-bit -> (low, high) nibbles ``[BN, BK]`` of the bytes holding columns
     ``kk`` (even) and ``kk + 1``."""
     mask = n_ok[:, None] & k_ok[None, :]
     if BITS == 4:
         byte = tl.load(w_ptr + n[:, None] * stride_w + (kk // 2)[None, :], mask=mask, other=0)
-        s, z = _scale_zero(s_ptr, z_ptr, gidx_ptr, n, kk, k_ok, mask, G, group_size, BITS, HAS_Z,
-                           HAS_GIDX)
-        lo = ((byte & 0xF).to(tl.float32) - z) * s
+        s, z = _scale_zero(s_ptr, z_ptr, gidx_ptr, n, n_ok, kk, k_ok, mask, k0, G, group_size,
+                           BITS, HAS_Z, HAS_GIDX, ONE_GROUP)
+        byte = byte.to(tl.int32)
+        lo = (_code_plus_2_23(byte & 0xF) - (8388608.0 + z)) * s
         if HAS_GIDX:  # the odd column may sit in another group
-            s, z = _scale_zero(s_ptr, z_ptr, gidx_ptr, n, kk + 1, k_ok, mask, G, group_size, BITS,
-                               HAS_Z, HAS_GIDX)
-        hi = ((byte >> 4).to(tl.float32) - z) * s
+            s, z = _scale_zero(s_ptr, z_ptr, gidx_ptr, n, n_ok, kk + 1, k_ok, mask, k0, G,
+                               group_size, BITS, HAS_Z, HAS_GIDX, ONE_GROUP)
+        hi = (_code_plus_2_23(byte >> 4) - (8388608.0 + z)) * s
         return lo, hi
     code = tl.load(w_ptr + n[:, None] * stride_w + kk[None, :], mask=mask, other=0)
-    s, z = _scale_zero(s_ptr, z_ptr, gidx_ptr, n, kk, k_ok, mask, G, group_size, BITS, HAS_Z,
-                       HAS_GIDX)
-    w = (code.to(tl.float32) - z) * s
+    s, z = _scale_zero(s_ptr, z_ptr, gidx_ptr, n, n_ok, kk, k_ok, mask, k0, G, group_size,
+                       BITS, HAS_Z, HAS_GIDX, ONE_GROUP)
+    w = (_code_plus_2_23(code.to(tl.int32) & 0xFF) - (8388608.0 + z)) * s
     return w, w
 
 
@@ -72,7 +94,8 @@ def _dequant(w_ptr, s_ptr, z_ptr, gidx_ptr, n, n_ok, kk, k_ok, G, group_size, st
 def _wint_gemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, gidx_ptr, y_ptr, N, K, G, group_size,
                       stride_x, stride_w, stride_y, k_per_prog,
                       BITS: tl.constexpr, HAS_Z: tl.constexpr, HAS_GIDX: tl.constexpr,
-                      BN: tl.constexpr, BK: tl.constexpr, ROWS: tl.constexpr):
+                      ONE_GROUP: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                      ROWS: tl.constexpr):
     """Programs: (output tile, K slice). Each row of ``x`` (``ROWS`` <= 8) gets its
     partial sum for the tile, added atomically into float32 ``y``."""
     pid_n = tl.program_id(0)
@@ -87,8 +110,8 @@ def _wint_gemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, gidx_ptr, y_ptr, N, K, G, grou
             if BITS == 4:
                 kk = k0 + 2 * tl.arange(0, BK // 2)
                 k_ok = kk < k_end
-                lo, hi = _dequant(w_ptr, s_ptr, z_ptr, gidx_ptr, n, n_ok, kk, k_ok, G,
-                                  group_size, stride_w, BITS, HAS_Z, HAS_GIDX)
+                lo, hi = _dequant(w_ptr, s_ptr, z_ptr, gidx_ptr, n, n_ok, kk, k_ok, k0, G,
+                                  group_size, stride_w, BITS, HAS_Z, HAS_GIDX, ONE_GROUP)
                 x_even = tl.load(x_ptr + r * stride_x + kk, mask=k_ok, other=0.0)
                 x_odd = tl.load(x_ptr + r * stride_x + kk + 1, mask=k_ok, other=0.0)
                 acc += tl.sum(lo * x_even.to(tl.float32)[None, :], 1)
@@ -96,8 +119,8 @@ def _wint_gemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, gidx_ptr, y_ptr, N, K, G, grou
             else:
                 kk = k0 + tl.arange(0, BK)
                 k_ok = kk < k_end
-                w, _ = _dequant(w_ptr, s_ptr, z_ptr, gidx_ptr, n, n_ok, kk, k_ok, G,
-                                group_size, stride_w, BITS, HAS_Z, HAS_GIDX)
+                w, _ = _dequant(w_ptr, s_ptr, z_ptr, gidx_ptr, n, n_ok, kk, k_ok, k0, G,
+                                group_size, stride_w, BITS, HAS_Z, HAS_GIDX, ONE_GROUP)
                 xv = tl.load(x_ptr + r * stride_x + kk, mask=k_ok, other=0.0)
                 acc += tl.sum(w * xv.to(tl.float32)[None, :], 1)
         tl.atomic_add(y_ptr + r * stride_y + n, acc, mask=n_ok)
@@ -114,24 +137,27 @@ def _dot_acc(acc, x, w, DOT_F32: tl.constexpr):
 
 @triton.jit
 def _wint_gemm_kernel(x_ptr, w_ptr, s_ptr, z_ptr, gidx_ptr, y_ptr, M, N, K, G, group_size,
-                      stride_x, stride_w, stride_y,
+                      stride_x, stride_w, stride_y, k_per_prog,
                       BITS: tl.constexpr, HAS_Z: tl.constexpr, HAS_GIDX: tl.constexpr,
-                      BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                      ONE_GROUP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                       DOT_F32: tl.constexpr):
-    """``tl.dot`` tiles: ``x`` tile ``[BM, BK]`` times the dequantized weight tile."""
+    """``tl.dot`` tiles: ``x`` tile ``[BM, BK]`` times the dequantized weight tile,
+    over one K slice per program (axis 2); slices add atomically into float32 ``y``."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
+    k_begin = tl.program_id(2) * k_per_prog
+    k_end = tl.minimum(K, k_begin + k_per_prog)
     m = pid_m * BM + tl.arange(0, BM)
     n = pid_n * BN + tl.arange(0, BN)
     m_ok = m < M
     n_ok = n < N
     acc = tl.zeros([BM, BN], tl.float32)
-    for k0 in range(0, K, BK):
+    for k0 in range(k_begin, k_end, BK):
         if BITS == 4:
             kk = k0 + 2 * tl.arange(0, BK // 2)
-            k_ok = kk < K
-            lo, hi = _dequant(w_ptr, s_ptr, z_ptr, gidx_ptr, n, n_ok, kk, k_ok, G, group_size,
-                              stride_w, BITS, HAS_Z, HAS_GIDX)
+            k_ok = kk < k_end
+            lo, hi = _dequant(w_ptr, s_ptr, z_ptr, gidx_ptr, n, n_ok, kk, k_ok, k0, G, group_size,
+                              stride_w, BITS, HAS_Z, HAS_GIDX, ONE_GROUP)
             x_mask = m_ok[:, None] & k_ok[None, :]
             x_even = tl.load(x_ptr + m[:, None] * stride_x + kk[None, :], mask=x_mask, other=0.0)
             x_odd = tl.load(x_ptr + m[:, None] * stride_x + kk[None, :] + 1, mask=x_mask,
@@ -140,14 +166,27 @@ def _wint_gemm_kernel(x_ptr, w_ptr, s_ptr, z_ptr, gidx_ptr, y_ptr, M, N, K, G, g
             acc = _dot_acc(acc, x_odd, hi, DOT_F32)
         else:
             kk = k0 + tl.arange(0, BK)
-            k_ok = kk < K
-            w, _ = _dequant(w_ptr, s_ptr, z_ptr, gidx_ptr, n, n_ok, kk, k_ok, G, group_size,
-                            stride_w, BITS, HAS_Z, HAS_GIDX)
+            k_ok = kk < k_end
+            w, _ = _dequant(w_ptr, s_ptr, z_ptr, gidx_ptr, n, n_ok, kk, k_ok, k0, G, group_size,
+                            stride_w, BITS, HAS_Z, HAS_GIDX, ONE_GROUP)
             xv = tl.load(x_ptr + m[:, None] * stride_x + kk[None, :],
                          mask=m_ok[:, None] & k_ok[None, :], other=0.0)
             acc = _dot_acc(acc, xv, w, DOT_F32)
-    tl.store(y_ptr + m[:, None] * stride_y + n[None, :], acc,
-             mask=m_ok[:, None] & n_ok[None, :])
+    tl.atomic_add(y_ptr + m[:, None] * stride_y + n[None, :], acc,
+                  mask=m_ok[:, None] & n_ok[None, :])
+
+
+def _k_tile(preferred: int, group_size: int, g_idx) -> int:
+    """The K tile: the preferred one, shrunk to the group size when that lets a
+    tile read one scale per row (a power of two of at least 32)."""
+    if g_idx is None and group_size < preferred and group_size >= 32 and \
+            group_size & (group_size - 1) == 0:
+        return group_size
+    return preferred
+
+
+def _one_group(k_tile: int, group_size: int, g_idx) -> bool:
+    return g_idx is None and group_size % k_tile == 0
 
 
 @torch.library.custom_op("vllm_accel_triton::wint_mm", mutates_args=())
@@ -167,21 +206,29 @@ def wint_mm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
     common = dict(BITS=bits, HAS_Z=zeros is not scales, HAS_GIDX=gidx is not scales)
     if m <= GEMV_MAX_ROWS:
         y = torch.zeros(m, n, dtype=torch.float32, device=x.device)
-        bn, bk = 32, 128
-        k_per_prog = triton.cdiv(triton.cdiv(k, 4), bk) * bk  # 4 K slices
+        bn, bk = GEMV["bn"], _k_tile(GEMV["bk"], group_size, g_idx)
+        k_per_prog = triton.cdiv(triton.cdiv(k, GEMV["splits"]), bk) * bk
         grid = (triton.cdiv(n, bn), triton.cdiv(k, k_per_prog))
         _wint_gemv_kernel[grid](x, qweight, scales, zeros, gidx, y, n, k, groups,
                                 group_size, x.stride(0), qweight.stride(0), y.stride(0),
-                                k_per_prog, BN=bn, BK=bk, ROWS=m, **common)
+                                k_per_prog, BN=bn, BK=bk, ROWS=m, num_warps=GEMV["num_warps"],
+                                ONE_GROUP=_one_group(bk, group_size, g_idx), **common)
         return y
-    y = torch.empty(m, n, dtype=torch.float32, device=x.device)
-    bm, bn, bk = 64, 64, 64
-    grid = (triton.cdiv(m, bm), triton.cdiv(n, bn))
+    y = torch.zeros(m, n, dtype=torch.float32, device=x.device)
+    bm, bn = min(64, max(16, triton.next_power_of_2(m))), GEMM["bn"]
+    bk = _k_tile(GEMM["bk"], group_size, g_idx)
+    tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
+    splits = max(1, min(triton.cdiv(k, bk), triton.cdiv(GEMM["programs"], tiles)))
+    k_per_prog = triton.cdiv(triton.cdiv(k, splits), bk) * bk
+    grid = (triton.cdiv(m, bm), triton.cdiv(n, bn), triton.cdiv(k, k_per_prog))
     dot_f32 = x.dtype == torch.float32 or (
         interpreted(_wint_gemm_kernel) and x.dtype == torch.bfloat16)
     _wint_gemm_kernel[grid](x, qweight, scales, zeros, gidx, y, m, n, k, groups, group_size,
-                            x.stride(0), qweight.stride(0), y.stride(0), BM=bm, BN=bn, BK=bk,
-                            DOT_F32=dot_f32, **common)
+                            x.stride(0), qweight.stride(0), y.stride(0), k_per_prog,
+                            BM=bm, BN=bn, BK=bk,
+                            DOT_F32=dot_f32, ONE_GROUP=_one_group(bk, group_size, g_idx),
+                            num_warps=GEMM["num_warps"],
+                            num_stages=GEMM["num_stages"], **common)
     return y
 
 
