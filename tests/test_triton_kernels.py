@@ -24,20 +24,32 @@ from paged_cases import (HKV, TOL, assert_within_int8_bound, batch_mix, build, k
 
 DEVICE = os.environ.get("ACCEL_TEST_DEVICE", "cpu")
 _INTERPRET = os.environ.get("TRITON_INTERPRET")
-if DEVICE == "cpu":  # Triton has no CPU backend: its interpreter, bound at definition
-    os.environ["TRITON_INTERPRET"] = "1"
+
+
+def _set_interpreter(on: bool) -> None:
+    """TRITON_INTERPRET=1 only while this module defines and runs its kernels (on
+    CPU): every other test's engine subprocess inherits os.environ, and with it a
+    card backend would pick the (slow) interpreted kernels."""
+    if DEVICE != "cpu" or _INTERPRET is not None:
+        return
+    if on:
+        os.environ["TRITON_INTERPRET"] = "1"
+    else:
+        os.environ.pop("TRITON_INTERPRET", None)
+
+
+_set_interpreter(True)  # Triton has no CPU backend: kernels bind the interpreter here
 from vllm_accel.ops.triton import int8_gemm, paged_attention, wint_gemm  # noqa: E402
+
+_set_interpreter(False)
 
 
 @pytest.fixture(autouse=True, scope="module")
-def _interpreter_only_here():
-    """The interpreter reads TRITON_INTERPRET while kernels run; later tests'
-    engine subprocesses must not inherit it."""
-    if DEVICE == "cpu":
-        os.environ["TRITON_INTERPRET"] = "1"
+def _interpreter_while_running():
+    """The interpreter also reads TRITON_INTERPRET while kernels run."""
+    _set_interpreter(True)
     yield
-    if _INTERPRET is None:
-        os.environ.pop("TRITON_INTERPRET", None)
+    _set_interpreter(False)
 
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -176,13 +188,15 @@ WINT_TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 2e-3}
 
 
 @pytest.mark.parametrize("m", [1, 5, 40])
-@pytest.mark.parametrize("bits,group_size,asym,act_order,dtype", [
-    (4, 32, False, False, torch.float32), (4, 128, True, False, torch.bfloat16),
-    (4, 64, False, True, torch.float16), (4, -1, True, True, torch.bfloat16),
-    (8, 128, False, False, torch.bfloat16), (8, -1, True, False, torch.float32),
-    (8, 32, True, True, torch.float16)])
-def test_wint_linear(m, bits, group_size, asym, act_order, dtype):
-    out_f, in_f = 96, 256
+@pytest.mark.parametrize("bits,group_size,asym,act_order,dtype,in_f", [
+    (4, 32, False, False, torch.float32, 256), (4, 128, True, False, torch.bfloat16, 512),
+    (4, 64, False, True, torch.float16, 256), (4, -1, True, True, torch.bfloat16, 256),
+    (8, 128, False, False, torch.bfloat16, 256), (8, -1, True, False, torch.float32, 256),
+    (8, 32, True, True, torch.float16, 256),
+    # rows that are not whole int32 words: the byte kernels (GEMV and tl.dot forms)
+    (4, -1, True, False, torch.bfloat16, 250), (8, 50, True, True, torch.float32, 250)])
+def test_wint_linear(m, bits, group_size, asym, act_order, dtype, in_f):
+    out_f = 96
     res, w = resident(out_f, in_f, bits, group_size, asym, act_order, seed=bits + m)
     g = torch.Generator().manual_seed(m)
     x = torch.randn(m, in_f, generator=g).to(dtype)

@@ -40,6 +40,13 @@ PREFILL_ROWS = 64
 
 
 @triton.jit
+def _int8_to_float(code):
+    """int8 codes as exact float32: ``code + 128`` written into the mantissa of
+    2**23 (an OR instead of a slow int-to-float conversion), minus ``2**23 + 128``."""
+    return ((code.to(tl.int32) + 128) | 0x4B000000).to(tl.float32, bitcast=True) - 8388736.0
+
+
+@triton.jit
 def _attend_tile(q, acc, m_i, l_i, cache_ptr, bt_row_ptr, stride_blk, head_off, j, key_ok, key_limit,
                  scale, HEAD: tl.constexpr, D_PAD: tl.constexpr, BS: tl.constexpr,
                  INT8: tl.constexpr, IEEE: tl.constexpr):
@@ -57,6 +64,9 @@ def _attend_tile(q, acc, m_i, l_i, cache_ptr, bt_row_ptr, stride_blk, head_off, 
             tl.pointer_type(tl.float32))
         k_scale = tl.load(scale_ptr, mask=key_ok, other=0.0)
         v_scale = tl.load(scale_ptr + 1, mask=key_ok, other=0.0)
+    if INT8:
+        k = _int8_to_float(k)
+        v = _int8_to_float(v)
     k = k.to(q.dtype)
     v = v.to(q.dtype)
     if IEEE:

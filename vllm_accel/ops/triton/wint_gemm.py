@@ -27,6 +27,9 @@ from vllm_accel.ops.triton.paged_attention import interpreted
 GEMV_MAX_ROWS = 8
 #: GEMV tile (rows x K columns), K slices per row tile, warps (tuned on an H100)
 GEMV = {"bn": 16, "bk": 128, "splits": 4, "num_warps": 4}
+#: the int32-word kernel (every batch size, when rows are whole words; tuned on an
+#: H100: 4 warps from batch 32 up)
+WORDS = {"bn": 128, "bk": 256, "num_warps": 8, "num_stages": 3, "programs": 528}
 #: tl.dot tiles; K is split until about ``programs`` programs run (small batches
 #: have few output tiles: one per SM would idle most of an H100's 132)
 GEMM = {"bn": 128, "bk": 128, "num_warps": 4, "num_stages": 3, "programs": 264}
@@ -176,6 +179,64 @@ def _wint_gemm_kernel(x_ptr, w_ptr, s_ptr, z_ptr, gidx_ptr, y_ptr, M, N, K, G, g
                   mask=m_ok[:, None] & n_ok[None, :])
 
 
+@triton.jit
+def _wint_words_kernel(x_ptr, w_ptr, s_ptr, z_ptr, gidx_ptr, y_ptr, M, N, K, G, group_size,
+                       stride_x, stride_w, stride_y, k_per_prog,
+                       BITS: tl.constexpr, HAS_Z: tl.constexpr, HAS_GIDX: tl.constexpr,
+                       ONE_GROUP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                       BK: tl.constexpr, DOT_F32: tl.constexpr):
+    """The weight read as int32 words (8 nibbles / 4 bytes, column ``c`` of a word in
+    bits ``BITS * c``): a K tile is ``BK / PLANES`` words per row, split into
+    ``PLANES`` planes (code ``i`` of every word = columns ``k0 + PLANES * j + i``),
+    each one ``tl.dot`` with the matching ``x`` columns. Wide loads, no byte
+    interleaving, and the tensor cores do the multiply-adds even at batch 1."""
+    PLANES: tl.constexpr = 32 // BITS
+    WORDS: tl.constexpr = BK // PLANES
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    k_begin = tl.program_id(2) * k_per_prog
+    k_end = tl.minimum(K, k_begin + k_per_prog)
+    m = pid_m * BM + tl.arange(0, BM)
+    n = pid_n * BN + tl.arange(0, BN)
+    j = tl.arange(0, WORDS)
+    m_ok = m < M
+    n_ok = n < N
+    acc = tl.zeros([BM, BN], tl.float32)
+    for k0 in range(k_begin, k_end, BK):
+        word_ok = k0 + j * PLANES < k_end
+        mask = n_ok[:, None] & word_ok[None, :]
+        words = tl.load(w_ptr + n[:, None] * stride_w + (k0 // PLANES + j)[None, :],
+                        mask=mask, other=0)
+        if ONE_GROUP:  # integer weights (code - zero) in the dots, the scale once per tile
+            if HAS_Z:
+                z = tl.load(z_ptr + n * G + k0 // group_size, mask=n_ok, other=0.0)
+                z = z.to(tl.float32)[:, None]
+            else:
+                z = tl.full([1, 1], 2 ** (BITS - 1), tl.float32)
+            part = tl.zeros([BM, BN], tl.float32)
+            for i in tl.static_range(PLANES):
+                kk = k0 + j * PLANES + i
+                code = (words >> (BITS * i)) & ((1 << BITS) - 1)
+                w = _code_plus_2_23(code) - (8388608.0 + z)
+                xv = tl.load(x_ptr + m[:, None] * stride_x + kk[None, :],
+                             mask=m_ok[:, None] & word_ok[None, :], other=0.0)
+                part = _dot_acc(part, xv, w, DOT_F32)
+            s_row = tl.load(s_ptr + n * G + k0 // group_size, mask=n_ok, other=0.0)
+            acc += part * s_row.to(tl.float32)[None, :]
+        else:
+            for i in tl.static_range(PLANES):
+                kk = k0 + j * PLANES + i
+                s, z = _scale_zero(s_ptr, z_ptr, gidx_ptr, n, n_ok, kk, word_ok, mask, k0, G,
+                                   group_size, BITS, HAS_Z, HAS_GIDX, ONE_GROUP)
+                code = (words >> (BITS * i)) & ((1 << BITS) - 1)
+                w = (_code_plus_2_23(code) - (8388608.0 + z)) * s
+                xv = tl.load(x_ptr + m[:, None] * stride_x + kk[None, :],
+                             mask=m_ok[:, None] & word_ok[None, :], other=0.0)
+                acc = _dot_acc(acc, xv, w, DOT_F32)
+    tl.atomic_add(y_ptr + m[:, None] * stride_y + n[None, :], acc,
+                  mask=m_ok[:, None] & n_ok[None, :])
+
+
 def _k_tile(preferred: int, group_size: int, g_idx) -> int:
     """The K tile: the preferred one, shrunk to the group size when that lets a
     tile read one scale per row (a power of two of at least 32)."""
@@ -204,6 +265,27 @@ def wint_mm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
         g_idx = torch.arange(k, device=x.device) // group_size
     gidx = g_idx.to(torch.int32).contiguous() if g_idx is not None else scales
     common = dict(BITS=bits, HAS_Z=zeros is not scales, HAS_GIDX=gidx is not scales)
+    dot_f32 = x.dtype == torch.float32 or (
+        interpreted(_wint_gemm_kernel) and x.dtype == torch.bfloat16)
+    if qweight.shape[1] % 4 == 0 and qweight.data_ptr() % 4 == 0:
+        words = qweight.view(torch.int32)
+        y = torch.zeros(m, n, dtype=torch.float32, device=x.device)
+        bm, bn = max(16, min(64, triton.next_power_of_2(m))), WORDS["bn"]
+        bk = WORDS["bk"]
+        if g_idx is None and 128 <= group_size < bk and bk % group_size == 0:
+            bk = group_size  # one scale per row and tile
+        tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
+        splits = max(1, min(triton.cdiv(k, bk), triton.cdiv(WORDS["programs"], tiles)))
+        k_per_prog = triton.cdiv(triton.cdiv(k, splits), bk) * bk
+        grid = (triton.cdiv(m, bm), triton.cdiv(n, bn), triton.cdiv(k, k_per_prog))
+        _wint_words_kernel[grid](x, words, scales, zeros, gidx, y, m, n, k, groups, group_size,
+                                 x.stride(0), words.stride(0), y.stride(0), k_per_prog,
+                                 BM=bm, BN=bn, BK=bk, DOT_F32=dot_f32,
+                                 ONE_GROUP=g_idx is None and group_size % bk == 0,
+                                 num_warps=WORDS["num_warps"] if m <= 16 else 4,
+                                 num_stages=WORDS["num_stages"],
+                                 **common)
+        return y
     if m <= GEMV_MAX_ROWS:
         y = torch.zeros(m, n, dtype=torch.float32, device=x.device)
         bn, bk = GEMV["bn"], _k_tile(GEMV["bk"], group_size, g_idx)
@@ -221,8 +303,6 @@ def wint_mm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
     splits = max(1, min(triton.cdiv(k, bk), triton.cdiv(GEMM["programs"], tiles)))
     k_per_prog = triton.cdiv(triton.cdiv(k, splits), bk) * bk
     grid = (triton.cdiv(m, bm), triton.cdiv(n, bn), triton.cdiv(k, k_per_prog))
-    dot_f32 = x.dtype == torch.float32 or (
-        interpreted(_wint_gemm_kernel) and x.dtype == torch.bfloat16)
     _wint_gemm_kernel[grid](x, qweight, scales, zeros, gidx, y, m, n, k, groups, group_size,
                             x.stride(0), qweight.stride(0), y.stride(0), k_per_prog,
                             BM=bm, BN=bn, BK=bk,
