@@ -13,7 +13,7 @@ import math
 
 import torch
 
-from vllm_accel.ops.attention_kernels import cache_write, cache_write_int8
+from vllm_accel.ops.reference.cache_write import cache_write, cache_write_int8
 
 TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.bfloat16: dict(atol=2e-2, rtol=2e-2),
        torch.float16: dict(atol=4e-3, rtol=4e-3)}

@@ -14,8 +14,10 @@ import pytest
 import torch
 from paged_cases import GQA, HKV, TOL, batch_mix, make_case, read_kv, reference
 
-from vllm_accel.ops import attention_kernels, attention_reference  # noqa: F401  (register)
-from vllm_accel.ops.attention_kernels import FP8_KV_FORMATS
+from vllm_accel.ops.paged_layout import FP8_KV_FORMATS
+from vllm_accel.ops.reference import attention as _reference  # noqa: F401  (registers)
+from vllm_accel.ops.reference import cache_write as _writers  # noqa: F401  (registers)
+from vllm_accel.ops.torch_fast import attention as _torch_fast  # noqa: F401  (registers)
 from vllm_accel.ops.registry import get_kernel
 
 cache_write_fp8 = get_kernel("cache_write_fp8", "reference")

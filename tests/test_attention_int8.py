@@ -21,11 +21,11 @@ from paged_cases import (GQA, HKV, INT8_ERR, TOL, assert_within_int8_bound, batc
                          int8_cache, kernel_args, make_case, read_slots, reference,
                          request_slots, write_shuffled)
 
-from vllm_accel.ops import (  # noqa: F401  (register)
-    attention_kernels,
-    attention_native,
-    attention_reference,
-)
+from vllm_accel.ops import paged_layout
+from vllm_accel.ops.cpu_native import attention as _cpu_native  # noqa: F401  (registers)
+from vllm_accel.ops.reference import attention as _reference  # noqa: F401  (registers)
+from vllm_accel.ops.reference import cache_write as writers
+from vllm_accel.ops.torch_fast import attention as torch_fast
 from vllm_accel.ops.registry import get_kernel
 
 
@@ -94,7 +94,7 @@ def test_cache_write_int8_roundtrip(bs, d, dtype, layout):
         k_q, v_q, scales = read_slots(cache, blk, off)
         for q, x, sc in ((k_q, ks[i], scales[..., 0]), (v_q, vs[i], scales[..., 1])):
             x = x.double()
-            want = (x.abs().amax(-1) / 127).clamp_min(attention_kernels.INT8_MIN_SCALE)
+            want = (x.abs().amax(-1) / 127).clamp_min(paged_layout.INT8_MIN_SCALE)
             torch.testing.assert_close(sc.double(), want, atol=0, rtol=1e-6)
             assert q.abs().max() <= 127
             err = (q.double() * sc.double()[..., None] - x).abs()
@@ -156,7 +156,7 @@ def test_int8_matches_bf16_kernel_up_to_quantization(bs, dtype):
 
 
 def test_int8_kernels_registered():
-    assert get_kernel("cache_write_int8", "reference") is attention_kernels.cache_write_int8
+    assert get_kernel("cache_write_int8", "reference") is writers.cache_write_int8
     for name in ("paged_decode_int8", "paged_prefill_int8"):
-        assert get_kernel(name, "torch_fast") is getattr(attention_kernels, name)
-        assert get_kernel(name, "reference").__module__ == "vllm_accel.ops.attention_reference"
+        assert get_kernel(name, "torch_fast") is getattr(torch_fast, name)
+        assert get_kernel(name, "reference").__module__ == "vllm_accel.ops.reference.attention"

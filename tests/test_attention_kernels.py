@@ -14,11 +14,10 @@ import math
 import pytest
 import torch
 
-from vllm_accel.ops import (  # noqa: F401  (register)
-    attention_kernels,
-    attention_native,
-    attention_reference,
-)
+from vllm_accel.ops.cpu_native import attention as _cpu_native  # noqa: F401  (registers)
+from vllm_accel.ops.reference import attention as _reference  # noqa: F401  (registers)
+from vllm_accel.ops.reference import cache_write as writers
+from vllm_accel.ops.torch_fast import attention as torch_fast
 from vllm_accel.ops.registry import get_kernel
 
 from paged_cases import GQA, HKV, TOL, batch_mix, make_case, read_kv, reference
@@ -111,7 +110,7 @@ def test_paged_decode_padded_request_is_zero():
 
 
 def test_kernels_registered():
-    assert get_kernel("cache_write", "reference") is attention_kernels.cache_write
+    assert get_kernel("cache_write", "reference") is writers.cache_write
     for name in ("paged_decode", "paged_prefill"):
-        assert get_kernel(name, "torch_fast") is getattr(attention_kernels, name)
-        assert get_kernel(name, "reference").__module__ == "vllm_accel.ops.attention_reference"
+        assert get_kernel(name, "torch_fast") is getattr(torch_fast, name)
+        assert get_kernel(name, "reference").__module__ == "vllm_accel.ops.reference.attention"

@@ -194,8 +194,8 @@ def test_card_kv_sizing_from_allocator_numbers():
 
 def test_xformers_probe_falls_back_on_cpu():
     from vllm_accel.ops import registry
-    from vllm_accel.ops.vendor_kernels import probe_xformers
-    import vllm_accel.ops.attention_kernels  # noqa: F401
+    from vllm_accel.ops.vendor.kernels import probe_xformers
+    import vllm_accel.ops.torch_fast.attention  # noqa: F401
 
     usable, why = probe_xformers(torch.device("cpu"))
     assert not usable and "not usable on cpu" in why

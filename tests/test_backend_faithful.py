@@ -58,7 +58,7 @@ GCU_DISPATCH = textwrap.dedent("""
     assert "vllm_gcu" not in sys.modules  # only its _C ops were loaded
     import vllm_accel.ops.custom_ops  # reference kernels
     from vllm_accel.ops import registry
-    from vllm_accel.ops.vendor_kernels import install_vendor_kernels
+    from vllm_accel.ops.vendor.kernels import install_vendor_kernels
     report = install_vendor_kernels(b)
     registry.set_preferred_providers(b.kernel_providers)
     print("REPORT", report)
@@ -119,7 +119,7 @@ def test_sophgo_rmsnorm_vendor_op(tmp_path):
         from vllm_accel.backends import get_backend
         import vllm_accel.ops.custom_ops
         from vllm_accel.ops import registry
-        from vllm_accel.ops.vendor_kernels import install_vendor_kernels
+        from vllm_accel.ops.vendor.kernels import install_vendor_kernels
         b = get_backend(); b.load()
         print("REPORT", install_vendor_kernels(b))
         registry.set_preferred_providers(b.kernel_providers)

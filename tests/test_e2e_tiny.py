@@ -24,8 +24,8 @@ CASES = {
     # the Triton kernels, forced, in Triton's interpreter (no CPU backend)
     "qwen2-gqa2-bs16-triton": ("qwen2", 4, 2, 16, 16, "triton", False),
 }
-KERNEL_MODULES = {"cpu_native": "attention_native", "torch_fast": "attention_kernels",
-                  "reference": "attention_reference", "triton": "triton.paged_attention"}
+KERNEL_MODULES = {"cpu_native": "cpu_native.attention", "torch_fast": "torch_fast.attention",
+                  "reference": "reference.attention", "triton": "triton.paged_attention"}
 
 
 @pytest.mark.engine

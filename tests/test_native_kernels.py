@@ -17,12 +17,10 @@ import torch
 from paged_cases import assert_within_int8_bound, build, kernel_args
 from paged_cases import HKV, batch_mix, make_case, reference
 
-from vllm_accel.ops import (  # noqa: F401  (custom_ops registers the reference ops)
-    attention_native,
-    custom_ops,
-    custom_ops_native,
-    native,
-)
+from vllm_accel.ops import custom_ops  # noqa: F401  (registers the reference ops)
+from vllm_accel.ops.cpu_native import attention as attention_native
+from vllm_accel.ops.cpu_native import build as native
+from vllm_accel.ops.cpu_native import elementwise as custom_ops_native
 from vllm_accel.ops.registry import get_kernel
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]

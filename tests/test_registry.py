@@ -38,8 +38,8 @@ def test_unknown_names_are_clear_errors(fresh_kernel):
 
 
 def test_builtin_kernels_have_reference_providers():
-    import vllm_accel.ops.attention_kernels  # noqa: F401
-    import vllm_accel.ops.attention_reference  # noqa: F401
+    import vllm_accel.ops.reference.attention  # noqa: F401
+    import vllm_accel.ops.torch_fast.attention  # noqa: F401
     import vllm_accel.ops.custom_ops  # noqa: F401
 
     for name in ("cache_write", "paged_decode", "paged_prefill", "rms_norm",

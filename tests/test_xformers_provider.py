@@ -14,7 +14,7 @@ import torch
 from paged_cases import make_case, reference
 
 from vllm_accel.ops import registry
-from vllm_accel.ops.vendor_kernels import probe_xformers, xformers_paged_prefill
+from vllm_accel.ops.vendor.kernels import probe_xformers, xformers_paged_prefill
 
 
 def test_probe_finds_pypi_xformers_without_cpu_kernels():

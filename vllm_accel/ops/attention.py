@@ -29,11 +29,11 @@ from vllm.v1.kv_cache_layout import KVCacheLayout
 
 from vllm_accel import envs
 from vllm_accel.logger import init_logger
-from vllm_accel.ops import (  # noqa: F401  (register their providers' kernels)
-    attention_native,
-    attention_reference,
-)
-from vllm_accel.ops.attention_kernels import FP8_KV_FORMATS, INT8_SCALE_BYTES
+from vllm_accel.ops.cpu_native import attention as _cpu_native  # noqa: F401  (registers)
+from vllm_accel.ops.paged_layout import FP8_KV_FORMATS, INT8_SCALE_BYTES
+from vllm_accel.ops.reference import attention as _reference  # noqa: F401  (registers)
+from vllm_accel.ops.reference import cache_write as _writers  # noqa: F401  (registers)
+from vllm_accel.ops.torch_fast import attention as _torch_fast  # noqa: F401  (registers)
 from vllm_accel.ops.kv_scales import load_kv_scales
 from vllm_accel.ops.registry import get_kernel
 

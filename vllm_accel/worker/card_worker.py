@@ -18,7 +18,7 @@ from vllm.v1.worker.gpu_worker import Worker, init_worker_distributed_environmen
 from vllm.v1.worker.worker_base import CompilationTimes
 
 from vllm_accel.backends import get_backend
-from vllm_accel.ops.vendor_kernels import install_vendor_kernels
+from vllm_accel.ops.vendor.kernels import install_vendor_kernels
 from vllm_accel.worker.card_model_runner import AccelCardModelRunner
 from vllm_accel.worker.common import AccelWorkerMixin
 

@@ -18,7 +18,7 @@ import torch
 
 from vllm_accel import envs
 from vllm_accel.logger import init_logger
-from vllm_accel.ops.native import compiler
+from vllm_accel.ops.cpu_native.build import compiler
 
 logger = init_logger(__name__)
 

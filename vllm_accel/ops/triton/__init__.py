@@ -4,7 +4,7 @@ Triton is how kernels reach accelerators without a port per vendor: Enflame and
 Sophgo both ship Triton backends, and the same source runs on NVIDIA GPUs, which
 is where these kernels are proven (tests and ``benchmarks/triton_kernels.py`` on
 an H100). The kernels read this project's own layouts -- the paged KV cache of
-``attention_kernels`` (bf16/fp16/fp32 and INT8 with per-(token, head) scales) and
+``paged_layout`` (bf16/fp16/fp32 and INT8 with per-(token, head) scales) and
 the weight-only resident layout of ``quant/packed.py`` -- so choosing Triton never
 repacks anything.
 

@@ -23,11 +23,18 @@ def probe_triton(device: torch.device) -> tuple[bool, str]:
     if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
         return False, ("Triton has no CPU backend; set TRITON_INTERPRET=1 to run its "
                        "interpreter (slow: for tests)")
+    interpreting = os.environ.get("TRITON_INTERPRET") == "1"
     try:
-        from vllm_accel.ops.attention_kernels import paged_decode as torch_decode
-        from vllm_accel.ops.triton import paged_attention
-    except Exception as exc:  # triton missing, or a build that fails to import
-        return False, f"Triton not importable ({type(exc).__name__}: {exc})"
+        import triton
+
+        if not interpreting:  # no GPU driver: stop before defining (compiling) kernels
+            triton.runtime.driver.active.get_current_target()
+    except Exception as exc:  # triton missing, a broken build, or no driver
+        first_line = (str(exc).strip().splitlines() or [""])[0]
+        return False, (f"Triton kernels do not run on {device.type} "
+                       f"({type(exc).__name__}: {first_line[:200]})")
+    from vllm_accel.ops.torch_fast.attention import paged_decode as torch_decode
+    from vllm_accel.ops.triton import paged_attention
     try:
         g = torch.Generator().manual_seed(0)
         cache = torch.randn(3, 2, 16, 2 * 64, generator=g).to(device)

@@ -1,5 +1,5 @@
 // RMSNorm (optionally fused with the residual add), SiluAndMul and rotary embedding for the
-// simulated GCU, built with paged_attention.cpp into one library (ops/native.py).
+// simulated GCU, built with paged_attention.cpp into one library (cpu_native/build.py).
 //
 // Each computes in float32 and rounds to the model dtype once, at the output (the
 // residual of the fused add is an output too), as vLLM's CPU kernels do. The

@@ -2,14 +2,14 @@
 
 One request at a time, its pages read with plain indexing, K/V dequantized to
 float32 (INT8 codes times their scales; float8 values times the layer's scales), heads expanded for GQA, softmax over an explicit causal mask. The tests
-hold every other provider (``torch_fast`` in ``attention_kernels``, a vendor's) to
+hold every other provider (``torch_fast``, ``cpu_native``, ``triton``, a vendor's) to
 the same float64 oracle, and ``ACCEL_KERNEL_PROVIDER=reference`` runs it in the
-engine. Page layout: see ``attention_kernels``.
+engine. Page layout: see ``paged_layout``.
 """
 
 import torch
 
-from vllm_accel.ops.attention_kernels import INT8_SCALE_BYTES
+from vllm_accel.ops.paged_layout import INT8_SCALE_BYTES
 from vllm_accel.ops.registry import register_kernel
 
 

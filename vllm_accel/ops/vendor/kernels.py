@@ -156,7 +156,7 @@ def xformers_paged_prefill(query, kv_cache, block_table, query_start_loc, seq_le
     import xformers.ops as xops
     from xformers.ops.fmha.attn_bias import LowerTriangularFromBottomRightMask
 
-    from vllm_accel.ops.attention_kernels import _gather_kv
+    from vllm_accel.ops.torch_fast.attention import _gather_kv
 
     t, h, d = query.shape
     hkv, block_size = kv_cache.shape[1], kv_cache.shape[2]

@@ -1,4 +1,4 @@
-"""Compiles and loads the C++ kernels in ``ops/csrc`` (the ``cpu_native`` provider).
+"""Compiles and loads the C++ kernels in ``csrc/`` (the ``cpu_native`` provider).
 
 Why not a torch C++ extension: including torch's headers makes every build take
 a minute or more; these kernels only need raw pointers, so they are a plain C ABI

@@ -1,10 +1,10 @@
-// Paged attention for the simulated GCU, compiled at first use (see ops/native.py).
+// Paged attention for the simulated GCU, compiled at first use (see cpu_native/build.py).
 //
 // Plain C ABI (no torch headers, so it compiles in seconds) called through ctypes
 // with raw pointers and element strides. OpenMP parallel regions run on the
 // libgomp that torch already loaded, so torch and these kernels share one pool.
 //
-// Page layout (ops/attention_kernels.py): the (block, kv head) page of a
+// Page layout (ops/paged_layout.py): the (block, kv head) page of a
 // bf16/fp16/fp32 cache is K [BS, D] then V [BS, D]; of an INT8 cache it is
 // K int8 [BS, D], V int8 [BS, D], then float32 [BS, 2] (k_scale, v_scale).
 // `block_stride` / `head_stride` locate a page, in elements of the cache dtype.
@@ -608,7 +608,7 @@ void write_float(const T* key, const T* value, int64_t tok_stride, int64_t head_
 #pragma GCC optimize("no-fast-math")
 
 // Symmetric per-(token, head) quantization, the same arithmetic as the torch
-// writer (attention_kernels._quantize): scale = max|x| / 127 (floored), or a
+// writer (reference/cache_write.py _quantize): scale = max|x| / 127 (floored), or a
 // static scale; q = round_half_even(x / scale) clipped to [-127, 127].
 template <typename T>
 float quantize_row(const T* x, int8_t* q, int n, float static_scale) {

@@ -14,7 +14,7 @@ import ctypes
 
 import torch
 
-from vllm_accel.ops import native
+from vllm_accel.ops.cpu_native import build as native
 from vllm_accel.ops.registry import fallback_kernel, register_kernel
 
 NATIVE = "cpu_native"

@@ -1,6 +1,6 @@
 """The ``cpu_native`` provider: paged attention and KV-cache writers in C++.
 
-The batched torch readers (``attention_kernels``) copy every request's K/V pages
+The batched torch readers (``torch_fast/attention.py``) copy every request's K/V pages
 out of the cache before two batched matmuls; at decode that gather costs as much
 as the attention itself. The C++ kernel (``csrc/paged_attention.cpp``) reads the
 pages in place: one pass per (token, kv head) over its keys and values for all
@@ -18,7 +18,7 @@ import ctypes
 
 import torch
 
-from vllm_accel.ops import native
+from vllm_accel.ops.cpu_native import build as native
 from vllm_accel.ops.registry import fallback_kernel, register_kernel
 
 NATIVE = "cpu_native"
@@ -64,7 +64,7 @@ def _native_ok(query: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.T
 
 
 def _head_size(kv_cache: torch.Tensor) -> int:
-    from vllm_accel.ops.attention_kernels import INT8_SCALE_BYTES
+    from vllm_accel.ops.paged_layout import INT8_SCALE_BYTES
 
     width = kv_cache.shape[-1]
     return (width - INT8_SCALE_BYTES) // 2 if kv_cache.dtype == torch.int8 else width // 2

@@ -1,4 +1,4 @@
-// Element types of the C ABI (ops/native.py DTYPE_CODES) and float32 conversions
+// Element types of the C ABI (cpu_native/build.py DTYPE_CODES) and float32 conversions
 // that round like torch (to nearest even).
 #pragma once
 

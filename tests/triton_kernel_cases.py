@@ -1,0 +1,219 @@
+"""The ``triton`` provider's kernels vs. float64 oracles (collected through
+``test_triton_kernels.py``, which says where they run).
+
+Attention cases come from ``paged_cases`` (shuffled block tables with garbage
+columns, garbage-filled caches, padded slot mappings; both physical layouts) and
+are written on the host by the reference writers, then moved to the device. The
+cross product is trimmed to a list of cases that still covers every block size
+(16..128), GQA ratio (1, 3, 8), head size (64, 128 and 80/96 beyond the powers of
+two), dtype, the INT8 cache (dynamic and static scales) and multi-partition decode.
+"""
+
+import math
+import os
+
+import pytest
+import torch
+
+from paged_cases import (HKV, TOL, assert_within_int8_bound, batch_mix, build, kernel_args,
+                         make_case, reference)
+
+from vllm_accel.ops.triton import int8_gemm, paged_attention, wint_gemm
+
+DEVICE = os.environ.get("ACCEL_TEST_DEVICE", "cpu")
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+#: (mix, block size, GQA ratio, head size, layout): every value of each axis at least twice
+ATTENTION_CASES = [
+    ("prefill", 16, 1, 64, "LHBNC"), ("prefill_ctx", 16, 8, 128, "LBHNC"),
+    ("mixed", 32, 3, 64, "LHBNC"), ("prefill_ctx", 64, 3, 128, "LHBNC"),
+    ("mixed", 128, 8, 64, "LBHNC"), ("prefill", 128, 1, 128, "LHBNC"),
+    ("mixed", 64, 1, 80, "LHBNC"), ("prefill_ctx", 32, 8, 96, "LBHNC"),
+]
+
+
+def on_device(*tensors):
+    return [t.to(DEVICE) for t in tensors]
+
+
+def _check(out, expected, dtype):
+    assert out.dtype == dtype and out.shape == expected.shape
+    torch.testing.assert_close(out.cpu().double(), expected, **TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("mix,bs,ratio,d,layout", ATTENTION_CASES)
+def test_paged_prefill(mix, bs, ratio, d, layout, dtype):
+    reqs = batch_mix(mix, bs)
+    qs, ks, vs, block_table, cache = make_case(reqs, bs, ratio * HKV, HKV, d, dtype,
+                                               seed=bs * ratio + d, layout=layout)
+    qsl, seq_lens = kernel_args(reqs)
+    query = torch.cat(qs + [torch.full((3, ratio * HKV, d), 7.0).to(dtype)])  # padded rows
+    query, cache, block_table, seq_lens = on_device(query, cache, block_table, seq_lens)
+    out = paged_attention.paged_prefill(query, cache, block_table, qsl, seq_lens, d**-0.5)
+    expected = torch.cat([reference(q, k, v, d**-0.5) for q, k, v in zip(qs, ks, vs)])
+    _check(out[:-3], expected, dtype)
+    assert (out[-3:] == 0).all()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("bs,ratio,d,layout", [(16, 3, 64, "LBHNC"), (64, 8, 128, "LHBNC"),
+                                               (128, 1, 96, "LHBNC"), (32, 1, 128, "LBHNC")])
+def test_paged_decode(bs, ratio, d, layout, dtype):
+    """Includes a padded slot (seq_len 0 -> zeros) and a non-contiguous query."""
+    reqs = batch_mix("decode", bs)
+    qs, ks, vs, block_table, cache = make_case(reqs, bs, ratio * HKV, HKV, d, dtype,
+                                               seed=bs + ratio * d, layout=layout)
+    seq_lens = torch.tensor([s for _, s in reqs] + [0], dtype=torch.int32)
+    block_table = torch.cat([block_table, block_table[:1]])
+    qkv = torch.cat([torch.cat(qs + [qs[0]]), torch.zeros(len(reqs) + 1, ratio * HKV, d,
+                                                           dtype=dtype)], dim=-1)
+    qkv, cache, block_table, seq_lens = on_device(qkv, cache, block_table, seq_lens)
+    out = paged_attention.paged_decode(qkv[..., :d], cache, block_table, seq_lens, d**-0.5)
+    expected = torch.cat([reference(q, k, v, d**-0.5) for q, k, v in zip(qs, ks, vs)])
+    _check(out[:-1], expected, dtype)
+    assert (out[-1] == 0).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_paged_decode_long_context_spans_partitions(dtype):
+    """Contexts longer than a partition: the split programs' states are merged."""
+    bs, d = 64, 64
+    reqs = [(1, paged_attention.PARTITION * 2 + 37), (1, 5), (1, paged_attention.PARTITION)]
+    qs, ks, vs, block_table, cache = make_case(reqs, bs, 4 * HKV, HKV, d, dtype, seed=3)
+    assert block_table.shape[1] * bs > 2 * paged_attention.PARTITION
+    seq_lens = torch.tensor([s for _, s in reqs], dtype=torch.int32)
+    query, cache, block_table, seq_lens = on_device(torch.cat(qs), cache, block_table, seq_lens)
+    out = paged_attention.paged_decode(query, cache, block_table, seq_lens, d**-0.5)
+    expected = torch.cat([reference(q, k, v, d**-0.5) for q, k, v in zip(qs, ks, vs)])
+    _check(out, expected, dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("mix,bs,ratio,d,layout", [
+    ("mixed", 16, 3, 128, "LHBNC"), ("prefill_ctx", 128, 8, 64, "LBHNC"),
+    ("decode", 64, 1, 128, "LHBNC"), ("decode", 32, 8, 64, "LBHNC")])
+def test_int8_cache(mix, bs, ratio, d, layout, dtype):
+    """Against the unquantized oracle within the INT8 bound the torch kernels meet."""
+    reqs = batch_mix(mix, bs)
+    qs, ks, vs, block_table, cache, _ = build(reqs, bs, ratio, d, dtype, layout,
+                                              seed=bs * ratio + d)
+    scale = d**-0.5
+    expected = torch.cat([reference(q, k, v, scale) for q, k, v in zip(qs, ks, vs)])
+    vmax = torch.cat([v.abs().max().double().expand(len(q), 1, 1) for q, v in zip(qs, vs)])
+    qsl, seq_lens = kernel_args(reqs)
+    query, cache, block_table, seq_lens = on_device(torch.cat(qs), cache, block_table, seq_lens)
+    if mix == "decode":
+        out = paged_attention.paged_decode(query, cache, block_table, seq_lens, scale)
+    else:
+        out = paged_attention.paged_prefill(query, cache, block_table, qsl, seq_lens, scale)
+    assert out.dtype == dtype
+    assert_within_int8_bound(out.cpu(), expected, vmax, dtype)
+
+
+def test_int8_cache_static_scales_exact():
+    """Static per-layer scales: exact against attention over the dequantized codes."""
+    bs, d, k_scale, v_scale = 32, 64, 0.02, 0.03
+    reqs = batch_mix("mixed", bs)
+    qs, ks, vs, block_table, cache, _ = build(reqs, bs, 3, d, torch.float32, "LHBNC", seed=5,
+                                              k_scale=k_scale, v_scale=v_scale)
+    def dequant(x, s):
+        return torch.round(x.double() / s).clamp(-127, 127) * s
+    expected = torch.cat([reference(q, dequant(k, k_scale), dequant(v, v_scale), d**-0.5)
+                          for q, k, v in zip(qs, ks, vs)])
+    qsl, seq_lens = kernel_args(reqs)
+    query, cache, block_table, seq_lens = on_device(torch.cat(qs), cache, block_table, seq_lens)
+    out = paged_attention.paged_prefill(query, cache, block_table, qsl, seq_lens, d**-0.5)
+    _check(out, expected, torch.float32)
+
+
+# ---------------------------------------------------------------------------
+# Weight-only integer GEMM on the resident layout
+# ---------------------------------------------------------------------------
+
+
+def resident(out_f, in_f, bits, group_size, asym, act_order, seed):
+    """Random resident tensors (quant/packed.py's layout) and the float64 weight
+    ``[out, in]`` in checkpoint column order they encode."""
+    g = torch.Generator().manual_seed(seed)
+    gs = in_f if group_size == -1 else group_size
+    codes = torch.randint(0, 2**bits, (out_f, in_f), generator=g)
+    scales = (torch.rand(out_f, in_f // gs, generator=g) * 0.02 + 0.001).half()
+    zeros = (torch.randint(0, 2**bits, (out_f, in_f // gs), generator=g).half() if asym
+             else None)
+    perm = torch.randperm(in_f, generator=g) if act_order else None
+    g_idx = (perm // gs).to(torch.int32) if act_order else None
+    group = g_idx.long() if act_order else torch.arange(in_f) // gs
+    z = zeros.double()[:, group] if asym else 2.0 ** (bits - 1)
+    w_resident = (codes.double() - z) * scales.double()[:, group]
+    w = torch.empty_like(w_resident)
+    w[:, perm if act_order else torch.arange(in_f)] = w_resident
+    c = codes.to(torch.uint8)
+    qweight = (c[:, 0::2] | (c[:, 1::2] << 4)).contiguous() if bits == 4 else c
+    return dict(qweight=qweight, scales=scales, zeros=zeros, perm=perm, g_idx=g_idx,
+                group_size=gs), w
+
+
+WINT_TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 2e-3}
+
+
+@pytest.mark.parametrize("m", [1, 5, 40])
+@pytest.mark.parametrize("bits,group_size,asym,act_order,dtype,in_f", [
+    (4, 32, False, False, torch.float32, 256), (4, 128, True, False, torch.bfloat16, 512),
+    (4, 64, False, True, torch.float16, 256), (4, -1, True, True, torch.bfloat16, 256),
+    (8, 128, False, False, torch.bfloat16, 256), (8, -1, True, False, torch.float32, 256),
+    (8, 32, True, True, torch.float16, 256),
+    # rows that are not whole int32 words: the byte kernels (GEMV and tl.dot forms)
+    (4, -1, True, False, torch.bfloat16, 250), (8, 50, True, True, torch.float32, 250)])
+def test_wint_linear(m, bits, group_size, asym, act_order, dtype, in_f):
+    out_f = 96
+    res, w = resident(out_f, in_f, bits, group_size, asym, act_order, seed=bits + m)
+    g = torch.Generator().manual_seed(m)
+    x = torch.randn(m, in_f, generator=g).to(dtype)
+    bias = torch.randn(out_f, generator=g)
+    expected = x.double() @ w.T + bias.double()
+    args = {k: (v.to(DEVICE) if isinstance(v, torch.Tensor) else v) for k, v in res.items()}
+    y = wint_gemm.wint_linear(x.to(DEVICE), args.pop("qweight"), args.pop("scales"),
+                              args.pop("zeros"), bits=bits, bias=bias.to(DEVICE), **args)
+    assert y.dtype == dtype and y.shape == (m, out_f)
+    err = ((y.cpu().double() - expected).abs().max() / expected.abs().max()).item()
+    assert err <= WINT_TOL[dtype], err
+
+
+# ---------------------------------------------------------------------------
+# W8A8 int8 GEMM with per-token activation quantization
+# ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("m", [1, 70])
+@pytest.mark.parametrize("mode", ["dynamic", "static", "static_asym"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_int8_linear(m, mode, dtype):
+    n, k = 80, 160
+    g = torch.Generator().manual_seed(m)
+    w = torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8)
+    w_scale = torch.rand(n, generator=g) * 0.01 + 1e-4
+    x = torch.randn(m, k, generator=g).to(dtype)
+    bias = torch.randn(n, generator=g)
+    xd = x.double()
+    if mode == "dynamic":  # float64 oracle of per-token symmetric quantization
+        s = xd.abs().amax(1, keepdim=True) / 127
+        xq, s_in, zp = torch.round(xd / s).clamp(-127, 127) * s, None, None
+    else:
+        s = torch.tensor(0.02)
+        zp = torch.tensor(5, dtype=torch.int32) if mode == "static_asym" else None
+        q = torch.round(xd / s.double()) + (5 if zp is not None else 0)
+        xq = (q.clamp(-128, 127) - (5 if zp is not None else 0)) * s.double()
+        s_in = s
+    expected = xq @ (w.double() * w_scale.double()[:, None]).T + bias.double()
+    col_sums = w.to(torch.int32).sum(1) if zp is not None else None
+    dev = lambda t: None if t is None else t.to(DEVICE)  # noqa: E731
+    y = int8_gemm.int8_linear(x.to(DEVICE), w.to(DEVICE), w_scale.to(DEVICE),
+                              input_scale=dev(s_in), input_zero_point=dev(zp),
+                              weight_col_sums=dev(col_sums), bias=bias.to(DEVICE))
+    assert y.dtype == dtype and y.shape == (m, n)
+    # one code of rounding at a tie (fp32 vs float64 scale) moves a product by s * |w|
+    bound = 1e-5 if dtype == torch.float32 else 8e-3
+    err = ((y.cpu().double() - expected).abs().max() / expected.abs().max()).item()
+    assert err <= bound, err
+    assert math.isfinite(err)
