@@ -8,7 +8,19 @@ warning quiet. README's "Configuration" table mirrors the docs below.
 
 import os
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # what ``envs.NAME`` returns, for readers and type checkers
+    ACCEL_DEVICE: str = "gcu"
+    ACCEL_BACKEND: str = "auto"
+    ACCEL_SIM_DEVICE_MEMORY_GB: float = 48.0
+    ACCEL_SIM_HOST_MEMORY_FRACTION: float = 0.6
+    ACCEL_VIRTUAL_DEVICE_COUNT: int = 8
+    ACCEL_KERNEL_PROVIDER: str = ""
+    ACCEL_KV_SCALES: str = ""
+    ACCEL_MODEL_CACHE: str = "~/.cache/vllm-accel/models"
+    ACCEL_NATIVE_CACHE: str = "~/.cache/vllm-accel/native"
+    ACCEL_REPACK_CACHE: str = "~/.cache/vllm-accel/repack"
 
 GiB = 1 << 30
 
@@ -70,8 +82,10 @@ environment_variables: dict[str, tuple[Callable[[], Any], str]] = {
     ),
     "ACCEL_KERNEL_PROVIDER": (
         lambda: os.environ.get("ACCEL_KERNEL_PROVIDER", "").strip().lower(),
-        "Force one kernel provider (e.g. `reference`) instead of the backend's "
-        "preferred ones; empty means the backend's order.",
+        "Force one kernel provider (e.g. `reference`, `torch_fast`, `triton`) "
+        "instead of the backend's preferred ones; empty means the backend's order. "
+        "`triton` on the simulator needs `TRITON_INTERPRET=1` (Triton has no CPU "
+        "backend).",
     ),
     "ACCEL_KV_SCALES": (
         lambda: os.environ.get("ACCEL_KV_SCALES", ""),
