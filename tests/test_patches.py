@@ -2,6 +2,8 @@
 
 import importlib.metadata
 
+import os
+
 import pytest
 
 from vllm_accel import patches
@@ -102,3 +104,57 @@ def test_serve_exits_nonzero_only_after_the_engine_died(monkeypatch):
     with pytest.raises(SystemExit, match="the engine died"):
         ServeSubcommand.cmd("crashed")
     assert runs == ["clean", "crashed"]
+
+
+def _patch(name_start: str):
+    return next(p for p in patches.PATCHES if p.name.startswith(name_start))
+
+
+def test_model_runner_v1_pin_keeps_an_explicit_setting(monkeypatch):
+    monkeypatch.delenv("VLLM_USE_V2_MODEL_RUNNER", raising=False)
+    _patch("Model Runner V1").apply()
+    assert os.environ["VLLM_USE_V2_MODEL_RUNNER"] == "0"
+    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "1")
+    _patch("Model Runner V1").apply()
+    assert os.environ["VLLM_USE_V2_MODEL_RUNNER"] == "1"
+
+
+def test_cli_accepts_int8_kv_cache_dtype_once_patched():
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--kv-cache-dtype", choices=["auto", "int8_per_token_head"])
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--kv-cache-dtype", "int8"])
+    for _ in range(2):  # idempotent
+        _patch("--kv-cache-dtype int8").apply(parser=parser)
+    assert parser.parse_args(["--kv-cache-dtype", "int8"]).kv_cache_dtype == "int8_per_token_head"
+    assert parser.parse_args(["--kv-cache-dtype", "auto"]).kv_cache_dtype == "auto"
+    assert parser._option_string_actions["--kv-cache-dtype"].help.count("also accepts") == 1
+
+
+def test_card_patches_set_spawn_and_the_dist_ident(monkeypatch):
+    monkeypatch.delenv("VLLM_WORKER_MULTIPROC_METHOD", raising=False)
+    patches.apply_all("card_config")
+    assert os.environ["VLLM_WORKER_MULTIPROC_METHOD"] == "spawn"
+    monkeypatch.delenv("VLLM_DIST_IDENT", raising=False)
+    patches.apply_all("card_worker", init_method="tcp://127.0.0.1:29517")
+    assert os.environ["VLLM_DIST_IDENT"] == "29517"
+    patches.apply_all("card_worker", init_method="file:///tmp/dist-abc")
+    assert os.environ["VLLM_DIST_IDENT"] == "dist-abc"
+
+
+def test_sccl_options_reach_only_the_sccl_group_and_only_inside_the_block(monkeypatch):
+    import torch.distributed
+
+    calls = []
+    monkeypatch.setattr(torch.distributed, "init_process_group",
+                        lambda *args, **kwargs: calls.append((args, kwargs)))
+    original = torch.distributed.init_process_group
+    opts = object()
+    with patches.applied("sccl_init", dist_backend="sccl", pg_options=opts):
+        torch.distributed.init_process_group(backend="sccl", world_size=2)
+        torch.distributed.init_process_group("gloo")
+    assert calls == [((), {"backend": "sccl", "world_size": 2, "pg_options": opts}),
+                     (("gloo",), {})]
+    assert torch.distributed.init_process_group is original

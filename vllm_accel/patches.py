@@ -4,9 +4,13 @@ Each entry says why it exists, how it works and when it can be removed; tests in
 tests/test_patches.py check each one. ``apply_all()`` is idempotent.
 """
 
+import contextlib
+import functools
 import importlib.metadata
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from vllm_accel.logger import init_logger
 
@@ -19,12 +23,15 @@ class Patch:
     why: str
     how: str
     remove_when: str
-    apply: Callable[[], None]
+    apply: Callable[..., Any]
     #: "platform": applied when the platform module loads (before vLLM's CLI is
     #: built); "cli": from the platform's parser hook, while `vllm <subcommand>`
-    #: builds its parser (before the subcommand runs); "general": from the
-    #: general plugin, once vLLM's engine modules can be imported without a
-    #: circular import.
+    #: builds its parser (before the subcommand runs; gets ``parser``); "general":
+    #: from the general plugin, once vLLM's engine modules can be imported without
+    #: a circular import; "card_config": from the platform's config pass on a real
+    #: card; "card_worker": when a card worker joins the process group (gets
+    #: ``init_method``); "sccl_init": around the world group's creation on an
+    #: SG2260 (a context manager; gets ``dist_backend`` and ``pg_options``).
     phase: str = "platform"
 
 
@@ -75,6 +82,57 @@ def _kv_cache_dtype_alias() -> None:
 
     create_engine_config.__accel_patched__ = True  # type: ignore[attr-defined]
     EngineArgs.create_engine_config = create_engine_config
+
+
+def _pin_model_runner_v1() -> None:
+    os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")
+
+
+def _kv_cache_dtype_cli_alias(parser=None) -> None:
+    if parser is None:
+        return
+    action = parser._option_string_actions.get("--kv-cache-dtype")
+    if action is None or getattr(action.type, "__accel_patched__", False):
+        return
+    convert = action.type or str
+
+    def kv_cache_dtype(value: str) -> str:
+        return convert(KV_CACHE_DTYPE_ALIASES.get(value, value))
+
+    kv_cache_dtype.__accel_patched__ = True  # type: ignore[attr-defined]
+    action.type = kv_cache_dtype
+    action.help = (action.help or "") + " vllm_accel also accepts `int8` (= int8_per_token_head)."
+
+
+def _spawn_card_workers() -> None:
+    os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"
+
+
+def _card_dist_ident(init_method: str) -> None:
+    os.environ["VLLM_DIST_IDENT"] = (
+        os.path.basename(init_method.removeprefix("file://"))
+        if init_method.startswith("file://") else init_method.split(":")[-1]
+    )
+
+
+@contextlib.contextmanager
+def _sccl_pg_options(dist_backend: str, pg_options: Any):
+    import torch.distributed
+
+    original = torch.distributed.init_process_group
+
+    @functools.wraps(original)
+    def init_process_group(*args, **kwargs):
+        backend = kwargs.get("backend", args[0] if args else None)
+        if str(backend).lower() == dist_backend:
+            kwargs.setdefault("pg_options", pg_options)
+        return original(*args, **kwargs)
+
+    torch.distributed.init_process_group = init_process_group
+    try:
+        yield
+    finally:
+        torch.distributed.init_process_group = original
 
 
 #: how often a blocked offline client checks whether EngineCore died (seconds)
@@ -214,13 +272,92 @@ PATCHES: tuple[Patch, ...] = (
             "platform's parser hook, before main() reads cmd for dispatch."
         ),
         remove_when="`vllm serve` exits non-zero on engine death by itself.",
-        apply=_serve_exit_status_on_engine_death,
+        apply=lambda parser=None: _serve_exit_status_on_engine_death(),
         phase="cli",
+    ),
+    Patch(
+        name="Model Runner V1 pinned (VLLM_USE_V2_MODEL_RUNNER=0)",
+        why=(
+            "vLLM 0.32 picks Model Runner V1 when triton-cpu is missing and V2 when "
+            "it appears; our workers subclass V1's runners, and the API process, "
+            "EngineCore and the workers must agree."
+        ),
+        how="os.environ.setdefault when the platform module loads; an explicit "
+        "user setting wins.",
+        remove_when="our runners are ported to Model Runner V2, or V1 is the only one.",
+        apply=_pin_model_runner_v1,
+    ),
+    Patch(
+        name="--kv-cache-dtype int8 on the command line",
+        why=(
+            "The GCU forks' users write --kv-cache-dtype int8; vLLM 0.32's parser "
+            "offers only int8_per_token_head among its choices."
+        ),
+        how=(
+            "Wrap the --kv-cache-dtype action's type converter to map the alias "
+            "(argparse checks choices after converting), and say so in its help. "
+            "Applied from the platform's parser hook."
+        ),
+        remove_when="vLLM accepts 'int8' as a kv_cache_dtype.",
+        apply=_kv_cache_dtype_cli_alias,
+        phase="cli",
+    ),
+    Patch(
+        name="spawned workers on real cards (VLLM_WORKER_MULTIPROC_METHOD=spawn)",
+        why=(
+            "Neither vendor runtime (torch_gcu, torch_tpu) survives fork; both "
+            "vendors' vLLM ports force spawn. vLLM's default is fork."
+        ),
+        how="Set the variable in the platform's config pass when the backend is a "
+        "real card, before vLLM starts the workers.",
+        remove_when="vLLM lets a platform choose its worker start method.",
+        apply=_spawn_card_workers,
+        phase="card_config",
+    ),
+    Patch(
+        name="VLLM_DIST_IDENT for card workers",
+        why=(
+            "vLLM's CPU communicator names its shared-memory group from "
+            "VLLM_DIST_IDENT, which only CPUWorker.init_device sets; the card "
+            "worker subclasses the GPU worker, so ranks would not find each other."
+        ),
+        how="Derive it from the distributed init method exactly as CPUWorker does, "
+        "before the process group starts.",
+        remove_when="vLLM sets the identity where the communicator is created.",
+        apply=_card_dist_ident,
+        phase="card_worker",
+    ),
+    Patch(
+        name="sccl process-group options (Sophgo SG2260)",
+        why=(
+            "Sophgo's sccl backend needs its chip map as pg_options of the world "
+            "group; vLLM's init_worker_distributed_environment passes none."
+        ),
+        how=(
+            "While the world group is created, wrap torch.distributed."
+            "init_process_group to add pg_options for the sccl backend only; the "
+            "original is restored when the block ends."
+        ),
+        remove_when="vLLM passes platform-provided pg_options to init_process_group.",
+        apply=_sccl_pg_options,
+        phase="sccl_init",
     ),
 )
 
 
-def apply_all(phase: str = "platform") -> None:
+def apply_all(phase: str = "platform", **context: Any) -> None:
+    """Apply the patches of ``phase`` (``context``: what that phase's patches take)."""
     for patch in PATCHES:
         if patch.phase == phase:
-            patch.apply()
+            patch.apply(**context)
+
+
+@contextlib.contextmanager
+def applied(phase: str, **context: Any):
+    """Hold the patches of a scoped ``phase`` (their ``apply`` is a context manager)
+    for the block."""
+    with contextlib.ExitStack() as stack:
+        for patch in PATCHES:
+            if patch.phase == phase:
+                stack.enter_context(patch.apply(**context))
+        yield

@@ -31,9 +31,6 @@ logger = init_logger(__name__)
 
 check_vllm_version()
 patches.apply_all()
-# Model Runner V1 is what vLLM picks without triton-cpu; pin it so the API
-# process, EngineCore and workers agree even if triton-cpu appears later.
-os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")
 
 #: what ``--device`` accepts (the device names of the backends)
 DEVICE_CHOICES = ("gcu", "sophtpu")
@@ -77,20 +74,6 @@ def _how_to_get(device: str) -> str:
 
 
 _backend = get_backend()
-
-
-def _accept_kv_cache_dtype_aliases(action) -> None:
-    """Let ``--kv-cache-dtype int8`` through vLLM's choices as int8_per_token_head
-    (argparse checks ``choices`` after ``type`` converts the value)."""
-    if action is None:
-        return
-    convert = action.type or str
-
-    def kv_cache_dtype(value: str) -> str:
-        return convert(patches.KV_CACHE_DTYPE_ALIASES.get(value, value))
-
-    action.type = kv_cache_dtype
-    action.help = (action.help or "") + " vllm_accel also accepts `int8` (= int8_per_token_head)."
 
 
 class AccelPlatform(CpuPlatform):
@@ -150,8 +133,7 @@ class AccelPlatform(CpuPlatform):
     def pre_register_and_update(cls, parser=None) -> None:
         if parser is None or "--device" in parser._option_string_actions:
             return  # runs twice per `vllm serve`
-        patches.apply_all("cli")
-        _accept_kv_cache_dtype_aliases(parser._option_string_actions.get("--kv-cache-dtype"))
+        patches.apply_all("cli", parser=parser)
         parser.add_argument(
             "--device",
             action=_DeviceAction,
@@ -228,8 +210,7 @@ class AccelPlatform(CpuPlatform):
         inductor thread settings, host-RAM KV sizing)."""
         from vllm.config import CompilationMode
 
-        # Both vendors' vLLM ports force spawn: the vendor runtime does not survive fork.
-        os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"
+        patches.apply_all("card_config")
         vllm_config.scheduler_config.async_scheduling = False
         # Device graphs (GCUGraph/TPUGraph) are not wired up: run eagerly.
         compilation_config = vllm_config.compilation_config

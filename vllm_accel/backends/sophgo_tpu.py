@@ -14,12 +14,11 @@ Quirks handled (see shared notes, vendor-apis section 2):
 """
 
 import contextlib
-import functools
 import os
 
 import torch
-import torch.distributed
 
+from vllm_accel import patches
 from vllm_accel.backends.card import CardBackend
 from vllm_accel.logger import init_logger
 
@@ -100,20 +99,8 @@ class SophgoTpuBackend(CardBackend):
         opts = self.sccl_options(world_size)
         self.mod.set_chip_map(opts)
         self.set_device(local_rank)
-        original = torch.distributed.init_process_group
-
-        @functools.wraps(original)
-        def init_process_group(*args, **kwargs):
-            backend = kwargs.get("backend", args[0] if args else None)
-            if str(backend).lower() == self.dist_backend:
-                kwargs.setdefault("pg_options", opts)
-            return original(*args, **kwargs)
-
-        torch.distributed.init_process_group = init_process_group
-        try:
+        with patches.applied("sccl_init", dist_backend=self.dist_backend, pg_options=opts):
             yield
-        finally:
-            torch.distributed.init_process_group = original
 
     @contextlib.contextmanager
     def _my_ops_profile(self):

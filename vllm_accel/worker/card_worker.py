@@ -10,13 +10,13 @@ builds -- on a card those would silently break the vendor runtime.
 """
 
 import contextlib
-import os
 
 import torch
 from vllm.utils.torch_utils import set_random_seed
 from vllm.v1.worker.gpu_worker import Worker, init_worker_distributed_environment
 from vllm.v1.worker.worker_base import CompilationTimes
 
+from vllm_accel import patches
 from vllm_accel.backends import get_backend
 from vllm_accel.ops.vendor.kernels import install_vendor_kernels
 from vllm_accel.worker.card_model_runner import AccelCardModelRunner
@@ -64,10 +64,7 @@ class AccelCardWorker(AccelWorkerMixin, Worker):
         backend.set_device(self.local_rank)
         backend.empty_cache()
         init_method = self.distributed_init_method
-        os.environ["VLLM_DIST_IDENT"] = (
-            os.path.basename(init_method.removeprefix("file://"))
-            if init_method.startswith("file://") else init_method.split(":")[-1]
-        )
+        patches.apply_all("card_worker", init_method=init_method)
         with backend.distributed_init(self.rank, self.local_rank,
                                       self.parallel_config.world_size):
             init_worker_distributed_environment(
