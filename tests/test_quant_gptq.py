@@ -23,6 +23,7 @@ from quantizer import pack_int32, quantize_checkpoint, quantize_weight, unpack_i
 
 from vllm_accel.ops.registry import get_kernel, providers_of
 from vllm_accel.quant import gptq as G
+from vllm_accel.quant import packed
 
 # ---------------------------------------------------------------------------
 # helpers
@@ -71,8 +72,8 @@ def test_pack_roundtrip_and_vllm_helpers(bits):
     assert torch.equal(unpack_int32(rows, bits, dim=0), q)
     assert torch.equal(unpack_int32(cols, bits, dim=1), q)
     # the library's own unpacking
-    assert torch.equal(G._unpack_int32(rows, bits, dim=0), q)
-    assert torch.equal(G._unpack_int32(cols, bits, dim=1), q)
+    assert torch.equal(packed.unpack_int32(rows, bits, dim=0), q)
+    assert torch.equal(packed.unpack_int32(cols, bits, dim=1), q)
     # vLLM's packing helpers (GPTQ qweight = pack_rows, qzeros = pack_cols)
     assert torch.equal(qu.gptq_pack(q, bits, k, n), rows)
     assert torch.equal(qu.pack_cols(q, bits, k, n), cols)

@@ -69,11 +69,9 @@ from vllm_accel.logger import init_logger
 from vllm_accel.quant.base import AccelQuantConfig, is_moe, layer_error, load_summary
 from vllm_accel.quant import repack_cache
 from vllm_accel.quant.packed import (
-    TILE_K,  # noqa: F401  (re-exported)
     ResidentStats,
     WIntResident,
     apply_resident,
-    codes_of,
     compact_float,
     install_resident,
     pack_nibbles,
@@ -99,17 +97,10 @@ def _fail(prefix: str, problem: str, fix: str) -> ValueError:
 # ---------------------------------------------------------------------------
 
 
-# The shared pieces under their historical names (tests and callers use them).
-_unpack_int32 = unpack_int32
-_codes = codes_of
-_compact_float = compact_float
-GPTQResident = WIntResident
-
-
 def gptq_to_resident(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor,
                      g_idx: torch.Tensor | None, *, bits: int, group_size: int,
                      checkpoint_format: str = "gptq", group_offset: int = 0,
-                     prefix: str = "<layer>") -> GPTQResident:
+                     prefix: str = "<layer>") -> WIntResident:
     """Convert one layer's checkpoint tensors (as loaded, possibly a TP shard) to
     the resident layout. ``g_idx`` may be None or all -1 (absent in the
     checkpoint: groups are contiguous). ``group_offset`` is subtracted from
@@ -119,11 +110,11 @@ def gptq_to_resident(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.
     gs = in_features if group_size == -1 else group_size
     n_groups = scales.shape[0]
 
-    codes = _unpack_int32(qweight, bits, dim=0).t()  # [out, in]
-    zeros = _unpack_int32(qzeros, bits, dim=1)  # [G, out]
+    codes = unpack_int32(qweight, bits, dim=0).t()  # [out, in]
+    zeros = unpack_int32(qzeros, bits, dim=1)  # [G, out]
     if checkpoint_format == "gptq":
         zeros = zeros + 1  # v1 stores zero - 1
-    scales_r = _compact_float(scales.t().contiguous())  # [out, G]
+    scales_r = compact_float(scales.t().contiguous())  # [out, G]
     zeros_r = None
     if not bool((zeros == 2 ** (bits - 1)).all()):
         zeros_r = zeros.t().contiguous().to(scales_r.dtype)
@@ -146,7 +137,7 @@ def gptq_to_resident(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.
                 g_sorted = g_sorted.to(torch.int32)
     codes = codes.to(torch.uint8)
     packed = pack_nibbles(codes) if bits == 4 else codes.contiguous()
-    return GPTQResident(qweight=packed, scales=scales_r, zeros=zeros_r, perm=perm,
+    return WIntResident(qweight=packed, scales=scales_r, zeros=zeros_r, perm=perm,
                         g_idx=g_sorted, bits=bits, group_size=gs,
                         in_features=in_features, out_features=out_features)
 

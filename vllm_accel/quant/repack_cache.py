@@ -25,6 +25,7 @@ spent) at the first forward of a quantized layer.
 from __future__ import annotations
 
 import hashlib
+import importlib.metadata
 import json
 import os
 import time
@@ -34,12 +35,20 @@ from pathlib import Path
 
 import torch
 
-from vllm_accel import __version__ as PLUGIN_VERSION
 from vllm_accel import envs
 from vllm_accel.logger import init_logger
 from vllm_accel.quant.packed import LAYOUT_VERSION, WIntResident
 
 logger = init_logger(__name__)
+
+
+def _plugin_version() -> str:
+    """The installed vllm-accel's version (part of every cache key: a release may
+    change a conversion without changing the layout)."""
+    try:
+        return importlib.metadata.version("vllm-accel")
+    except importlib.metadata.PackageNotFoundError:  # running from a source tree
+        return "source"
 
 _DISABLED = ("", "0", "off", "none", "false", "no", "disable", "disabled")
 
@@ -79,7 +88,7 @@ def _hash_tensor(h, name: str, t: torch.Tensor | None) -> None:
 def content_key(fmt: str, params: dict, sources: dict[str, torch.Tensor | None]) -> str:
     """sha256 over format, parameters, versions and the source tensors' bytes."""
     h = hashlib.sha256()
-    head = {"fmt": fmt, "params": params, "plugin": PLUGIN_VERSION, "layout": LAYOUT_VERSION}
+    head = {"fmt": fmt, "params": params, "plugin": _plugin_version(), "layout": LAYOUT_VERSION}
     h.update(json.dumps(head, sort_keys=True, default=str).encode())
     for name in sorted(sources):
         _hash_tensor(h, name, sources[name])
