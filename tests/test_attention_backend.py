@@ -1,4 +1,4 @@
-"""GCU_ATTN selection and its startup errors for features it lacks."""
+"""ACCEL_ATTN selection and its startup errors for features it lacks."""
 
 import pytest
 import torch
@@ -28,7 +28,7 @@ def test_platform_selects_gcu_attn(selector):
 def test_unsupported_features_fail_with_a_clear_error(selector, flag, feature):
     from vllm.platforms import current_platform
 
-    with pytest.raises(NotImplementedError, match=f"needs {feature}, which vllm_accel's GCU_ATTN"):
+    with pytest.raises(NotImplementedError, match=f"needs {feature}, which vllm_accel's ACCEL_ATTN"):
         current_platform.get_attn_backend_cls(None, selector(**{flag: True}))
 
 

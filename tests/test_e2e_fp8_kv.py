@@ -73,5 +73,5 @@ def test_a_kv_dtype_the_backend_cannot_store_fails_at_startup(default_model, tmp
         run_engine(_spec(default_model, [[1, 2, 3]], kv_cache_dtype="fp8_inc",
                          enforce_eager=True), tmp_path)
     message = str(failed.value)
-    assert "--kv-cache-dtype fp8_inc is not supported by vllm_accel's GCU_ATTN" in message
+    assert "--kv-cache-dtype fp8_inc is not supported by vllm_accel's ACCEL_ATTN" in message
     assert "fp8_e5m2" in message and "int8_per_token_head" in message

@@ -22,7 +22,7 @@ def register_platform() -> str | None:
 
 def register_general() -> None:
     """``vllm.general_plugins`` entry point, run in every vLLM process:
-    registers the GCU_ATTN attention backend and our custom ops."""
+    registers the ACCEL_ATTN attention backend and our custom ops."""
     from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
 
     from vllm_accel import patches

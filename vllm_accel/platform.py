@@ -222,7 +222,7 @@ class AccelPlatform(CpuPlatform):
 
     @classmethod
     def get_attn_backend_cls(cls, selected_backend, attn_selector_config, num_heads=None) -> str:
-        from vllm_accel.ops.attention import reject_unsupported
+        from vllm_accel.ops.attention import BACKEND_NAME, reject_unsupported
 
         config = attn_selector_config
         reject_unsupported({
@@ -233,9 +233,9 @@ class AccelPlatform(CpuPlatform):
             "non-causal attention": config.use_non_causal,
             f"{config.attn_type} attention": config.attn_type != "decoder",
         })
-        if selected_backend is not None and selected_backend.name != "GCU_ATTN":
+        if selected_backend is not None and selected_backend.name != BACKEND_NAME:
             logger.warning_once(
-                "Attention backend %s is not available on the GCU; using GCU_ATTN.",
-                selected_backend.name,
+                "Attention backend %s is not available on %s; using %s.",
+                selected_backend.name, get_backend().device_name, BACKEND_NAME,
             )
         return ATTENTION_BACKEND_CLS

@@ -1,4 +1,4 @@
-"""GCU_ATTN: vllm_accel's paged attention backend (builder + impl + backend).
+"""ACCEL_ATTN: vllm_accel's paged attention backend (builder + impl + backend).
 
 The KV cache of one layer is a ``[num_blocks, num_kv_heads, block_size, 2 * head_size]``
 tensor (K in the first half of the last dim, V in the second), contiguous per
@@ -39,14 +39,14 @@ from vllm_accel.ops.registry import get_kernel
 
 logger = init_logger(__name__)
 
-BACKEND_NAME = "GCU_ATTN"
+BACKEND_NAME = "ACCEL_ATTN"
 #: the INT8 KV cache: int8 K and V plus an fp32 scale each per (token, head)
 INT8_KV = "int8_per_token_head"
 
 
 def reject_unsupported(features: dict[str, bool]) -> None:
     """Fail at startup, naming the model and each attention feature it needs
-    that GCU_ATTN lacks -- never serve silently wrong output."""
+    that ACCEL_ATTN lacks -- never serve silently wrong output."""
     missing = [feature for feature, needed in features.items() if needed]
     if not missing:
         return
@@ -62,7 +62,7 @@ def reject_unsupported(features: dict[str, bool]) -> None:
 
 
 def check_kv_cache_dtype(kv_cache_dtype: str) -> None:
-    """Fail at startup for a KV cache dtype GCU_ATTN cannot store (vLLM hands an
+    """Fail at startup for a KV cache dtype ACCEL_ATTN cannot store (vLLM hands an
     OOT backend any of its CacheDType values unchecked)."""
     from vllm_accel.preflight import StartupError
 

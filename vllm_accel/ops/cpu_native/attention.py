@@ -43,7 +43,7 @@ def _pages(kv_cache: torch.Tensor) -> tuple[int, int] | None:
 def _native_ok(query: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
                seq_lens: torch.Tensor, *int_tensors: torch.Tensor) -> bool:
     """Whether the C ABI takes these inputs. Its AVX-512 paths read 16 rows of a
-    page at a time, hence block sizes that are multiples of 16 (what GCU_ATTN
+    page at a time, hence block sizes that are multiples of 16 (what ACCEL_ATTN
     asks vLLM for); shapes the torch kernels would reject go to them."""
     int8 = kv_cache.dtype == torch.int8
     num_heads, num_kv_heads = query.shape[1], kv_cache.shape[1]
