@@ -163,6 +163,7 @@ WINT_TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 2e-3}
     (4, 64, False, True, torch.float16, 256), (4, -1, True, True, torch.bfloat16, 256),
     (8, 128, False, False, torch.bfloat16, 256), (8, -1, True, False, torch.float32, 256),
     (8, 32, True, True, torch.float16, 256),
+    (4, 128, False, False, torch.float16, 256),  # batch 40: planes interleaved, one dot
     # rows that are not whole int32 words: the byte kernels (GEMV and tl.dot forms)
     (4, -1, True, False, torch.bfloat16, 250), (8, 50, True, True, torch.float32, 250)])
 def test_wint_linear(m, bits, group_size, asym, act_order, dtype, in_f):

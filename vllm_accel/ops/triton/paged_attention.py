@@ -33,8 +33,10 @@ PARTITION = 1024
 #: key tokens per inner step (bf16 and INT8 pages; tuned on an H100)
 TILE_N = 128
 TILE_N_INT8 = 128
-#: warps per decode program
+#: warps and pipeline stages per decode program (bf16 / INT8 pages)
 DECODE_WARPS = 4
+DECODE_WARPS_INT8 = 4
+DECODE_STAGES = 3
 #: query rows per prefill program (tokens x padded query heads of one KV head)
 PREFILL_ROWS = 64
 
@@ -252,7 +254,8 @@ def paged_decode(query: torch.Tensor, kv_cache: torch.Tensor, block_table: torch
         query.stride(0), query.stride(1), out.stride(0), out.stride(1), block_table.stride(0),
         s_blk, s_head, h, GROUP=group, M=m, HEAD=d, D_PAD=d_pad, BS=kv_cache.shape[2],
         TILE=TILE_N_INT8 if int8 else TILE_N, PART=PARTITION, NUM_PARTS=num_parts, INT8=int8,
-        IEEE=ieee, UPCAST=upcast, num_warps=DECODE_WARPS)
+        IEEE=ieee, UPCAST=upcast, num_warps=DECODE_WARPS_INT8 if int8 else DECODE_WARPS,
+        num_stages=DECODE_STAGES)
     if num_parts > 1:
         _merge_kernel[(b, h)](part, stats, out, out.stride(0), out.stride(1), h, HEAD=d,
                               D_PAD=d_pad, NUM_PARTS=num_parts,

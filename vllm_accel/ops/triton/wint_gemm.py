@@ -8,10 +8,12 @@ permutation applied to ``x``'s columns and ``g_idx`` for non-contiguous groups.
 
 4-bit bytes are never interleaved back into columns: a byte's low nibbles multiply
 ``x``'s even columns and its high nibbles the odd ones, two half-width products per
-K step. Small batches (decode) take a GEMV form -- products reduced with ``tl.sum``
-over K slices split across programs and added atomically in float32 -- that streams
-the packed weight once at memory bandwidth; larger ones use ``tl.dot`` tiles.
-Dequantization and accumulation run in float32; the result is rounded once.
+K step. Rows that are whole int32 words take the word kernels: one ``x`` row (batch-1
+decode) a GEMV that keeps a float32 ``[rows, words]`` accumulator (no reduction until
+the end) and turns each code into a float with one shift, one mask-or into the
+mantissa of ``2**BITS`` and one multiply-add; more rows ``tl.dot`` over nibble planes.
+Other rows take byte kernels (a split-K GEMV, ``tl.dot`` tiles). Dequantization and
+accumulation run in float32; the result is rounded once.
 
 The entry point is a ``torch.library`` custom op, so torch.compile keeps it as one
 call instead of tracing into Triton.
@@ -27,9 +29,15 @@ from vllm_accel.ops.triton.paged_attention import interpreted
 GEMV_MAX_ROWS = 8
 #: GEMV tile (rows x K columns), K slices per row tile, warps (tuned on an H100)
 GEMV = {"bn": 16, "bk": 128, "splits": 4, "num_warps": 4}
-#: the int32-word kernel (every batch size, when rows are whole words; tuned on an
+#: the one-row word GEMV: rows x K columns per step, warps (tuned on an H100)
+GEMV_WORDS = {"bn": 8, "bk": 2048, "num_warps": 4}
+#: the int32-word kernel (more than one row, when rows are whole words; tuned on an
 #: H100: 4 warps from batch 32 up)
 WORDS = {"bn": 128, "bk": 256, "num_warps": 8, "num_stages": 3, "programs": 528}
+#: from this batch size up the word kernel puts the planes back in column order for
+#: one wide dot (H100: 2-3x faster at batch 64, slower at 16); not for float32 dots,
+#: whose tiles would not fit in shared memory
+INTERLEAVE_MIN_ROWS = 17
 #: tl.dot tiles; K is split until about ``programs`` programs run (small batches
 #: have few output tiles: one per SM would idle most of an H100's 132)
 GEMM = {"bn": 128, "bk": 128, "num_warps": 4, "num_stages": 3, "programs": 264}
@@ -130,6 +138,52 @@ def _wint_gemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, gidx_ptr, y_ptr, N, K, G, grou
 
 
 @triton.jit
+def _wint_gemv_words_kernel(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, y_ptr, N, K, G, group_size,
+                            stride_w, BITS: tl.constexpr, HAS_Z: tl.constexpr,
+                            HAS_BIAS: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    """One row of ``x`` against ``BN`` weight rows per program, whole K. A code ``c``
+    shifted to mantissa bits ``23-BITS..22`` and OR-ed into ``2**BITS`` reads as the
+    float ``2**BITS + c``: the sums collect ``(2**BITS + c) * x`` and the offset
+    ``(2**BITS + zero) * sum(x)`` comes off once per word, before its group scale."""
+    PLANES: tl.constexpr = 32 // BITS
+    WORDS: tl.constexpr = BK // PLANES
+    MASK: tl.constexpr = (1 << BITS) - 1
+    AT: tl.constexpr = 23 - BITS  # lowest mantissa bit of a code
+    ONE: tl.constexpr = (127 + BITS) << 23  # float32 bits of 2**BITS
+    n = tl.program_id(0) * BN + tl.arange(0, BN)
+    n_ok = n < N
+    j = tl.arange(0, WORDS)
+    acc = tl.zeros([BN, WORDS], tl.float32)
+    for k0 in range(0, K, BK):
+        w_ok = k0 + j * PLANES < K
+        words = tl.load(w_ptr + n[:, None] * stride_w + (k0 // PLANES + j)[None, :],
+                        mask=n_ok[:, None] & w_ok[None, :], other=0)
+        t = tl.zeros([BN, WORDS], tl.float32)
+        xs = tl.zeros([WORDS], tl.float32)
+        for i in tl.static_range(PLANES):
+            kk = k0 + j * PLANES + i
+            xi = tl.load(x_ptr + kk, mask=kk < K, other=0.0).to(tl.float32)
+            if BITS * i <= AT:
+                at = words << (AT - BITS * i)
+            else:
+                at = words >> (BITS * i - AT)
+            t += ((at & (MASK << AT)) | ONE).to(tl.float32, bitcast=True) * xi[None, :]
+            xs += xi
+        sz = n[:, None] * G + ((k0 + j * PLANES) // group_size)[None, :]
+        sz_ok = n_ok[:, None] & w_ok[None, :]
+        s = tl.load(s_ptr + sz, mask=sz_ok, other=0.0).to(tl.float32)
+        if HAS_Z:
+            off = tl.load(z_ptr + sz, mask=sz_ok, other=0.0).to(tl.float32) + 2.0 ** BITS
+        else:
+            off = 2.0 ** BITS + 2.0 ** (BITS - 1)
+        acc += (t - off * xs[None, :]) * s
+    y = tl.sum(acc, 1)
+    if HAS_BIAS:
+        y += tl.load(b_ptr + n, mask=n_ok, other=0.0).to(tl.float32)
+    tl.store(y_ptr + n, y.to(y_ptr.dtype.element_ty), mask=n_ok)
+
+
+@triton.jit
 def _dot_acc(acc, x, w, DOT_F32: tl.constexpr):
     """``acc + x @ w.T``: float32 (IEEE) products, or ``w`` rounded to ``x``'s dtype
     for the tensor cores."""
@@ -184,7 +238,7 @@ def _wint_words_kernel(x_ptr, w_ptr, s_ptr, z_ptr, gidx_ptr, y_ptr, M, N, K, G, 
                        stride_x, stride_w, stride_y, k_per_prog,
                        BITS: tl.constexpr, HAS_Z: tl.constexpr, HAS_GIDX: tl.constexpr,
                        ONE_GROUP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                       BK: tl.constexpr, DOT_F32: tl.constexpr):
+                       BK: tl.constexpr, DOT_F32: tl.constexpr, INTERLEAVE: tl.constexpr):
     """The weight read as int32 words (8 nibbles / 4 bytes, column ``c`` of a word in
     bits ``BITS * c``): a K tile is ``BK / PLANES`` words per row, split into
     ``PLANES`` planes (code ``i`` of every word = columns ``k0 + PLANES * j + i``),
@@ -214,13 +268,22 @@ def _wint_words_kernel(x_ptr, w_ptr, s_ptr, z_ptr, gidx_ptr, y_ptr, M, N, K, G, 
             else:
                 z = tl.full([1, 1], 2 ** (BITS - 1), tl.float32)
             part = tl.zeros([BM, BN], tl.float32)
-            for i in tl.static_range(PLANES):
-                kk = k0 + j * PLANES + i
-                code = (words >> (BITS * i)) & ((1 << BITS) - 1)
-                w = _code_plus_2_23(code) - (8388608.0 + z)
+            if INTERLEAVE:  # the planes back in column order: one dot over contiguous x
+                p = tl.arange(0, PLANES)
+                code = (words[:, :, None] >> (BITS * p)[None, None, :]) & ((1 << BITS) - 1)
+                w = tl.reshape(_code_plus_2_23(code) - (8388608.0 + z[:, :, None]), [BN, BK])
+                kk = k0 + tl.arange(0, BK)
                 xv = tl.load(x_ptr + m[:, None] * stride_x + kk[None, :],
-                             mask=m_ok[:, None] & word_ok[None, :], other=0.0)
+                             mask=m_ok[:, None] & (kk < k_end)[None, :], other=0.0)
                 part = _dot_acc(part, xv, w, DOT_F32)
+            else:
+                for i in tl.static_range(PLANES):
+                    kk = k0 + j * PLANES + i
+                    code = (words >> (BITS * i)) & ((1 << BITS) - 1)
+                    w = _code_plus_2_23(code) - (8388608.0 + z)
+                    xv = tl.load(x_ptr + m[:, None] * stride_x + kk[None, :],
+                                 mask=m_ok[:, None] & word_ok[None, :], other=0.0)
+                    part = _dot_acc(part, xv, w, DOT_F32)
             s_row = tl.load(s_ptr + n * G + k0 // group_size, mask=n_ok, other=0.0)
             acc += part * s_row.to(tl.float32)[None, :]
         else:
@@ -252,22 +315,42 @@ def _one_group(k_tile: int, group_size: int, g_idx) -> bool:
 
 @torch.library.custom_op("vllm_accel_triton::wint_mm", mutates_args=())
 def wint_mm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
-            zeros: torch.Tensor | None, g_idx: torch.Tensor | None, bits: int,
-            group_size: int) -> torch.Tensor:
-    """float32 ``x @ W.T`` for a 2-D ``x`` whose columns are already in resident order."""
+            zeros: torch.Tensor | None, g_idx: torch.Tensor | None, bias: torch.Tensor | None,
+            bits: int, group_size: int) -> torch.Tensor:
+    """``x @ W.T + bias`` in ``x``'s dtype for a 2-D ``x`` whose columns are already in
+    resident order."""
     m, k = x.shape
     n, groups = scales.shape
     x = x.contiguous()
     qweight = qweight.contiguous()
     scales = scales.contiguous()
     zeros = zeros.contiguous() if zeros is not None else scales  # unused when None
+    words_ok = qweight.shape[1] % 4 == 0 and qweight.data_ptr() % 4 == 0
+    if m == 1 and words_ok and g_idx is None and group_size % (32 // bits) == 0:
+        y = torch.empty(1, n, dtype=x.dtype, device=x.device)
+        bn = GEMV_WORDS["bn"]
+        _wint_gemv_words_kernel[(triton.cdiv(n, bn),)](
+            x, qweight.view(torch.int32), scales, zeros,
+            bias if bias is not None else scales, y, n, k, groups, group_size,
+            qweight.shape[1] // 4, BITS=bits, HAS_Z=zeros is not scales,
+            HAS_BIAS=bias is not None, BN=bn, BK=GEMV_WORDS["bk"],
+            num_warps=GEMV_WORDS["num_warps"], num_stages=1)
+        return y
+    return _accumulated(x, qweight, scales, zeros, g_idx, bits, group_size, words_ok,
+                        bias).to(x.dtype)
+
+
+def _accumulated(x, qweight, scales, zeros, g_idx, bits, group_size, words_ok, bias):
+    """float32 ``x @ W.T (+ bias)`` from the kernels that add K slices atomically."""
+    m, k = x.shape
+    n, groups = scales.shape
     if g_idx is None and bits == 4 and group_size % 2:  # a byte's nibbles in two groups
         g_idx = torch.arange(k, device=x.device) // group_size
     gidx = g_idx.to(torch.int32).contiguous() if g_idx is not None else scales
     common = dict(BITS=bits, HAS_Z=zeros is not scales, HAS_GIDX=gidx is not scales)
     dot_f32 = x.dtype == torch.float32 or (
         interpreted(_wint_gemm_kernel) and x.dtype == torch.bfloat16)
-    if qweight.shape[1] % 4 == 0 and qweight.data_ptr() % 4 == 0:
+    if words_ok:
         words = qweight.view(torch.int32)
         y = torch.zeros(m, n, dtype=torch.float32, device=x.device)
         bm, bn = max(16, min(64, triton.next_power_of_2(m))), WORDS["bn"]
@@ -281,11 +364,12 @@ def wint_mm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
         _wint_words_kernel[grid](x, words, scales, zeros, gidx, y, m, n, k, groups, group_size,
                                  x.stride(0), words.stride(0), y.stride(0), k_per_prog,
                                  BM=bm, BN=bn, BK=bk, DOT_F32=dot_f32,
+                                 INTERLEAVE=m >= INTERLEAVE_MIN_ROWS and not dot_f32,
                                  ONE_GROUP=g_idx is None and group_size % bk == 0,
                                  num_warps=WORDS["num_warps"] if m <= 16 else 4,
                                  num_stages=WORDS["num_stages"],
                                  **common)
-        return y
+        return _plus(y, bias)
     if m <= GEMV_MAX_ROWS:
         y = torch.zeros(m, n, dtype=torch.float32, device=x.device)
         bn, bk = GEMV["bn"], _k_tile(GEMV["bk"], group_size, g_idx)
@@ -295,7 +379,7 @@ def wint_mm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
                                 group_size, x.stride(0), qweight.stride(0), y.stride(0),
                                 k_per_prog, BN=bn, BK=bk, ROWS=m, num_warps=GEMV["num_warps"],
                                 ONE_GROUP=_one_group(bk, group_size, g_idx), **common)
-        return y
+        return _plus(y, bias)
     y = torch.zeros(m, n, dtype=torch.float32, device=x.device)
     bm, bn = min(64, max(16, triton.next_power_of_2(m))), GEMM["bn"]
     bk = _k_tile(GEMM["bk"], group_size, g_idx)
@@ -309,12 +393,18 @@ def wint_mm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
                             DOT_F32=dot_f32, ONE_GROUP=_one_group(bk, group_size, g_idx),
                             num_warps=GEMM["num_warps"],
                             num_stages=GEMM["num_stages"], **common)
+    return _plus(y, bias)
+
+
+def _plus(y: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    if bias is not None:
+        y += bias.to(torch.float32)
     return y
 
 
 @wint_mm.register_fake
-def _wint_mm_shape(x, qweight, scales, zeros, g_idx, bits, group_size):
-    return x.new_empty((x.shape[0], scales.shape[0]), dtype=torch.float32)
+def _wint_mm_shape(x, qweight, scales, zeros, g_idx, bias, bits, group_size):
+    return x.new_empty((x.shape[0], scales.shape[0]))
 
 
 def wint_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
@@ -328,7 +418,5 @@ def wint_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
     x2 = x.reshape(-1, in_features)
     if perm is not None:
         x2 = x2.index_select(1, perm)
-    y = wint_mm(x2, qweight, scales, zeros, g_idx, bits, gs)
-    if bias is not None:
-        y += bias.to(torch.float32)
-    return y.to(x.dtype).reshape(*x.shape[:-1], out_features)
+    y = wint_mm(x2, qweight, scales, zeros, g_idx, bias, bits, gs)
+    return y.reshape(*x.shape[:-1], out_features)
