@@ -53,6 +53,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import roofline  # noqa: E402
+
 RESULT_TAG = "BENCH_RESULT "
 PLATFORM_MISMATCH_RC = 3
 GiB = 1 << 30
@@ -333,6 +336,30 @@ def print_table(results: list[dict[str, Any]]) -> None:
         print(line(row))
 
 
+def print_roofline(results, workloads, model, args, bandwidth) -> None:
+    """Batch-1 workloads against the decode roofline: one core's read bandwidth over
+    the bytes a step reads (weights + the KV cache at the mean context)."""
+    dtype_bytes = {"bfloat16": 2, "float16": 2, "float32": 4}.get(args.dtype)
+    if dtype_bytes is None or args.quantization or quantized_checkpoint(model):
+        return  # bytes per step of a quantized model depend on its format
+    for r in results:
+        w = workloads[r["workload"]]
+        if w["num_prompts"] != 1:
+            continue
+        context = w["input_len"] + w["output_len"] // 2
+        step = roofline.decode_step_bytes(model, dtype_bytes, context)
+        r["roofline_tok_s"] = round(bandwidth / step, 1)
+        r["pct_of_roofline"] = round(100 * r["out_tok_s"] * step / bandwidth, 1)
+        print(f"roofline {r['workload']}/{r['engine']}: {step / 1e6:.0f} MB per decode step "
+              f"-> {r['roofline_tok_s']} tok/s; measured {r['out_tok_s']:.1f} = "
+              f"{r['pct_of_roofline']}%")
+
+
+def quantized_checkpoint(model: str) -> bool:
+    config = Path(model) / "config.json"
+    return config.is_file() and "quantization_config" in json.loads(config.read_text())
+
+
 def compute_ratios(results: list[dict[str, Any]]) -> dict[str, float]:
     by = {(r["workload"], r["engine"]): r for r in results}
     ratios = {}
@@ -457,6 +484,11 @@ def main(argv: list[str] | None = None) -> int:
           f"OMP_NUM_THREADS={host['OMP_NUM_THREADS']}")
     print(f"workloads: {', '.join(f'{w}={workloads[w]}' for w in wl_names)}; "
           f"engines: {', '.join(engines)}", flush=True)
+    bandwidth = roofline.read_bandwidth()
+    host.update(cpu=roofline.cpu_model(), cpu_flags=roofline.cpu_flags(),
+                read_bandwidth_GBps=round(bandwidth / 1e9, 2))
+    print(f"CPU: {host['cpu']}; kernel flags: {' '.join(host['cpu_flags']) or 'none'}; "
+          f"single-core read bandwidth {bandwidth / 1e9:.1f} GB/s", flush=True)
 
     results: list[dict[str, Any]] = []
     failures: list[str] = []
@@ -504,6 +536,7 @@ def main(argv: list[str] | None = None) -> int:
 
     print()
     print_table(results)
+    print_roofline(results, workloads, model, args, bandwidth)
     ratios = compute_ratios(results)
     if ratios:
         print()

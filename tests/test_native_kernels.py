@@ -18,6 +18,8 @@ from paged_cases import assert_within_int8_bound, build, kernel_args
 from paged_cases import HKV, batch_mix, make_case, reference
 
 from vllm_accel.ops import custom_ops  # noqa: F401  (registers the reference ops)
+from vllm_accel.ops.reference import attention as _reference  # noqa: F401  (fallbacks)
+from vllm_accel.ops.torch_fast import attention as _torch_fast  # noqa: F401
 from vllm_accel.ops.cpu_native import attention as attention_native
 from vllm_accel.ops.cpu_native import build as native
 from vllm_accel.ops.cpu_native import elementwise as custom_ops_native
@@ -143,7 +145,7 @@ def _write_case(dtype, layout, bs=16, d=64, seed=0):
 @pytest.mark.parametrize("layout", ["LBHNC", "LHBNC"])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("int8", [False, True], ids=["float", "int8"])
-def test_cache_write_bit_exact(int8, dtype, layout):
+def test_cache_write_bit_exact(int8, dtype, layout, monkeypatch):
     key, value, slots, num_blocks = _write_case(dtype, layout)
     width = 2 * 64 + (8 if int8 else 0)
     cache_dtype = torch.int8 if int8 else dtype
@@ -153,13 +155,21 @@ def test_cache_write_bit_exact(int8, dtype, layout):
         cache = torch.zeros(num_blocks, HKV, 16, width, dtype=cache_dtype)
     ours, theirs = cache.clone(), cache.clone()
     name = "cache_write_int8" if int8 else "cache_write"
-    # A fused qkv slice: non-contiguous token stride, as vLLM passes K and V.
+    # Slices of a fused qkv output, as vLLM passes K and V: eager passes both
+    # slices, compiled graphs a contiguous K and the V slice (other strides).
     qkv = torch.cat([key, value], dim=-1)
     k, v = qkv[..., :64], qkv[..., 64:]
-    getattr(attention_native, name)(k, v, ours, slots)
-    get_kernel(name, "reference")(k, v, theirs, slots)
-    assert torch.equal(ours.view(torch.uint8), theirs.view(torch.uint8))  # raw bytes
-    assert ours.count_nonzero() > 0
+    monkeypatch.setattr(attention_native, "fallback_kernel", _no_fallback)
+    for k_in in (k, k.contiguous()):
+        ours.zero_(), theirs.zero_()
+        getattr(attention_native, name)(k_in, v, ours, slots)
+        get_kernel(name, "reference")(k_in, v, theirs, slots)
+        assert torch.equal(ours.view(torch.uint8), theirs.view(torch.uint8))  # raw bytes
+        assert ours.count_nonzero() > 0
+
+
+def _no_fallback(name, provider):
+    raise AssertionError(f"{provider} {name} fell back to the next provider")
 
 
 def test_cache_write_rejects_slots_outside_the_cache():
@@ -445,7 +455,7 @@ def test_rotary_bad_positions_get_the_reference_error():
 
 
 def test_reader_rejects_block_tables_it_cannot_trust():
-    """Out-of-range reads would not raise in C++: the wrapper checks first."""
+    """Out-of-range reads would not raise in C++: the entry point checks first."""
     bs, d = 16, 64
     reqs = batch_mix("decode", bs)
     qs, _, _, block_table, kv_cache = make_case(reqs, bs, HKV, HKV, d, torch.float32, seed=2)
@@ -453,9 +463,9 @@ def test_reader_rejects_block_tables_it_cannot_trust():
     seq_lens = torch.tensor([s for _, s in reqs], dtype=torch.int32)
     too_long = seq_lens.clone()
     too_long[0] = block_table.shape[1] * bs + 1
-    with pytest.raises(ValueError, match="block table has"):
+    with pytest.raises(ValueError, match="more blocks than the block table has"):
         attention_native.paged_decode(query, kv_cache, block_table, too_long, 0.1)
     bad_ids = block_table.clone()
     bad_ids[1, 0] = kv_cache.shape[0]
-    with pytest.raises(ValueError, match="outside"):
+    with pytest.raises(ValueError, match="holds ids outside the cache"):
         attention_native.paged_decode(query, kv_cache, bad_ids, seq_lens, 0.1)

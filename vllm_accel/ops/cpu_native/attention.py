@@ -15,6 +15,7 @@ could not be built (see ``native``).
 """
 
 import ctypes
+import functools
 
 import torch
 
@@ -70,24 +71,31 @@ def _head_size(kv_cache: torch.Tensor) -> int:
     return (width - INT8_SCALE_BYTES) // 2 if kv_cache.dtype == torch.int8 else width // 2
 
 
-def _check_block_table(kv_cache, block_table, seq_lens):
-    """The C++ kernel trusts every block id it reads: check them first, since a bad
-    one would read outside the cache rather than raise."""
-    block_size = kv_cache.shape[2]
-    needed = -(-int(seq_lens.max()) // block_size) if seq_lens.numel() else 0
-    if needed > block_table.shape[1]:
-        raise ValueError(f"seq_len {int(seq_lens.max())} needs {needed} blocks of "
-                         f"{block_size}; the block table has {block_table.shape[1]} columns")
-    used = block_table[:, :needed]
-    if used.numel() and (int(used.min()) < 0 or int(used.max()) >= kv_cache.shape[0]):
-        raise ValueError(f"block table holds ids outside [0, {kv_cache.shape[0]}) "
-                         "in the blocks a request reads")
+#: errors the C entry points return (csrc/paged_attention.cpp): they check every
+#: block id and slot before touching the cache, since a bad one would read or
+#: write outside it rather than raise
+_ERRORS = {
+    -2: "a seq_len needs more blocks than the block table has columns",
+    -3: "the block table holds ids outside the cache in the blocks a request reads",
+    -4: "a slot is outside the cache",
+}
 
 
-def _attention(query, kv_cache, block_table, query_start_loc, seq_lens, scale):
+def _raise_for(rc: int, entry: str) -> None:
+    if rc in _ERRORS:
+        raise ValueError(f"{entry}: {_ERRORS[rc]}")
+    raise RuntimeError(f"{entry} failed ({rc})")
+
+
+@functools.lru_cache(maxsize=1)
+def _iota(n: int) -> torch.Tensor:
+    """``0..n`` as int32 (a decode batch's query_start_loc), reused across layers."""
+    return torch.arange(n + 1, dtype=torch.int32)
+
+
+def _attention(query, kv_cache, block_table, query_start_loc, seq_lens, scale, padded=True):
     """Run the C++ kernel; ``query`` ``[T, H, D]``, returns ``[T, H, D]``."""
     num_rows, num_heads, head_size = query.shape
-    _check_block_table(kv_cache, block_table, seq_lens)
     out = torch.empty_like(query)
     block_table = block_table.contiguous() if block_table.stride(-1) != 1 else block_table
     query_start_loc, seq_lens = query_start_loc.contiguous(), seq_lens.contiguous()
@@ -96,14 +104,14 @@ def _attention(query, kv_cache, block_table, query_start_loc, seq_lens, scale):
         native.dtype_code(query.dtype), _ptr(query), query.stride(0), query.stride(1),
         _ptr(out), out.stride(0), out.stride(1),
         _ptr(kv_cache), int(kv_cache.dtype == torch.int8), block_stride, head_stride,
-        kv_cache.shape[2], head_size,
-        _ptr(block_table), block_table.stride(0), _ptr(query_start_loc), _ptr(seq_lens),
-        seq_lens.shape[0], num_heads, kv_cache.shape[1], ctypes.c_float(scale),
+        kv_cache.shape[2], head_size, kv_cache.shape[0],
+        _ptr(block_table), block_table.stride(0), block_table.shape[1], _ptr(query_start_loc),
+        _ptr(seq_lens), seq_lens.shape[0], num_heads, kv_cache.shape[1], ctypes.c_float(scale),
     )
     if rc:
-        raise RuntimeError(f"accel_paged_attention failed ({rc})")
-    # Rows past the last request's (a padded batch) are not written by the kernel.
-    out[int(query_start_loc[-1]):].zero_()
+        _raise_for(rc, "accel_paged_attention")
+    if padded:  # rows past the last request's are not written by the kernel
+        out[int(query_start_loc[-1]):].zero_()
     return out
 
 
@@ -113,8 +121,8 @@ def _decode(name):
         if (not _native_ok(query, kv_cache, block_table, seq_lens)
                 or seq_lens.shape[0] != query.shape[0]):
             return fallback_kernel(name, NATIVE)(query, kv_cache, block_table, seq_lens, scale)
-        query_start_loc = torch.arange(query.shape[0] + 1, dtype=torch.int32)
-        return _attention(query, kv_cache, block_table, query_start_loc, seq_lens, scale)
+        return _attention(query, kv_cache, block_table, _iota(query.shape[0]), seq_lens,
+                          scale, padded=False)
 
     paged_decode.__name__ = name
     return register_kernel(name, NATIVE)(paged_decode)
@@ -151,23 +159,21 @@ def _cache_write(name, int8):
         if (native.library() is None or key.device.type != "cpu"
                 or kv_cache.device.type != "cpu" or native.dtype_code(key.dtype) is None
                 or (not int8 and kv_cache.dtype != key.dtype) or value.dtype != key.dtype
-                or key.stride() != value.stride() or key.stride(-1) != 1
+                or key.stride(-1) != 1 or value.stride(-1) != 1
                 or key.shape[1:] != (kv_cache.shape[1], _head_size(kv_cache))
                 or _pages(kv_cache) is None):
             return fallback_kernel(name, NATIVE)(key, value, kv_cache, slot_mapping, *static)
         slots = slot_mapping.to(torch.int64).contiguous()
-        capacity = kv_cache.shape[0] * kv_cache.shape[2]
-        if n and int(slots.max()) >= capacity:  # would write outside the cache
-            raise ValueError(f"slot {int(slots.max())} is outside the cache's {capacity} slots")
         block_stride, head_stride = _pages(kv_cache)
         rc = native.library().accel_cache_write(
             native.dtype_code(key.dtype), _ptr(key), _ptr(value), key.stride(0), key.stride(1),
+            value.stride(0), value.stride(1),
             _ptr(kv_cache), int(int8), block_stride, head_stride, _ptr(slots), n,
-            kv_cache.shape[1], kv_cache.shape[2], _head_size(kv_cache),
+            kv_cache.shape[1], kv_cache.shape[2], _head_size(kv_cache), kv_cache.shape[0],
             ctypes.c_float(k_scale or 0.0), ctypes.c_float(v_scale or 0.0),
         )
         if rc:
-            raise RuntimeError(f"accel_cache_write failed ({rc})")
+            _raise_for(rc, "accel_cache_write")
 
     cache_write.__name__ = name
     return register_kernel(name, NATIVE)(cache_write)

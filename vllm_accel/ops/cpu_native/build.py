@@ -50,12 +50,12 @@ DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 _i64, _i32, _f32, _ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_float, ctypes.c_void_p
 _SIGNATURES = {
     "accel_paged_attention": (
-        _i32, _ptr, _i64, _i64, _ptr, _i64, _i64, _ptr, _i32, _i64, _i64, _i32, _i32,
-        _ptr, _i64, _ptr, _ptr, _i32, _i32, _i32, _f32,
+        _i32, _ptr, _i64, _i64, _ptr, _i64, _i64, _ptr, _i32, _i64, _i64, _i32, _i32, _i64,
+        _ptr, _i64, _i64, _ptr, _ptr, _i32, _i32, _i32, _f32,
     ),
     "accel_cache_write": (
-        _i32, _ptr, _ptr, _i64, _i64, _ptr, _i32, _i64, _i64, _ptr, _i64, _i32, _i32, _i32,
-        _f32, _f32,
+        _i32, _ptr, _ptr, _i64, _i64, _i64, _i64, _ptr, _i32, _i64, _i64, _ptr, _i64, _i32,
+        _i32, _i32, _i64, _f32, _f32,
     ),
     "accel_rms_norm": (_i32, _ptr, _i64, _ptr, _i64, _ptr, _ptr, _i64, _ptr, _i64, _i64, _i32, _f32),
     "accel_silu_and_mul": (_i32, _ptr, _i64, _ptr, _i64, _i64, _i32),

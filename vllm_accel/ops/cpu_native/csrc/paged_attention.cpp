@@ -589,16 +589,23 @@ inline void for_each_slot(const int64_t* slots, int64_t num_tokens, int num_kv_h
   }
 }
 
+// Where token i, head h of the new K and V rows start (K and V may be views of
+// one fused QKV output with other strides than a separate key tensor).
+struct Strides {
+  int64_t k_tok, k_head, v_tok, v_head;
+  int64_t key(int64_t i, int h) const { return i * k_tok + h * k_head; }
+  int64_t value(int64_t i, int h) const { return i * v_tok + h * v_head; }
+};
+
 template <typename T>
-void write_float(const T* key, const T* value, int64_t tok_stride, int64_t head_stride, T* cache,
+void write_float(const T* key, const T* value, const Strides& src, T* cache,
                  int64_t block_stride, int64_t cache_head_stride, const int64_t* slots,
                  int64_t num_tokens, int num_kv_heads, int block_size, int head_size) {
   for_each_slot(slots, num_tokens, num_kv_heads, block_size,
                 [&](int64_t i, int64_t block, int64_t offset, int h) {
     T* page = cache + block * block_stride + h * cache_head_stride;
-    const int64_t src = i * tok_stride + h * head_stride;
-    std::memcpy(page + offset * head_size, key + src, sizeof(T) * head_size);
-    std::memcpy(page + (int64_t(block_size) + offset) * head_size, value + src,
+    std::memcpy(page + offset * head_size, key + src.key(i, h), sizeof(T) * head_size);
+    std::memcpy(page + (int64_t(block_size) + offset) * head_size, value + src.value(i, h),
                 sizeof(T) * head_size);
   });
 }
@@ -626,18 +633,17 @@ float quantize_row(const T* x, int8_t* q, int n, float static_scale) {
 }
 
 template <typename T>
-void write_int8(const T* key, const T* value, int64_t tok_stride, int64_t head_stride,
-                int8_t* cache, int64_t block_stride, int64_t cache_head_stride,
+void write_int8(const T* key, const T* value, const Strides& src, int8_t* cache, int64_t block_stride, int64_t cache_head_stride,
                 const int64_t* slots, int64_t num_tokens, int num_kv_heads, int block_size,
                 int head_size, float k_scale, float v_scale) {
   for_each_slot(slots, num_tokens, num_kv_heads, block_size,
                 [&](int64_t i, int64_t block, int64_t offset, int h) {
     int8_t* page = cache + block * block_stride + h * cache_head_stride;
-    const int64_t src = i * tok_stride + h * head_stride;
     float* scales = reinterpret_cast<float*>(page + 2 * int64_t(block_size) * head_size);
-    scales[2 * offset] = quantize_row(key + src, page + offset * head_size, head_size, k_scale);
+    scales[2 * offset] =
+        quantize_row(key + src.key(i, h), page + offset * head_size, head_size, k_scale);
     scales[2 * offset + 1] = quantize_row(
-        value + src, page + (int64_t(block_size) + offset) * head_size, head_size, v_scale);
+        value + src.value(i, h), page + (int64_t(block_size) + offset) * head_size, head_size, v_scale);
   });
 }
 
@@ -648,13 +654,36 @@ void write_int8(const T* key, const T* value, int64_t tok_stride, int64_t head_s
 extern "C" {
 
 // Returns 0, or -1 for an unknown dtype code.
+// Return codes of the entry points besides 0 (done) and -1 (unknown dtype): nothing
+// is read or written when an index the caller passed would leave the cache.
+constexpr int kTooFewColumns = -2;  // a seq_len needs more blocks than a table row has
+constexpr int kBadBlockId = -3;     // a block id a request reads is outside the cache
+constexpr int kBadSlot = -4;        // a slot is outside the cache
+
+int check_block_table(const int32_t* block_table, int64_t bt_stride, int64_t bt_cols,
+                      const int32_t* seq_lens, int num_reqs, int block_size,
+                      int64_t num_blocks) {
+  for (int r = 0; r < num_reqs; ++r) {
+    const int64_t needed = (int64_t(seq_lens[r]) + block_size - 1) / block_size;
+    if (needed > bt_cols) return kTooFewColumns;
+    const int32_t* row = block_table + r * bt_stride;
+    for (int64_t b = 0; b < needed; ++b)
+      if (row[b] < 0 || row[b] >= num_blocks) return kBadBlockId;
+  }
+  return 0;
+}
+
 int accel_paged_attention(int dtype, const void* query, int64_t q_tok_stride,
                           int64_t q_head_stride, void* out, int64_t o_tok_stride,
                           int64_t o_head_stride, const void* cache, int cache_int8,
                           int64_t block_stride, int64_t head_stride, int block_size, int head_size,
-                          const int32_t* block_table, int64_t bt_stride,
-                          const int32_t* query_start_loc, const int32_t* seq_lens, int num_reqs,
-                          int num_heads, int num_kv_heads, float scale) {
+                          int64_t num_blocks, const int32_t* block_table, int64_t bt_stride,
+                          int64_t bt_cols, const int32_t* query_start_loc,
+                          const int32_t* seq_lens, int num_reqs, int num_heads,
+                          int num_kv_heads, float scale) {
+  if (const int rc = check_block_table(block_table, bt_stride, bt_cols, seq_lens, num_reqs,
+                                       block_size, num_blocks))
+    return rc;
   return dispatch(dtype, [&](auto tag) {
     using T = decltype(tag);
     const T* q = static_cast<const T*>(query);
@@ -679,21 +708,25 @@ int accel_paged_attention(int dtype, const void* query, int64_t q_tok_stride,
 // elements, contiguous rows) into their slots; slot < 0 is padding. The cache
 // has the K/V dtype, or is INT8 (cache_int8) with k_scale/v_scale <= 0 meaning
 // dynamic scales.
-int accel_cache_write(int dtype, const void* key, const void* value, int64_t tok_stride,
-                      int64_t head_stride, void* cache, int cache_int8, int64_t block_stride,
+int accel_cache_write(int dtype, const void* key, const void* value, int64_t k_tok_stride,
+                      int64_t k_head_stride, int64_t v_tok_stride, int64_t v_head_stride,
+                      void* cache, int cache_int8, int64_t block_stride,
                       int64_t cache_head_stride, const int64_t* slots, int64_t num_tokens,
-                      int num_kv_heads, int block_size, int head_size, float k_scale,
-                      float v_scale) {
+                      int num_kv_heads, int block_size, int head_size, int64_t num_blocks,
+                      float k_scale, float v_scale) {
+  for (int64_t i = 0; i < num_tokens; ++i)
+    if (slots[i] >= num_blocks * block_size) return kBadSlot;
   return dispatch(dtype, [&](auto tag) {
     using T = decltype(tag);
     const T* k = static_cast<const T*>(key);
     const T* v = static_cast<const T*>(value);
+    const Strides src{k_tok_stride, k_head_stride, v_tok_stride, v_head_stride};
     if (cache_int8)
-      write_int8(k, v, tok_stride, head_stride, static_cast<int8_t*>(cache), block_stride,
+      write_int8(k, v, src, static_cast<int8_t*>(cache), block_stride,
                  cache_head_stride, slots, num_tokens, num_kv_heads, block_size, head_size,
                  k_scale, v_scale);
     else
-      write_float(k, v, tok_stride, head_stride, static_cast<T*>(cache), block_stride,
+      write_float(k, v, src, static_cast<T*>(cache), block_stride,
                   cache_head_stride, slots, num_tokens, num_kv_heads, block_size, head_size);
   });
 }
