@@ -469,3 +469,19 @@ def test_reader_rejects_block_tables_it_cannot_trust():
     bad_ids[1, 0] = kv_cache.shape[0]
     with pytest.raises(ValueError, match="holds ids outside the cache"):
         attention_native.paged_decode(query, kv_cache, bad_ids, seq_lens, 0.1)
+
+
+def test_rotary_positions_outside_the_cache_are_the_reference_errors(monkeypatch):
+    """The C++ kernel checks positions before writing anything; an out-of-range one
+    goes to the next provider, which raises its indexing error."""
+    cache = torch.randn(8, 16)
+    query = torch.randn(2, 32)
+    calls = []
+    monkeypatch.setattr(custom_ops_native, "fallback_kernel",
+                        lambda name, provider: lambda *a: calls.append(name) or (a[1], a[2]))
+    out, _ = custom_ops_native.rotary_embedding(torch.tensor([3, 8]), query, None, cache,
+                                                16, 16, True)
+    assert calls == ["rotary_embedding"] and out is query
+    out, _ = custom_ops_native.rotary_embedding(torch.tensor([3, 7]), query, None, cache,
+                                                16, 16, True)
+    assert calls == ["rotary_embedding"] and out is not query

@@ -39,6 +39,7 @@ def test_unknown_names_are_clear_errors(fresh_kernel):
 
 def test_builtin_kernels_have_reference_providers():
     import vllm_accel.ops.reference.attention  # noqa: F401
+    import vllm_accel.ops.reference.cache_write  # noqa: F401
     import vllm_accel.ops.torch_fast.attention  # noqa: F401
     import vllm_accel.ops.custom_ops  # noqa: F401
 
@@ -55,3 +56,16 @@ def test_triton_on_cpu_needs_the_interpreter(monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     usable, why = probe_triton(torch.device("cpu"))
     assert not usable and "TRITON_INTERPRET=1" in why
+
+
+def test_resolved_kernels_follow_env_order_and_registrations(fresh_kernel, monkeypatch):
+    """get_kernel caches its answer per kernel; the cache must never go stale."""
+    assert registry.get_kernel("k")() == "ref"
+    monkeypatch.setenv("ACCEL_KERNEL_PROVIDER", "fast")
+    assert registry.get_kernel("k")() == "fast"
+    monkeypatch.delenv("ACCEL_KERNEL_PROVIDER")
+    assert registry.get_kernel("k")() == "ref"
+    registry.set_preferred_providers(("vendor",))
+    assert registry.get_kernel("k")() == "vendor"
+    registry.register_kernel("k", "vendor")(lambda: "vendor v2")
+    assert registry.get_kernel("k")() == "vendor v2"

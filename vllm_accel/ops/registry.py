@@ -11,6 +11,7 @@ reference": a kernel that runs on a provider's own weight layout
 makes that layout; callers pair the two with :func:`resolve_provider`.
 """
 
+import os
 from collections.abc import Callable
 from typing import Any
 
@@ -20,6 +21,10 @@ REFERENCE = "reference"
 
 _KERNELS: dict[str, dict[str, Callable[..., Any]]] = {}
 _preferred_providers: tuple[str, ...] = (REFERENCE,)
+#: get_kernel's answers by name and raw ACCEL_KERNEL_PROVIDER: layers ask on every
+#: forward, so the order is walked once per kernel instead of per call; emptied
+#: whenever a registration or the preferred order changes
+_resolved: dict[tuple, Callable[..., Any]] = {}
 
 
 def register_kernel(name: str, provider: str = REFERENCE):
@@ -27,6 +32,7 @@ def register_kernel(name: str, provider: str = REFERENCE):
 
     def wrap(fn: Callable[..., Any]) -> Callable[..., Any]:
         _KERNELS.setdefault(name, {})[provider] = fn
+        _resolved.clear()
         return fn
 
     return wrap
@@ -36,6 +42,7 @@ def set_preferred_providers(providers: tuple[str, ...]) -> None:
     """Called by the active device backend; ``reference`` is always the last resort."""
     global _preferred_providers
     _preferred_providers = tuple(p for p in providers if p != REFERENCE) + (REFERENCE,)
+    _resolved.clear()
 
 
 def providers_of(name: str) -> list[str]:
@@ -76,4 +83,9 @@ def get_kernel(name: str, provider: str | None = None) -> Callable[..., Any]:
                 f"kernel {name!r} has no provider {provider!r}; it has {sorted(impls)}"
             )
         return impls[provider]
-    return impls[resolve_provider(name)]
+    # (the providers' dict and its size too: tests edit _KERNELS directly)
+    key = (name, os.environ.get("ACCEL_KERNEL_PROVIDER"), id(impls), len(impls))
+    fn = _resolved.get(key)
+    if fn is None:
+        fn = _resolved[key] = impls[resolve_provider(name)]
+    return fn

@@ -83,6 +83,10 @@ def silu_and_mul(x):
     return out
 
 
+class _PositionOutOfRange(Exception):
+    pass
+
+
 def _rotate(x, positions, cos_sin_cache, head_size, rotary_dim, is_neox_style):
     """One tensor's rotary embedding into a new tensor of its shape."""
     rows = x.view(x.shape[0], -1)
@@ -92,7 +96,10 @@ def _rotate(x, positions, cos_sin_cache, head_size, rotary_dim, is_neox_style):
         native.dtype_code(x.dtype), positions.data_ptr(), num_tokens, rows.data_ptr(),
         rows.stride(0), out.data_ptr(), width, width // head_size, head_size, rotary_dim,
         int(is_neox_style), cos_sin_cache.data_ptr(), cos_sin_cache.stride(0),
+        cos_sin_cache.shape[0],
     )
+    if rc == -2:
+        raise _PositionOutOfRange
     if rc:
         raise RuntimeError(f"accel_rotary failed ({rc})")
     return out
@@ -118,10 +125,14 @@ def rotary_embedding(positions, query, key, cos_sin_cache, head_size, rotary_dim
     if (not _native_ok(*tensors) or rotary_dim > head_size or rotary_dim % 2
             or positions.dtype != torch.int64 or num_tokens == 0
             or cos_sin_cache.shape[-1] != rotary_dim or cos_sin_cache.stride(-1) != 1
-            or not all(_rotary_rows_ok(t, num_tokens, head_size) for t in tensors[:1] + tensors[2:])
-            or int(positions.min()) < 0 or int(positions.max()) >= cos_sin_cache.shape[0]):
+            or not all(_rotary_rows_ok(t, num_tokens, head_size) for t in tensors[:1] + tensors[2:])):
         return fallback_kernel("rotary_embedding", NATIVE)(
             positions, query, key, cos_sin_cache, head_size, rotary_dim, is_neox_style)
     positions = positions.contiguous()
     args = (positions, cos_sin_cache, head_size, rotary_dim, is_neox_style)
-    return _rotate(query, *args), None if key is None else _rotate(key, *args)
+    try:
+        return _rotate(query, *args), None if key is None else _rotate(key, *args)
+    except _PositionOutOfRange:  # the C++ kernel checked before writing: let the
+        # next provider raise its own indexing error
+        return fallback_kernel("rotary_embedding", NATIVE)(
+            positions, query, key, cos_sin_cache, head_size, rotary_dim, is_neox_style)

@@ -130,9 +130,14 @@ int accel_silu_and_mul(int dtype, const void* x, int64_t x_stride, void* out, in
 
 // Rotary embedding of x [num_tokens, num_heads * head_size] (row strides in
 // elements) into out; cos_sin rows [cos (rot_dim / 2), sin (rot_dim / 2)].
+// Returns 0, -1 for an unknown dtype code, or -2 (nothing written) if a position
+// is outside the cos/sin cache's num_positions rows.
 int accel_rotary(int dtype, const int64_t* positions, int64_t num_tokens, const void* x,
                  int64_t x_stride, void* out, int64_t o_stride, int num_heads, int head_size,
-                 int rot_dim, int neox, const void* cos_sin, int64_t cs_stride) {
+                 int rot_dim, int neox, const void* cos_sin, int64_t cs_stride,
+                 int64_t num_positions) {
+  for (int64_t t = 0; t < num_tokens; ++t)
+    if (positions[t] < 0 || positions[t] >= num_positions) return -2;
   return dispatch(dtype, [&](auto tag) {
     using T = decltype(tag);
     rotary(positions, num_tokens, static_cast<const T*>(x), x_stride, static_cast<T*>(out),
