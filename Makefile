@@ -18,5 +18,7 @@ serve: setup
 test: setup
 	$(VENV)/bin/python -m pytest -q -rs tests
 
+# both modes: compiled (vLLM's default), then eager
 bench: setup
+	$(PY) benchmarks/throughput.py --compile
 	$(PY) benchmarks/throughput.py
