@@ -83,12 +83,9 @@ def silu_and_mul(x):
     return out
 
 
-class _PositionOutOfRange(Exception):
-    pass
-
-
 def _rotate(x, positions, cos_sin_cache, head_size, rotary_dim, is_neox_style):
-    """One tensor's rotary embedding into a new tensor of its shape."""
+    """One tensor's rotary embedding into a new tensor of its shape; ``None`` (nothing
+    computed) if a position is outside the cos/sin cache."""
     rows = x.view(x.shape[0], -1)
     out = torch.empty(x.shape, dtype=x.dtype)
     num_tokens, width = rows.shape
@@ -99,7 +96,7 @@ def _rotate(x, positions, cos_sin_cache, head_size, rotary_dim, is_neox_style):
         cos_sin_cache.shape[0],
     )
     if rc == -2:
-        raise _PositionOutOfRange
+        return None
     if rc:
         raise RuntimeError(f"accel_rotary failed ({rc})")
     return out
@@ -130,9 +127,8 @@ def rotary_embedding(positions, query, key, cos_sin_cache, head_size, rotary_dim
             positions, query, key, cos_sin_cache, head_size, rotary_dim, is_neox_style)
     positions = positions.contiguous()
     args = (positions, cos_sin_cache, head_size, rotary_dim, is_neox_style)
-    try:
-        return _rotate(query, *args), None if key is None else _rotate(key, *args)
-    except _PositionOutOfRange:  # the C++ kernel checked before writing: let the
-        # next provider raise its own indexing error
+    query_out = _rotate(query, *args)
+    if query_out is None:  # a position outside the cache: the next provider raises
         return fallback_kernel("rotary_embedding", NATIVE)(
             positions, query, key, cos_sin_cache, head_size, rotary_dim, is_neox_style)
+    return query_out, None if key is None else _rotate(key, *args)

@@ -633,8 +633,8 @@ float quantize_row(const T* x, int8_t* q, int n, float static_scale) {
 }
 
 template <typename T>
-void write_int8(const T* key, const T* value, const Strides& src, int8_t* cache, int64_t block_stride, int64_t cache_head_stride,
-                const int64_t* slots, int64_t num_tokens, int num_kv_heads, int block_size,
+void write_int8(const T* key, const T* value, const Strides& src, int8_t* cache,
+                int64_t block_stride, int64_t cache_head_stride, const int64_t* slots, int64_t num_tokens, int num_kv_heads, int block_size,
                 int head_size, float k_scale, float v_scale) {
   for_each_slot(slots, num_tokens, num_kv_heads, block_size,
                 [&](int64_t i, int64_t block, int64_t offset, int h) {
@@ -642,20 +642,16 @@ void write_int8(const T* key, const T* value, const Strides& src, int8_t* cache,
     float* scales = reinterpret_cast<float*>(page + 2 * int64_t(block_size) * head_size);
     scales[2 * offset] =
         quantize_row(key + src.key(i, h), page + offset * head_size, head_size, k_scale);
-    scales[2 * offset + 1] = quantize_row(
-        value + src.value(i, h), page + (int64_t(block_size) + offset) * head_size, head_size, v_scale);
+    scales[2 * offset + 1] = quantize_row(value + src.value(i, h),
+                                          page + (int64_t(block_size) + offset) * head_size,
+                                          head_size, v_scale);
   });
 }
 
 #pragma GCC pop_options
 
-}  // namespace
-
-extern "C" {
-
-// Returns 0, or -1 for an unknown dtype code.
-// Return codes of the entry points besides 0 (done) and -1 (unknown dtype): nothing
-// is read or written when an index the caller passed would leave the cache.
+// Index errors the entry points return instead of reading or writing outside the
+// cache (they check before touching it).
 constexpr int kTooFewColumns = -2;  // a seq_len needs more blocks than a table row has
 constexpr int kBadBlockId = -3;     // a block id a request reads is outside the cache
 constexpr int kBadSlot = -4;        // a slot is outside the cache
@@ -673,6 +669,11 @@ int check_block_table(const int32_t* block_table, int64_t bt_stride, int64_t bt_
   return 0;
 }
 
+}  // namespace
+
+extern "C" {
+
+// Returns 0, -1 for an unknown dtype code, or an index error below.
 int accel_paged_attention(int dtype, const void* query, int64_t q_tok_stride,
                           int64_t q_head_stride, void* out, int64_t o_tok_stride,
                           int64_t o_head_stride, const void* cache, int cache_int8,
