@@ -15,8 +15,8 @@ import os
 import pytest
 import torch
 
-from paged_cases import (HKV, TOL, assert_within_int8_bound, batch_mix, build, kernel_args,
-                         make_case, reference)
+from paged_cases import (HKV, INT8_ERR, TOL, assert_within_int8_bound, batch_mix, build,
+                         kernel_args, make_case, reference)
 
 from vllm_accel.ops.triton import int8_gemm, paged_attention, wint_gemm
 
@@ -109,6 +109,30 @@ def test_int8_cache(mix, bs, ratio, d, layout, dtype):
         out = paged_attention.paged_prefill(query, cache, block_table, qsl, seq_lens, scale)
     assert out.dtype == dtype
     assert_within_int8_bound(out.cpu(), expected, vmax, dtype)
+
+
+@pytest.mark.parametrize("dtype,v_size", [(torch.bfloat16, 1.0), (torch.float16, 1.0),
+                                          (torch.bfloat16, 1e-6)])
+def test_int8_decode_quantized_query_spans_partitions(dtype, v_size):
+    """16-bit queries on an INT8 cache take the int8 Q.K^T decode (query rounded to
+    int8 per head); a context past PARTITION_INT8 is split and merged. V scaled to
+    1e-6 (products with the probabilities far below fp16's smallest normal) must
+    keep its relative accuracy."""
+    bs, d = 64, 128
+    reqs = [(1, paged_attention.PARTITION_INT8 + 37), (1, 5), (1, 2 * bs + 3)]
+    qs, ks, vs, block_table, cache, _ = build(reqs, bs, 4, d, dtype, "LHBNC", seed=11)
+    assert block_table.shape[1] * bs > paged_attention.PARTITION_INT8
+    pages = cache.transpose(0, 1).reshape(-1, cache.shape[2] * cache.shape[3])
+    pages[:, 2 * bs * d:].view(torch.float32)[:, 1::2] *= v_size  # every v_scale
+    vs = [v.double() * v_size for v in vs]
+    expected = torch.cat([reference(q, k, v, d**-0.5) for q, k, v in zip(qs, ks, vs)])
+    vmax = torch.cat([v.abs().max().expand(len(q), 1, 1) for q, v in zip(qs, vs)])
+    _, seq_lens = kernel_args(reqs)
+    query, cache, block_table, seq_lens = on_device(torch.cat(qs), cache, block_table, seq_lens)
+    out = paged_attention.paged_decode(query, cache, block_table, seq_lens, d**-0.5)
+    assert out.dtype == dtype
+    error = ((out.cpu().double() - expected).abs() / vmax).max()
+    assert error <= INT8_ERR + TOL[dtype]["rtol"], f"error {error:.4f} * max|V|"
 
 
 def test_int8_cache_static_scales_exact():

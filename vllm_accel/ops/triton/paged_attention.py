@@ -13,6 +13,14 @@ is read per key), with an online softmax in float32. INT8 codes enter the dot
 products as exact integers in the query's dtype; their scales multiply the scores
 (K) and the probabilities (V), the same sums as dequantizing every element.
 
+INT8 decode with a 16-bit query goes further, because converting every code to a
+float costs more issue slots than reading it (59% of an H100's copy bandwidth):
+each query row is quantized to int8 (symmetric, one scale per head) and Q.K^T runs
+as an int8 tensor-core dot with int32 sums; V's codes become fp16 for P.V, each row
+of probabilities x ``v_scale`` divided by its largest entry (so it lies in [0, 1], and
+a small V cannot underflow fp16) and the product multiplied back. The query rounding adds about as much logit error as K's own (both
+<= max|x| / 254 per element); an fp32 query and prefill keep the exact-integer path.
+
 Decode splits long contexts into partitions of ``PARTITION`` keys run by separate
 programs (more programs than SMs at small batch) and merges their partial softmax
 states in a second kernel.
@@ -33,6 +41,8 @@ PARTITION = 1024
 #: key tokens per inner step (bf16 and INT8 pages; tuned on an H100)
 TILE_N = 128
 TILE_N_INT8 = 128
+#: keys per INT8 decode partition (int8 Q.K^T: fewer, longer programs win)
+PARTITION_INT8 = 2048
 #: warps and pipeline stages per decode program (bf16 / INT8 pages)
 DECODE_WARPS = 4
 DECODE_WARPS_INT8 = 4
@@ -51,9 +61,10 @@ def _int8_to_float(code):
 @triton.jit
 def _attend_tile(q, acc, m_i, l_i, cache_ptr, bt_row_ptr, stride_blk, head_off, j, key_ok, key_limit,
                  scale, HEAD: tl.constexpr, D_PAD: tl.constexpr, BS: tl.constexpr,
-                 INT8: tl.constexpr, IEEE: tl.constexpr):
+                 INT8: tl.constexpr, IEEE: tl.constexpr, QK_INT8: tl.constexpr):
     """One key tile: ``j`` key positions ``[TILE_N]``, ``key_ok`` their validity,
-    ``key_limit`` ``[M, 1]`` the last key each row may see (causal)."""
+    ``key_limit`` ``[M, 1]`` the last key each row may see (causal). ``QK_INT8``:
+    ``q`` holds int8 codes and ``scale`` ``[M, 1]`` folds in their scales."""
     d = tl.arange(0, D_PAD)
     blk = tl.load(bt_row_ptr + j // BS, mask=key_ok, other=0).to(tl.int64)
     page = blk * stride_blk + head_off
@@ -66,15 +77,19 @@ def _attend_tile(q, acc, m_i, l_i, cache_ptr, bt_row_ptr, stride_blk, head_off, 
             tl.pointer_type(tl.float32))
         k_scale = tl.load(scale_ptr, mask=key_ok, other=0.0)
         v_scale = tl.load(scale_ptr + 1, mask=key_ok, other=0.0)
-    if INT8:
-        k = _int8_to_float(k)
-        v = _int8_to_float(v)
-    k = k.to(q.dtype)
-    v = v.to(q.dtype)
-    if IEEE:
-        s = tl.dot(q, tl.trans(k), input_precision="ieee")
+    if QK_INT8:
+        v = v.to(tl.float16)
+        s = tl.dot(q, tl.trans(k), out_dtype=tl.int32).to(tl.float32)
     else:
-        s = tl.dot(q, tl.trans(k))
+        if INT8:
+            k = _int8_to_float(k)
+            v = _int8_to_float(v)
+        k = k.to(q.dtype)
+        v = v.to(q.dtype)
+        if IEEE:
+            s = tl.dot(q, tl.trans(k), input_precision="ieee")
+        else:
+            s = tl.dot(q, tl.trans(k))
     s = s * scale
     if INT8:
         s = s * k_scale[None, :]
@@ -84,6 +99,12 @@ def _attend_tile(q, acc, m_i, l_i, cache_ptr, bt_row_ptr, stride_blk, head_off, 
     alpha = tl.exp(m_i - m_safe)
     p = tl.exp(s - m_safe[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
+    if QK_INT8:  # fp16 P.V: each row of p x v_scale over its largest entry, in [0, 1]
+        p = p * v_scale[None, :]
+        top = tl.max(p, 1)
+        top = tl.where(top > 0.0, top, 1.0)
+        p = p * (1.0 / top)[:, None]
+        return acc * alpha[:, None] + tl.dot(p.to(tl.float16), v) * top[:, None], m_new, l_i
     if INT8:
         p = p * v_scale[None, :]
     if IEEE:
@@ -100,7 +121,7 @@ def _decode_kernel(q_ptr, cache_ptr, bt_ptr, seq_lens_ptr, out_ptr, part_ptr, st
                    GROUP: tl.constexpr, M: tl.constexpr, HEAD: tl.constexpr,
                    D_PAD: tl.constexpr, BS: tl.constexpr, TILE: tl.constexpr,
                    PART: tl.constexpr, NUM_PARTS: tl.constexpr, INT8: tl.constexpr,
-                   IEEE: tl.constexpr, UPCAST: tl.constexpr):
+                   IEEE: tl.constexpr, UPCAST: tl.constexpr, QK_INT8: tl.constexpr):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     part = tl.program_id(2)
@@ -111,7 +132,14 @@ def _decode_kernel(q_ptr, cache_ptr, bt_ptr, seq_lens_ptr, out_ptr, part_ptr, st
     heads = kvh * GROUP + rows
     q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + d[None, :],
                 mask=row_ok[:, None] & (d < HEAD)[None, :], other=0.0)
-    if UPCAST:  # Triton's interpreter has no bf16 dot
+    if QK_INT8:  # symmetric int8 per query head; its scale joins the softmax scale
+        qf = q.to(tl.float32)
+        q_scale = tl.max(tl.abs(qf), 1) / 127.0
+        q_scale = tl.where(q_scale > 0.0, q_scale, 1.0)
+        qf = qf / q_scale[:, None]
+        q = tl.where(qf >= 0.0, qf + 0.5, qf - 0.5).to(tl.int8)
+        scale = scale * q_scale[:, None]
+    elif UPCAST:  # Triton's interpreter has no bf16 dot
         q = q.to(tl.float32)
     elif INT8 == 0:
         q = q.to(cache_ptr.dtype.element_ty)
@@ -126,7 +154,7 @@ def _decode_kernel(q_ptr, cache_ptr, bt_ptr, seq_lens_ptr, out_ptr, part_ptr, st
         j = j0 + tl.arange(0, TILE)
         acc, m_i, l_i = _attend_tile(q, acc, m_i, l_i, cache_ptr, bt_ptr + b * stride_bt,
                                      stride_blk, head_off, j, j < end, limit, scale,
-                                     HEAD, D_PAD, BS, INT8, IEEE)
+                                     HEAD, D_PAD, BS, INT8, IEEE, QK_INT8)
     if NUM_PARTS == 1:
         o = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
         tl.store(out_ptr + b * stride_ob + heads[:, None] * stride_oh + d[None, :],
@@ -200,7 +228,7 @@ def _prefill_kernel(q_ptr, cache_ptr, bt_ptr, qsl_ptr, seq_lens_ptr, tile_req_pt
         j = j0 + tl.arange(0, TILE)
         acc, m_i, l_i = _attend_tile(q, acc, m_i, l_i, cache_ptr, bt_ptr + req * stride_bt,
                                      stride_blk, head_off, j, j < end, limit, scale,
-                                     HEAD, D_PAD, BS, INT8, IEEE)
+                                     HEAD, D_PAD, BS, INT8, IEEE, False)
     o = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
     tl.store(out_ptr + (q_start + tok)[:, None].to(tl.int64) * stride_ot
              + heads[:, None] * stride_oh + d[None, :], o.to(out_ptr.dtype.element_ty),
@@ -241,7 +269,9 @@ def paged_decode(query: torch.Tensor, kv_cache: torch.Tensor, block_table: torch
     if b == 0:
         return out
     max_keys = block_table.shape[1] * kv_cache.shape[2]
-    num_parts = triton.cdiv(max_keys, PARTITION)
+    qk_int8 = int8 and query.dtype != torch.float32
+    partition = PARTITION_INT8 if qk_int8 else PARTITION
+    num_parts = triton.cdiv(max_keys, partition)
     d_pad = max(16, triton.next_power_of_2(d))
     m = max(16, triton.next_power_of_2(group))
     if num_parts > 1:
@@ -253,8 +283,8 @@ def paged_decode(query: torch.Tensor, kv_cache: torch.Tensor, block_table: torch
         query, kv_cache, block_table, seq_lens, out, part, stats, float(scale),
         query.stride(0), query.stride(1), out.stride(0), out.stride(1), block_table.stride(0),
         s_blk, s_head, h, GROUP=group, M=m, HEAD=d, D_PAD=d_pad, BS=kv_cache.shape[2],
-        TILE=TILE_N_INT8 if int8 else TILE_N, PART=PARTITION, NUM_PARTS=num_parts, INT8=int8,
-        IEEE=ieee, UPCAST=upcast, num_warps=DECODE_WARPS_INT8 if int8 else DECODE_WARPS,
+        TILE=TILE_N_INT8 if int8 else TILE_N, PART=partition, NUM_PARTS=num_parts, INT8=int8,
+        IEEE=ieee, UPCAST=upcast, QK_INT8=qk_int8, num_warps=DECODE_WARPS_INT8 if int8 else DECODE_WARPS,
         num_stages=DECODE_STAGES)
     if num_parts > 1:
         _merge_kernel[(b, h)](part, stats, out, out.stride(0), out.stride(1), h, HEAD=d,
