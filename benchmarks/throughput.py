@@ -248,6 +248,17 @@ class PlatformMismatch(RuntimeError):
 
 def run_one(spec: dict[str, Any], env_update: dict[str, str | None], timeout: float,
             verbose: bool) -> dict[str, Any]:
+    """One (engine, workload) in a fresh worker process: its result, with its wall time."""
+    t0 = time.perf_counter()
+    result = run_worker_process(spec, env_update, timeout, verbose)[-1]
+    result["process_wall_s"] = time.perf_counter() - t0
+    return result
+
+
+def run_worker_process(spec: dict[str, Any], env_update: dict[str, str | None], timeout: float,
+                       verbose: bool, script: str = __file__) -> list[dict[str, Any]]:
+    """Run ``script --worker SPEC`` with ``env_update`` applied; every result line it
+    printed. Raises (with the worker's last lines) on failure or a platform mismatch."""
     env = dict(os.environ)
     for key, value in env_update.items():
         if value is None:
@@ -259,7 +270,7 @@ def run_one(spec: dict[str, Any], env_update: dict[str, str | None], timeout: fl
                                      delete=False, encoding="utf-8") as fh:
         json.dump(spec, fh)
         spec_path = fh.name
-    cmd = [sys.executable, os.path.abspath(__file__), "--worker", spec_path]
+    cmd = [sys.executable, os.path.abspath(script), "--worker", spec_path]
     tail: collections.deque[str] = collections.deque(maxlen=60)
     found: list[dict[str, Any]] = []
 
@@ -272,7 +283,6 @@ def run_one(spec: dict[str, Any], env_update: dict[str, str | None], timeout: fl
             if verbose:
                 print(f"    | {line}", end="", file=sys.stderr, flush=True)
 
-    t0 = time.perf_counter()
     try:
         proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                 text=True, bufsize=1)
@@ -294,17 +304,14 @@ def run_one(spec: dict[str, Any], env_update: dict[str, str | None], timeout: fl
         thread.join(timeout=30)
     finally:
         os.unlink(spec_path)
-    result = found[-1] if found else None
-    wall = time.perf_counter() - t0
     if rc == PLATFORM_MISMATCH_RC:
         mismatch = [ln for ln in tail if "PLATFORM MISMATCH" in ln]
         raise PlatformMismatch(mismatch[-1] if mismatch else f"exit {rc}")
-    if rc != 0 or result is None:
+    if rc != 0 or not found:
         print("\n".join(f"    | {ln}" for ln in tail), file=sys.stderr)
         raise RuntimeError(f"{spec['workload']}/{spec['engine']} worker failed "
-                           f"(exit {rc}{', no ' + RESULT_TAG.strip() if result is None else ''})")
-    result["process_wall_s"] = wall
-    return result
+                           f"(exit {rc}{', no ' + RESULT_TAG.strip() if not found else ''})")
+    return found
 
 
 def fmt_threads(r: dict[str, Any]) -> str:
