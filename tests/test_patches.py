@@ -3,6 +3,7 @@
 import importlib.metadata
 
 import os
+import pickle
 
 import pytest
 
@@ -104,6 +105,9 @@ def test_serve_exits_nonzero_only_after_the_engine_died(monkeypatch):
     with pytest.raises(SystemExit, match="the engine died"):
         ServeSubcommand.cmd("crashed")
     assert runs == ["clean", "crashed"]
+    # --data-parallel-size / --api-server-count > 1 pickle args.dispatch_function
+    # (this command) into each API server process
+    assert pickle.loads(pickle.dumps(ServeSubcommand.cmd)) is ServeSubcommand.cmd
 
 
 def _patch(name_start: str):

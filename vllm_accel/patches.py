@@ -160,32 +160,43 @@ def _sync_client_engine_death() -> None:
     SyncMPClient.get_output = get_output
 
 
+#: set when a `vllm serve` API server shut down because its engine died
+_ENGINE_DIED: list[bool] = []
+#: vLLM's ServeSubcommand.cmd, wrapped by _serve_cmd
+_ORIGINAL_SERVE_CMD: list = []
+
+
+def _terminate_if_errored(server, engine) -> None:
+    _ORIGINAL_SERVE_CMD[1](server, engine)
+    if server.should_exit and engine.errored and not engine.is_running:
+        _ENGINE_DIED.append(True)
+
+
+def _serve_cmd(args) -> None:
+    """vLLM's serve command, exiting 1 when the engine died. Module-level (not a
+    closure): with --data-parallel-size or --api-server-count > 1, vLLM pickles
+    ``args`` (whose dispatch_function this is) into each API server process."""
+    _ORIGINAL_SERVE_CMD[0](args)
+    if _ENGINE_DIED:
+        raise SystemExit("vllm serve: the engine died (see the error above); "
+                         "exiting with status 1.")
+
+
+_serve_cmd.__accel_patched__ = True  # type: ignore[attr-defined]
+
+
 def _serve_exit_status_on_engine_death() -> None:
     from vllm.entrypoints.cli.serve import ServeSubcommand
     from vllm.entrypoints.launchers import launcher
     from vllm.entrypoints.serve.exception_handling.handlers import vllm_error
 
-    original_cmd = ServeSubcommand.cmd
-    if getattr(original_cmd, "__accel_patched__", False):
+    if getattr(ServeSubcommand.cmd, "__accel_patched__", False):
         return
-    original_terminate = launcher.terminate_if_errored
-    engine_died: list[bool] = []
-
-    def terminate_if_errored(server, engine):
-        original_terminate(server, engine)
-        if server.should_exit and engine.errored and not engine.is_running:
-            engine_died.append(True)
-
-    def cmd(args) -> None:
-        original_cmd(args)
-        if engine_died:
-            raise SystemExit("vllm serve: the engine died (see the error above); "
-                             "exiting with status 1.")
-
-    cmd.__accel_patched__ = True  # type: ignore[attr-defined]
-    launcher.terminate_if_errored = terminate_if_errored
-    vllm_error.terminate_if_errored = terminate_if_errored  # imported by name there
-    ServeSubcommand.cmd = staticmethod(cmd)
+    _ORIGINAL_SERVE_CMD[:] = [ServeSubcommand.cmd, launcher.terminate_if_errored]
+    _ENGINE_DIED.clear()
+    launcher.terminate_if_errored = _terminate_if_errored
+    vllm_error.terminate_if_errored = _terminate_if_errored  # imported by name there
+    ServeSubcommand.cmd = staticmethod(_serve_cmd)
 
 
 PATCHES: tuple[Patch, ...] = (

@@ -177,8 +177,9 @@ class AccelPlatform(CpuPlatform):
         vllm_config.parallel_config.worker_cls = backend.worker_cls
         # Inherited by the EngineCore and worker processes spawned after this;
         # a value the user exported wins.
-        for name, value in backend.process_env(
-                vllm_config.parallel_config.local_world_size).items():
+        from vllm_accel.preflight import host_ranks
+
+        for name, value in backend.process_env(host_ranks(vllm_config.parallel_config)).items():
             os.environ.setdefault(name, value)
         if not user_block_size:
             cache_config.block_size = DEFAULT_BLOCK_SIZE
@@ -200,7 +201,7 @@ class AccelPlatform(CpuPlatform):
         preflight.check_cores_for_ranks(parallel)
         if weights and model_config.quantization not in preflight.ONLINE_QUANTIZATION:
             preflight.check_fits(model_config.model, weights, parallel.tensor_parallel_size,
-                                 backend.total_memory(0, parallel.local_world_size),
+                                 backend.total_memory(0, preflight.host_ranks(parallel)),
                                  "ACCEL_SIM_DEVICE_MEMORY_GB")
 
     @classmethod

@@ -98,13 +98,21 @@ def check_fits(model: str, weight_bytes: int, ranks: int, capacity: int,
             "the model with --tensor-parallel-size, or serve a quantized checkpoint.")
 
 
+def host_ranks(parallel_config) -> int:
+    """Device processes on this host: the local tensor/pipeline ranks of every data
+    parallel engine here. vLLM's CPU core binding counts them the same way (its
+    API-process count stands for the local DP engines: a non-MoE DP engine's own
+    config says data_parallel_size=1)."""
+    return parallel_config.local_world_size * max(1, parallel_config._api_process_count)
+
+
 def check_cores_for_ranks(parallel_config) -> None:
     """Each simulated GCU is a worker process bound to its own CPU cores (vLLM's
     CPU binding, ``VLLM_CPU_OMP_THREADS_BIND=auto``): more ranks than usable cores
     would die later on a bare AssertionError inside vLLM; say so first."""
     if os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "auto") != "auto":
         return  # explicit core lists (or nobind): vLLM checks those itself
-    ranks = parallel_config.local_world_size * max(1, parallel_config._api_process_count)
+    ranks = host_ranks(parallel_config)
     cores = len(os.sched_getaffinity(0))
     if ranks > cores:
         raise StartupError(

@@ -4,6 +4,7 @@
 import os
 
 from vllm_accel.logger import init_logger
+from vllm_accel.preflight import host_ranks
 
 logger = init_logger(__name__)
 
@@ -17,8 +18,7 @@ class AccelWorkerMixin:
         its memory."""
         parallel = self.parallel_config
         parallel.disable_custom_all_reduce = True
-        local_world_size = max(1, parallel.tensor_parallel_size
-                               * parallel.pipeline_parallel_size)
+        local_world_size = max(1, parallel.local_world_size)  # this node's share
         count = self.backend.device_count()
         if local_world_size > count:
             var = self.backend.visible_devices_env
@@ -30,7 +30,8 @@ class AccelWorkerMixin:
             )
         self.local_world_size = local_world_size
         self.backend.set_device(local_rank)
-        self.device_memory = self.backend.total_memory(local_rank, local_world_size)
+        # simulated devices share the host's RAM with every DP engine's ranks here
+        self.device_memory = self.backend.total_memory(local_rank, host_ranks(parallel))
 
     def _log_classes(self) -> None:
         """Which worker and model runner serve this rank (both differ per backend)."""
