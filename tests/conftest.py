@@ -2,10 +2,13 @@
 
 import json
 import os
+import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
+import httpx
 import pytest
 import torch
 
@@ -24,6 +27,52 @@ FORBID_CUDA_ENV = {"ACCEL_TEST_FORBID_CUDA": "1", "PYTHONPATH": str(TESTS / "for
 #: the virtual GCU through the card path, with the CUDA guard
 VIRTUAL_GCU_ENV = {"ACCEL_BACKEND": "virtual", "TORCH_DEVICE_BACKEND_AUTOLOAD": "0",
                    **FORBID_CUDA_ENV}
+
+
+VLLM = str(Path(sys.executable).parent / "vllm")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def spawn_server(args: list[str], log_path: Path, env: dict | None = None) -> subprocess.Popen:
+    """``vllm serve ARGS`` (the real console script, vLLM's multiprocess engine) in
+    its own process group, so a test can kill it whole like a dead host."""
+    return subprocess.Popen([VLLM, "serve", *args], stdout=open(log_path, "w"),
+                            stderr=subprocess.STDOUT, start_new_session=True,
+                            env={**os.environ, **ENGINE_ENV,
+                                 "VLLM_ENABLE_V1_MULTIPROCESSING": "1", **(env or {})})
+
+
+def start_server(args: list[str], log_path: Path, env: dict | None = None,
+                 timeout: float = 300) -> tuple[subprocess.Popen, str]:
+    """``vllm serve ARGS`` on a free loopback port, once /health answers: (process, base URL)."""
+    port = free_port()
+    proc = spawn_server([*args, "--host", "127.0.0.1", "--port", str(port)], log_path, env)
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            raise AssertionError(f"server exited {proc.returncode}:\n{log_path.read_text()[-5000:]}")
+        try:
+            if httpx.get(f"{base}/health", timeout=2).status_code == 200:
+                return proc, base
+        except httpx.HTTPError:
+            pass
+        time.sleep(1)
+    proc.kill()
+    raise AssertionError(f"server not healthy in time:\n{log_path.read_text()[-5000:]}")
+
+
+def stop_server(proc: subprocess.Popen) -> None:
+    proc.terminate()
+    try:
+        proc.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
 
 
 @pytest.fixture(autouse=True, scope="session")

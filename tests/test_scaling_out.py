@@ -1,53 +1,25 @@
-"""Scaling out through vLLM's own runtime: `vllm serve --data-parallel-size 2` on
-the simulated GCU (two engines behind one API server, one simulated device and one
-core each), against HF transformers' greedy tokens."""
+"""Scaling out through vLLM's own runtime on the simulated GCU, against HF
+transformers' greedy tokens: `vllm serve --data-parallel-size 2` (two engines behind
+one API server, one simulated device and one core each), and tensor parallel over
+two "nodes" (`--nnodes 2 --node-rank 0/1`, two processes on this host over
+loopback, gloo collectives)."""
 
 import concurrent.futures
 import os
 import re
-import subprocess
+import signal
 import time
 
 import httpx
 import psutil
 import pytest
 
-from conftest import ENGINE_ENV, hf_greedy
-from test_server import VLLM, _free_port
+from conftest import (build_tiny_model, free_port, hf_greedy, spawn_server, start_server,
+                      stop_server)
 
 pytestmark = pytest.mark.server
 
 NEW_TOKENS = 8
-
-
-def _start(args: list[str], log_path, env: dict) -> tuple[subprocess.Popen, str]:
-    port = _free_port()
-    log = open(log_path, "w")
-    proc = subprocess.Popen([VLLM, "serve", *args, "--host", "127.0.0.1", "--port", str(port)],
-                            stdout=log, stderr=subprocess.STDOUT,
-                            env={**os.environ, **ENGINE_ENV,
-                                 "VLLM_ENABLE_V1_MULTIPROCESSING": "1", **env})
-    base = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 300
-    while time.time() < deadline:
-        if proc.poll() is not None:
-            raise AssertionError(f"server exited {proc.returncode}:\n{log_path.read_text()[-5000:]}")
-        try:
-            if httpx.get(f"{base}/health", timeout=2).status_code == 200:
-                return proc, base
-        except httpx.HTTPError:
-            pass
-        time.sleep(1)
-    proc.kill()
-    raise AssertionError(f"server not healthy in time:\n{log_path.read_text()[-5000:]}")
-
-
-def _stop(proc: subprocess.Popen) -> None:
-    proc.terminate()
-    try:
-        proc.wait(timeout=60)
-    except subprocess.TimeoutExpired:
-        proc.kill()
 
 
 def _served_per_engine(base: str) -> dict[str, float]:
@@ -72,7 +44,7 @@ def test_data_parallel_2_serves_on_both_engines_with_hf_tokens(default_model, tm
     # host's RAM (a small explicit KV cache keeps the test light).
     host_share = (psutil.virtual_memory().available / 2**30
                   * float(os.environ.get("ACCEL_SIM_HOST_MEMORY_FRACTION", "0.6")))
-    proc, base = _start([str(default_model), "--device", "gcu", "--data-parallel-size", "2",
+    proc, base = start_server([str(default_model), "--device", "gcu", "--data-parallel-size", "2",
                          "--enforce-eager", "--max-model-len", "512", "--dtype", "float32",
                          "--kv-cache-memory-bytes", str(256 << 20)],
                         log_path, {"ACCEL_SIM_DEVICE_MEMORY_GB": "48"})
@@ -88,7 +60,7 @@ def test_data_parallel_2_serves_on_both_engines_with_hf_tokens(default_model, tm
             got = list(pool.map(complete, prompts))
         served = _served_per_engine(base)
     finally:
-        _stop(proc)
+        stop_server(proc)
     assert got == expected
     assert sorted(served) == ["0", "1"] and sum(served.values()) == 16, served
     assert min(served.values()) > 0, f"one engine served nothing: {served}"
@@ -98,3 +70,47 @@ def test_data_parallel_2_serves_on_both_engines_with_hf_tokens(default_model, tm
     assert cores == {"0", "1"}, cores
     capacities = [float(c) for c in re.findall(r"\(sim\) memory: capacity ([\d.]+) GiB", log)]
     assert len(capacities) == 2 and sum(capacities) <= 1.1 * host_share, (capacities, host_share)
+
+
+@pytest.mark.engine
+def test_two_node_tensor_parallel_matches_hf_and_a_dead_peer_ends_it(tmp_path):
+    """TP=2 with one rank per "node" (node 1 headless), on the 4 q / 2 kv test model:
+    HF's greedy tokens; then node 1 dies (its whole process group) and node 0's
+    next request fails with the peer's connection named, and node 0 exits non-zero
+    within 60 s."""
+    model = build_tiny_model(tmp_path / "tiny", head_dim=64, hidden_size=256)
+    prompts = [[5, 6, 7, 8, 9], [40, 41, 42], [300, 7, 301, 8, 302, 9, 303]]
+    expected = hf_greedy(model, prompts, NEW_TOKENS)
+    master = str(free_port())
+    common = [str(model), "--device", "gcu", "--tensor-parallel-size", "2", "--nnodes", "2",
+              "--master-addr", "127.0.0.1", "--master-port", master, "--enforce-eager",
+              "--max-model-len", "512", "--dtype", "float32", "--skip-tokenizer-init",
+              "--kv-cache-memory-bytes", str(64 << 20)]
+    # one core per "node", as two hosts would have their own
+    node1 = spawn_server([*common, "--node-rank", "1", "--headless"], tmp_path / "node1.log",
+                   {"VLLM_CPU_OMP_THREADS_BIND": "1"})
+    try:
+        node0, base = start_server([*common, "--node-rank", "0"], tmp_path / "node0.log",
+                             {"VLLM_CPU_OMP_THREADS_BIND": "0"})
+        try:
+            def complete(ids):
+                return httpx.post(f"{base}/v1/completions", timeout=120, json={
+                    "model": str(model), "prompt": ids, "max_tokens": NEW_TOKENS,
+                    "temperature": 0.0, "ignore_eos": True, "return_token_ids": True})
+
+            got = [complete(ids).json()["choices"][0]["token_ids"] for ids in prompts]
+            assert got == expected
+            os.killpg(node1.pid, signal.SIGKILL)  # the whole node: server and worker
+            node1.wait(timeout=30)
+            start = time.monotonic()
+            assert complete([11, 12, 13]).status_code >= 500
+            node0.wait(timeout=60)
+            elapsed = time.monotonic() - start
+        finally:
+            stop_server(node0)
+    finally:
+        if node1.poll() is None:
+            os.killpg(node1.pid, signal.SIGKILL)
+    log = (tmp_path / "node0.log").read_text()
+    assert node0.returncode not in (0, None) and elapsed < 60, (node0.returncode, elapsed)
+    assert re.search(r"Connection (reset|closed) by peer", log), log[-3000:]

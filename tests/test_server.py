@@ -7,28 +7,17 @@ keeps serving.
 """
 
 import json
-import os
-import socket
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import httpx
 import openai
 import pytest
 
-from conftest import ENGINE_ENV, TESTS, VIRTUAL_GCU_ENV
+from conftest import TESTS, VIRTUAL_GCU_ENV, VLLM, start_server, stop_server
 
-VLLM = str(Path(sys.executable).parent / "vllm")
 pytestmark = pytest.mark.server
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 BACKEND_ENV = {
     "sim": {},
@@ -38,41 +27,14 @@ BACKEND_ENV = {
 
 @pytest.fixture(scope="module", params=list(BACKEND_ENV))
 def server(request, default_model, tmp_path_factory):
-    port = _free_port()
     log_path = tmp_path_factory.mktemp("server") / "server.log"
-    log = open(log_path, "w")
-    proc = subprocess.Popen(
-        # float32 like `make serve`: bf16 ties exactly on this chat's first token
-        [VLLM, "serve", str(default_model), "--device", "gcu", "--host", "127.0.0.1",
-         "--port", str(port), "--enforce-eager", "--max-model-len", "2048",
-         "--dtype", "float32"],
-        stdout=log, stderr=subprocess.STDOUT,
-        # vLLM's default multiprocess engine, as users run the server
-        env={**os.environ, **ENGINE_ENV, "VLLM_ENABLE_V1_MULTIPROCESSING": "1",
-             **BACKEND_ENV[request.param]},
-    )
-    base = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 300
-    while time.time() < deadline:
-        if proc.poll() is not None:
-            raise AssertionError(f"server exited {proc.returncode}:\n{log_path.read_text()[-5000:]}")
-        try:
-            if httpx.get(f"{base}/health", timeout=2).status_code == 200:
-                break
-        except httpx.HTTPError:
-            pass
-        time.sleep(1)
-    else:
-        proc.kill()
-        raise AssertionError(f"server not healthy in time:\n{log_path.read_text()[-5000:]}")
+    # float32 like `make serve`: bf16 ties exactly on this chat's first token
+    proc, base = start_server(
+        [str(default_model), "--device", "gcu", "--enforce-eager", "--max-model-len", "2048",
+         "--dtype", "float32"], log_path, BACKEND_ENV[request.param])
     yield {"base": base, "proc": proc, "log": log_path, "model": str(default_model),
            "backend": request.param}
-    proc.terminate()
-    try:
-        proc.wait(timeout=60)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-    log.close()
+    stop_server(proc)
 
 
 @pytest.fixture(scope="module")
