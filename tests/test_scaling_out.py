@@ -114,3 +114,42 @@ def test_two_node_tensor_parallel_matches_hf_and_a_dead_peer_ends_it(tmp_path):
     log = (tmp_path / "node0.log").read_text()
     assert node0.returncode not in (0, None) and elapsed < 60, (node0.returncode, elapsed)
     assert re.search(r"Connection (reset|closed) by peer", log), log[-3000:]
+
+
+def test_multi_node_runs_wait_a_bounded_time_for_peers():
+    """torch waits 30 minutes for a missing peer; a multi-node run gets
+    MULTI_NODE_TIMEOUT_S unless --distributed-timeout-seconds was given."""
+    from types import SimpleNamespace
+
+    from vllm_accel.preflight import MULTI_NODE_TIMEOUT_S, bound_multi_node_wait
+
+    single = SimpleNamespace(nnodes=1, distributed_timeout_seconds=None)
+    multi = SimpleNamespace(nnodes=2, distributed_timeout_seconds=None)
+    explicit = SimpleNamespace(nnodes=2, distributed_timeout_seconds=20)
+    assert [bound_multi_node_wait(c) for c in (single, multi, explicit)] == [False, True, False]
+    assert single.distributed_timeout_seconds is None
+    assert multi.distributed_timeout_seconds == MULTI_NODE_TIMEOUT_S
+    assert explicit.distributed_timeout_seconds == 20
+
+
+@pytest.mark.engine
+def test_node_0_without_its_peer_fails_within_the_timeout(tmp_path):
+    """Node 0 of two, node 1 never started: the rendezvous gives up after
+    --distributed-timeout-seconds, saying how many ranks joined, and vllm serve
+    exits non-zero."""
+    model = build_tiny_model(tmp_path / "tiny", head_dim=64, hidden_size=256)
+    start = time.monotonic()
+    node0 = spawn_server([str(model), "--device", "gcu", "--tensor-parallel-size", "2",
+                          "--nnodes", "2", "--node-rank", "0", "--master-addr", "127.0.0.1",
+                          "--master-port", str(free_port()), "--distributed-timeout-seconds",
+                          "15", "--enforce-eager", "--skip-tokenizer-init",
+                          "--kv-cache-memory-bytes", str(64 << 20), "--port", str(free_port())],
+                         tmp_path / "node0.log")
+    try:
+        node0.wait(timeout=120)
+    finally:
+        stop_server(node0)
+    log = (tmp_path / "node0.log").read_text()
+    assert node0.returncode not in (0, None), log[-3000:]
+    assert "1/2 clients joined" in log, log[-3000:]
+    print(f"node 0 gave up after {time.monotonic() - start:.0f} s")

@@ -166,6 +166,12 @@ class AccelPlatform(CpuPlatform):
                 f"supported on the {backend.device_name} (vllm_accel); use "
                 "--tensor-parallel-size to spread a model over several devices."
             )
+        from vllm_accel.preflight import MULTI_NODE_TIMEOUT_S, bound_multi_node_wait
+
+        if bound_multi_node_wait(parallel_config):
+            logger.info_once("--nnodes %d: a rank waits at most %d s for its peers "
+                             "(--distributed-timeout-seconds to change it)",
+                             parallel_config.nnodes, MULTI_NODE_TIMEOUT_S)
         cache_config = vllm_config.cache_config
         user_block_size = cache_config.user_specified_block_size
         cls._preflight(vllm_config, backend)

@@ -98,6 +98,21 @@ def check_fits(model: str, weight_bytes: int, ranks: int, capacity: int,
             "the model with --tensor-parallel-size, or serve a quantized checkpoint.")
 
 
+#: seconds a rank of a multi-node run waits for its peers (rendezvous and each
+#: collective) unless --distributed-timeout-seconds says otherwise: torch's default
+#: is 30 minutes, which a user reads as a hang when a peer never comes up
+MULTI_NODE_TIMEOUT_S = 300
+
+
+def bound_multi_node_wait(parallel_config) -> bool:
+    """Give a multi-node run (``--nnodes`` > 1) a finite wait for missing peers;
+    whether it set one (an explicit --distributed-timeout-seconds wins)."""
+    if parallel_config.nnodes <= 1 or parallel_config.distributed_timeout_seconds is not None:
+        return False
+    parallel_config.distributed_timeout_seconds = MULTI_NODE_TIMEOUT_S
+    return True
+
+
 def host_ranks(parallel_config) -> int:
     """Device processes on this host: the local tensor/pipeline ranks of every data
     parallel engine here. vLLM's CPU core binding counts them the same way (its
