@@ -56,7 +56,8 @@ def start_server(args: list[str], log_path: Path, env: dict | None = None,
     deadline = time.time() + timeout
     while time.time() < deadline:
         if proc.poll() is not None:
-            raise AssertionError(f"server exited {proc.returncode}:\n{log_path.read_text()[-5000:]}")
+            raise AssertionError(
+                f"server exited {proc.returncode}:\n{log_path.read_text()[-5000:]}")
         try:
             if httpx.get(f"{base}/health", timeout=2).status_code == 200:
                 return proc, base

@@ -25,7 +25,8 @@ from vllm.platforms.interface import PlatformEnum
 from vllm_accel import envs, patches
 from vllm_accel.backends import get_backend
 from vllm_accel.compat import check_vllm_version
-from vllm_accel.preflight import StartupError
+from vllm_accel.preflight import (MULTI_NODE_TIMEOUT_S, StartupError, bound_multi_node_wait,
+                                  host_ranks)
 
 logger = init_logger(__name__)
 
@@ -166,8 +167,6 @@ class AccelPlatform(CpuPlatform):
                 f"supported on the {backend.device_name} (vllm_accel); use "
                 "--tensor-parallel-size to spread a model over several devices."
             )
-        from vllm_accel.preflight import MULTI_NODE_TIMEOUT_S, bound_multi_node_wait
-
         if bound_multi_node_wait(parallel_config):
             logger.info_once("--nnodes %d: a rank waits at most %d s for its peers "
                              "(--distributed-timeout-seconds to change it)",
@@ -183,9 +182,7 @@ class AccelPlatform(CpuPlatform):
         vllm_config.parallel_config.worker_cls = backend.worker_cls
         # Inherited by the EngineCore and worker processes spawned after this;
         # a value the user exported wins.
-        from vllm_accel.preflight import host_ranks
-
-        for name, value in backend.process_env(host_ranks(vllm_config.parallel_config)).items():
+        for name, value in backend.process_env(host_ranks(parallel_config)).items():
             os.environ.setdefault(name, value)
         if not user_block_size:
             cache_config.block_size = DEFAULT_BLOCK_SIZE

@@ -17,9 +17,10 @@ INT8 decode with a 16-bit query goes further, because converting every code to a
 float costs more issue slots than reading it (59% of an H100's copy bandwidth):
 each query row is quantized to int8 (symmetric, one scale per head) and Q.K^T runs
 as an int8 tensor-core dot with int32 sums; V's codes become fp16 for P.V, each row
-of probabilities x ``v_scale`` divided by its largest entry (so it lies in [0, 1], and
-a small V cannot underflow fp16) and the product multiplied back. The query rounding adds about as much logit error as K's own (both
-<= max|x| / 254 per element); an fp32 query and prefill keep the exact-integer path.
+of probabilities x ``v_scale`` divided by its largest entry (so it lies in [0, 1],
+and a small V cannot underflow fp16) and the product multiplied back. The query
+rounding adds about as much logit error as K's own (both <= max|x| / 254 per
+element); an fp32 query and prefill keep the exact-integer path.
 
 Decode splits long contexts into partitions of ``PARTITION`` keys run by separate
 programs (more programs than SMs at small batch) and merges their partial softmax
@@ -284,8 +285,8 @@ def paged_decode(query: torch.Tensor, kv_cache: torch.Tensor, block_table: torch
         query.stride(0), query.stride(1), out.stride(0), out.stride(1), block_table.stride(0),
         s_blk, s_head, h, GROUP=group, M=m, HEAD=d, D_PAD=d_pad, BS=kv_cache.shape[2],
         TILE=TILE_N_INT8 if int8 else TILE_N, PART=partition, NUM_PARTS=num_parts, INT8=int8,
-        IEEE=ieee, UPCAST=upcast, QK_INT8=qk_int8, num_warps=DECODE_WARPS_INT8 if int8 else DECODE_WARPS,
-        num_stages=DECODE_STAGES)
+        IEEE=ieee, UPCAST=upcast, QK_INT8=qk_int8,
+        num_warps=DECODE_WARPS_INT8 if int8 else DECODE_WARPS, num_stages=DECODE_STAGES)
     if num_parts > 1:
         _merge_kernel[(b, h)](part, stats, out, out.stride(0), out.stride(1), h, HEAD=d,
                               D_PAD=d_pad, NUM_PARTS=num_parts,
