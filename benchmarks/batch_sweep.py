@@ -15,8 +15,7 @@ Configurations (same model, dtype, seed, max_model_len and explicit KV-cache siz
   accel-int8kv vllm_accel, bf16 weights, --kv-cache-dtype int8
 
 Writes the numbers (``--json``) and a PNG plot (``--png``; needs matplotlib, which
-``make bench`` installs). Compiled (vLLM's default)
-unless ``--eager``.
+``make bench`` installs). Compiled (vLLM's default) unless ``--eager``.
 
     python benchmarks/batch_sweep.py [--batch-sizes 1,4,16,64] [--eager]
 """
@@ -37,7 +36,7 @@ import throughput  # noqa: E402
 CONFIGS: dict[str, dict[str, Any]] = {
     "stock": {"engine": "stock", "llm": {}},
     "accel": {"engine": "accel", "llm": {}},
-    "accel-w4a16": {"engine": "accel", "llm": {}, "checkpoint": "gptq-4bit-g64"},
+    "accel-w4a16": {"engine": "accel", "llm": {}, "w4a16_checkpoint": True},
     "accel-int8kv": {"engine": "accel", "llm": {"kv_cache_dtype": "int8"}},
 }
 RESULT_TAG = throughput.RESULT_TAG
@@ -144,7 +143,7 @@ def main() -> int:
     for config in configs:
         spec_config = CONFIGS[config]
         engine = throughput.ENGINES[spec_config["engine"]]
-        checkpoint = w4a16_checkpoint(model) if spec_config.get("checkpoint") else model
+        checkpoint = w4a16_checkpoint(model) if spec_config.get("w4a16_checkpoint") else model
         spec = {
             "config": config, "workload": f"sweep/{config}", "engine": spec_config["engine"],
             "expected_platform": engine["platform"], "batch_sizes": batches,

@@ -42,12 +42,13 @@ def test_data_parallel_2_serves_on_both_engines_with_hf_tokens(default_model, tm
     log_path = tmp_path / "dp2.log"
     # The default 48 GiB device: each rank's capacity is then its share of the
     # host's RAM (a small explicit KV cache keeps the test light).
-    host_share = (psutil.virtual_memory().available / 2**30
-                  * float(os.environ.get("ACCEL_SIM_HOST_MEMORY_FRACTION", "0.6")))
+    from vllm_accel import envs
+
+    host_share = psutil.virtual_memory().available / 2**30 * envs.ACCEL_SIM_HOST_MEMORY_FRACTION
     proc, base = start_server([str(default_model), "--device", "gcu", "--data-parallel-size", "2",
-                         "--enforce-eager", "--max-model-len", "512", "--dtype", "float32",
-                         "--kv-cache-memory-bytes", str(256 << 20)],
-                        log_path, {"ACCEL_SIM_DEVICE_MEMORY_GB": "48"})
+                               "--enforce-eager", "--max-model-len", "512", "--dtype", "float32",
+                               "--kv-cache-memory-bytes", str(256 << 20)],
+                              log_path, {"ACCEL_SIM_DEVICE_MEMORY_GB": "48"})
     try:
         def complete(ids):
             r = httpx.post(f"{base}/v1/completions", timeout=300, json={
@@ -88,10 +89,10 @@ def test_two_node_tensor_parallel_matches_hf_and_a_dead_peer_ends_it(tmp_path):
               "--kv-cache-memory-bytes", str(64 << 20)]
     # one core per "node", as two hosts would have their own
     node1 = spawn_server([*common, "--node-rank", "1", "--headless"], tmp_path / "node1.log",
-                   {"VLLM_CPU_OMP_THREADS_BIND": "1"})
+                         {"VLLM_CPU_OMP_THREADS_BIND": "1"})
     try:
         node0, base = start_server([*common, "--node-rank", "0"], tmp_path / "node0.log",
-                             {"VLLM_CPU_OMP_THREADS_BIND": "0"})
+                                   {"VLLM_CPU_OMP_THREADS_BIND": "0"})
         try:
             def complete(ids):
                 return httpx.post(f"{base}/v1/completions", timeout=120, json={

@@ -162,12 +162,13 @@ def _sync_client_engine_death() -> None:
 
 #: set when a `vllm serve` API server shut down because its engine died
 _ENGINE_DIED: list[bool] = []
-#: vLLM's ServeSubcommand.cmd, wrapped by _serve_cmd
-_ORIGINAL_SERVE_CMD: list = []
+#: vLLM's functions the two wrappers below call: "cmd" (ServeSubcommand.cmd) and
+#: "terminate_if_errored" (launcher's)
+_VLLM_SERVE: dict[str, Callable] = {}
 
 
 def _terminate_if_errored(server, engine) -> None:
-    _ORIGINAL_SERVE_CMD[1](server, engine)
+    _VLLM_SERVE["terminate_if_errored"](server, engine)
     if server.should_exit and engine.errored and not engine.is_running:
         _ENGINE_DIED.append(True)
 
@@ -176,7 +177,7 @@ def _serve_cmd(args) -> None:
     """vLLM's serve command, exiting 1 when the engine died. Module-level (not a
     closure): with --data-parallel-size or --api-server-count > 1, vLLM pickles
     ``args`` (whose dispatch_function this is) into each API server process."""
-    _ORIGINAL_SERVE_CMD[0](args)
+    _VLLM_SERVE["cmd"](args)
     if _ENGINE_DIED:
         raise SystemExit("vllm serve: the engine died (see the error above); "
                          "exiting with status 1.")
@@ -192,7 +193,8 @@ def _serve_exit_status_on_engine_death() -> None:
 
     if getattr(ServeSubcommand.cmd, "__accel_patched__", False):
         return
-    _ORIGINAL_SERVE_CMD[:] = [ServeSubcommand.cmd, launcher.terminate_if_errored]
+    _VLLM_SERVE.update(cmd=ServeSubcommand.cmd,
+                       terminate_if_errored=launcher.terminate_if_errored)
     _ENGINE_DIED.clear()
     launcher.terminate_if_errored = _terminate_if_errored
     vllm_error.terminate_if_errored = _terminate_if_errored  # imported by name there
