@@ -84,6 +84,38 @@ def test_sync_client_raises_once_the_engine_is_dead_instead_of_blocking():
     assert time.monotonic() - start < 0.3 + 2 * patches.ENGINE_DEATH_POLL_S
 
 
+def test_sync_client_shutdown_waits_for_its_output_thread():
+    """vLLM's cleanup only signals the output thread; the patched one returns after
+    the thread has finished (here it takes 0.3 s after the signal), so no thread
+    of the client runs into interpreter finalization."""
+    import threading
+    import time
+
+    import zmq
+    from vllm.utils.network_utils import get_open_zmq_inproc_path
+    from vllm.v1.engine.core_client import BackgroundResources
+
+    patches.apply_all("general")
+    resources = BackgroundResources(ctx=zmq.Context())
+    resources.shutdown_path = get_open_zmq_inproc_path()
+    bound, finished = threading.Event(), threading.Event()
+
+    def output_thread():
+        with resources.ctx.socket(zmq.PAIR) as shutdown_socket:
+            shutdown_socket.bind(resources.shutdown_path)
+            bound.set()
+            shutdown_socket.recv()
+        time.sleep(0.3)
+        finished.set()
+
+    resources.output_thread = threading.Thread(target=output_thread, daemon=True)
+    resources.output_thread.start()
+    assert bound.wait(5)
+    resources()
+    assert finished.is_set()
+    resources.ctx.term()
+
+
 def test_serve_exits_nonzero_only_after_the_engine_died(monkeypatch):
     """ServeSubcommand.cmd raises SystemExit(message) when terminate_if_errored
     ended the server because the engine errored; a clean stop stays clean."""

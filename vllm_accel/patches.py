@@ -8,6 +8,7 @@ import contextlib
 import functools
 import importlib.metadata
 import os
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -160,6 +161,38 @@ def _sync_client_engine_death() -> None:
     SyncMPClient.get_output = get_output
 
 
+#: how long the sync client's shutdown waits for its output thread to finish
+OUTPUT_THREAD_JOIN_S = 10.0
+
+
+def _sync_client_joins_output_thread() -> None:
+    from vllm.v1.engine.core_client import BackgroundResources, SyncMPClient
+
+    init, cleanup = SyncMPClient.__init__, BackgroundResources.__call__
+    if getattr(cleanup, "__accel_patched__", False):
+        return
+
+    @functools.wraps(init)
+    def __init__(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        # the resources, not the client: the client's finalizer must still fire
+        self.resources.output_thread = self.output_queue_thread
+
+    def __call__(self):
+        cleanup(self)
+        thread = getattr(self, "output_thread", None)
+        if thread is None or thread is threading.current_thread():
+            return
+        thread.join(OUTPUT_THREAD_JOIN_S)
+        if thread.is_alive():
+            logger.warning("vLLM's engine output thread did not stop within %.0f s of "
+                           "shutdown", OUTPUT_THREAD_JOIN_S)
+
+    __call__.__accel_patched__ = True  # type: ignore[attr-defined]
+    SyncMPClient.__init__ = __init__
+    BackgroundResources.__call__ = __call__
+
+
 #: set when a `vllm serve` API server shut down because its engine died
 _ENGINE_DIED: list[bool] = []
 #: vLLM's functions the two wrappers below call: "cmd" (ServeSubcommand.cmd) and
@@ -267,6 +300,30 @@ PATCHES: tuple[Patch, ...] = (
         remove_when="vLLM's sync client queues EngineDeadError on engine death (as "
         "its async client does) or polls engine_dead itself.",
         apply=_sync_client_engine_death,
+        phase="general",
+    ),
+    Patch(
+        name="offline LLM aborts at exit (terminate called without an active exception)",
+        why=(
+            "vLLM 0.32's SyncMPClient shutdown (its weakref finalizer, run when an "
+            "LLM is dropped or at exit) signals the output thread to stop but does "
+            "not wait for it. The thread then ends while the interpreter finalizes, "
+            "and its frame still holds the last decoded outputs: tensors made by "
+            "torch.frombuffer (prompt logprobs), whose deleter takes the GIL; a "
+            "thread taking the GIL during finalization is ended by pthread_exit, "
+            "whose unwind through the noexcept tensor destructor calls "
+            "std::terminate. Exit status 134, about one run in ten of a "
+            "prompt_logprobs script (core dump: EngineCoreOutputQueueThread in "
+            "tensor_frombuffer's deleter under Py_FinalizeEx)."
+        ),
+        how=(
+            "Wrap SyncMPClient.__init__ to hand its output thread to the client's "
+            "BackgroundResources, and BackgroundResources.__call__ to join that "
+            f"thread (at most {OUTPUT_THREAD_JOIN_S:.0f} s, never from the thread "
+            "itself) after vLLM's cleanup has sent the stop signal."
+        ),
+        remove_when="vLLM's sync client joins its output thread on shutdown.",
+        apply=_sync_client_joins_output_thread,
         phase="general",
     ),
     Patch(
