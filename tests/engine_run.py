@@ -9,13 +9,24 @@ generated one batch after another, e.g. to hit the prefix cache), ``requests``
 (optional: {"prompt", "sampling"} pairs, each with its own SamplingParams kwargs;
 ``structured_outputs`` there is a StructuredOutputsParams dict). Output: one
 stdout line "ENGINE_RESULT <json>" (outputs, batch outputs, prefix-cache and
-preemption counters when ``disable_log_stats`` is False).
+preemption counters when ``disable_log_stats`` is False; with ``worker_threads``,
+each worker's cores and torch thread count).
 """
 
 import faulthandler
 import json
 import signal
 import sys
+
+
+def _compute_threads(worker) -> dict:
+    """In a worker: the cores its model-running thread may use and torch's thread
+    count (collective_rpc runs in the thread that runs the model)."""
+    import os
+
+    import torch
+
+    return {"cores": sorted(os.sched_getaffinity(0)), "threads": torch.get_num_threads()}
 
 
 def main() -> None:
@@ -74,6 +85,8 @@ def main() -> None:
         chat_params = SamplingParams(**spec.get("chat_sampling", spec["sampling"]))
         outs = llm.chat(spec["chat"], chat_params, use_tqdm=False)
         results["chat"] = [o.outputs[0].text for o in outs]
+    if spec.get("worker_threads"):
+        results["worker_threads"] = llm.collective_rpc(_compute_threads)
     print("ENGINE_RESULT " + json.dumps(results), flush=True)
 
 

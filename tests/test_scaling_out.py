@@ -2,20 +2,25 @@
 transformers' greedy tokens: `vllm serve --data-parallel-size 2` (two engines behind
 one API server, one simulated device and one core each), and tensor parallel over
 two "nodes" (`--nnodes 2 --node-rank 0/1`, two processes on this host over
-loopback, gloo collectives)."""
+loopback, gloo collectives), and tensor parallel through Ray
+(`--distributed-executor-backend ray`, the ranks as Ray actors)."""
 
 import concurrent.futures
+import json
 import os
 import re
 import signal
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import httpx
 import psutil
 import pytest
 
-from conftest import (build_tiny_model, free_port, hf_greedy, spawn_server, start_server,
-                      stop_server)
+from conftest import (ENGINE_ENV, TESTS, build_tiny_model, free_port, hf_greedy, run_engine,
+                      spawn_server, start_server, stop_server)
 
 pytestmark = pytest.mark.server
 
@@ -154,3 +159,70 @@ def test_node_0_without_its_peer_fails_within_the_timeout(tmp_path):
     assert node0.returncode not in (0, None), log[-3000:]
     assert "1/2 clients joined" in log, log[-3000:]
     print(f"node 0 gave up after {time.monotonic() - start:.0f} s")
+
+
+def _ray_tp2_spec(model: Path, prompts: list[list[int]], **llm) -> dict:
+    return {"llm": {"model": str(model), "dtype": "float32", "skip_tokenizer_init": True,
+                    "max_model_len": 512, "seed": 0, "tensor_parallel_size": 2,
+                    "distributed_executor_backend": "ray",
+                    "kv_cache_memory_bytes": 64 << 20, **llm},
+            "prompts": prompts,
+            "sampling": {"temperature": 0.0, "max_tokens": NEW_TOKENS, "ignore_eos": True,
+                         "detokenize": False}}
+
+
+def test_ray_backend_maps_to_our_executor_and_refuses_the_older_one(monkeypatch):
+    """`ray` becomes vLLM's Ray executor V2 with our devices declared; vLLM's older
+    Ray executor (not wired here) is refused before any engine starts."""
+    from vllm_accel.preflight import StartupError, ray_executor_cls
+    from vllm_accel.worker.ray_executor import AccelRayExecutor
+
+    assert ray_executor_cls() is AccelRayExecutor and AccelRayExecutor.uses_ray
+    monkeypatch.setenv("VLLM_USE_RAY_V2_EXECUTOR_BACKEND", "0")
+    with pytest.raises(StartupError, match="unset it"):
+        ray_executor_cls()
+
+
+@pytest.mark.engine
+def test_ray_tensor_parallel_matches_hf_with_one_core_per_rank(tmp_path):
+    """TP=2 through Ray (compiled, vLLM's default), no Ray cluster running: the
+    executor starts a local Ray instance with the engine's 2 simulated devices
+    declared; HF's greedy tokens; each rank's model thread is bound to its own core
+    with one torch thread (Ray starts actors unbound)."""
+    model = build_tiny_model(tmp_path / "tiny", head_dim=64, hidden_size=256)
+    prompts = [[5, 6, 7, 8, 9], [40, 41, 42], [300, 7, 301, 8, 302, 9, 303]]
+    expected = hf_greedy(model, prompts, NEW_TOKENS)
+    result, log = run_engine({**_ray_tp2_spec(model, prompts), "worker_threads": True},
+                             tmp_path, env={"RAY_ADDRESS": ""})
+    assert "starting a local Ray instance with this engine's 2 devices" in log, log[-3000:]
+    assert [o["token_ids"] for o in result["outputs"]] == expected
+    workers = result["worker_threads"]
+    assert sorted(w["cores"] for w in workers) == [[0], [1]], workers
+    assert [w["threads"] for w in workers] == [1, 1], workers
+
+
+@pytest.mark.engine
+def test_ray_cluster_with_too_few_device_slots_fails_fast_naming_the_fix(tmp_path):
+    """A running Ray cluster that declares 1 device slot, TP=2: the engine stops at
+    once with the count and the `ray start --num-gpus` fix (vLLM alone would wait 30
+    minutes for the placement group)."""
+    model = build_tiny_model(tmp_path / "tiny", head_dim=64, hidden_size=256)
+    ray = str(Path(sys.executable).parent / "ray")
+    subprocess.run([ray, "start", "--head", "--num-cpus", "2", "--num-gpus", "1",
+                    "--include-dashboard=false", "--disable-usage-stats"],
+                   check=True, capture_output=True, timeout=120)
+    try:
+        spec = tmp_path / "spec.json"
+        spec.write_text(json.dumps(_ray_tp2_spec(model, [[5, 6, 7]],
+                                                               enforce_eager=True)))
+        start = time.monotonic()
+        proc = subprocess.run([sys.executable, str(TESTS / "engine_run.py"), str(spec)],
+                              capture_output=True, text=True, timeout=300,
+                              env={**os.environ, **ENGINE_ENV})
+        elapsed = time.monotonic() - start
+    finally:
+        subprocess.run([ray, "stop", "--force"], capture_output=True, timeout=120)
+    log = proc.stdout + proc.stderr
+    assert proc.returncode != 0 and "ENGINE_RESULT" not in log, log[-3000:]
+    assert "declares 1 device slots" in log and "--num-gpus 2" in log, log[-3000:]
+    assert elapsed < 120, elapsed

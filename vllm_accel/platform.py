@@ -26,7 +26,7 @@ from vllm_accel import envs, patches
 from vllm_accel.backends import get_backend
 from vllm_accel.compat import check_vllm_version
 from vllm_accel.preflight import (MULTI_NODE_TIMEOUT_S, StartupError, bound_multi_node_wait,
-                                  host_ranks)
+                                  host_ranks, ray_executor_cls)
 
 logger = init_logger(__name__)
 
@@ -94,6 +94,10 @@ class AccelPlatform(CpuPlatform):
     dist_backend: str = _backend.dist_backend
     device_control_env_var: str = _backend.visible_devices_env
     dispatch_key: str = _backend.dispatch_key
+    # Ray detects none of our devices: they are its generic "GPU" slots, declared
+    # by the cluster (worker/ray_executor.py), and Ray must not set CUDA's mask.
+    ray_device_key: str = "GPU"
+    ray_noset_device_env_vars: list[str] = ["RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES"]
 
     def uses_host_device_handling(self) -> bool:
         # A real card's torch device type exists only after the vendor library is
@@ -167,6 +171,8 @@ class AccelPlatform(CpuPlatform):
                 f"supported on the {backend.device_name} (vllm_accel); use "
                 "--tensor-parallel-size to spread a model over several devices."
             )
+        if parallel_config.distributed_executor_backend == "ray":
+            parallel_config.distributed_executor_backend = ray_executor_cls()
         if bound_multi_node_wait(parallel_config):
             logger.info_once("--nnodes %d: a rank waits at most %d s for its peers "
                              "(--distributed-timeout-seconds to change it)",

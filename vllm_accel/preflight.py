@@ -101,6 +101,25 @@ def check_fits(model: str, weight_bytes: int, ranks: int, capacity: int,
 #: seconds a rank of a multi-node run waits for its peers (rendezvous and each
 #: collective) unless --distributed-timeout-seconds says otherwise: torch's default
 #: is 30 minutes, which a user reads as a hang when a peer never comes up
+def ray_executor_cls() -> type:
+    """The executor for ``--distributed-executor-backend ray``: vLLM's Ray executor
+    V2 with our devices declared to Ray (worker/ray_executor.py). A missing ray
+    package and vLLM's older Ray executor (not wired here) are refused up front."""
+    import importlib.util
+
+    import vllm.envs
+
+    if importlib.util.find_spec("ray") is None:
+        raise StartupError("--distributed-executor-backend ray needs the ray package: "
+                           "pip install 'vllm-accel[ray]'.")
+    if not vllm.envs.VLLM_USE_RAY_V2_EXECUTOR_BACKEND:
+        raise StartupError("VLLM_USE_RAY_V2_EXECUTOR_BACKEND=0 selects vLLM's older Ray "
+                           "executor, which vllm_accel does not support; unset it.")
+    from vllm_accel.worker.ray_executor import AccelRayExecutor
+
+    return AccelRayExecutor
+
+
 MULTI_NODE_TIMEOUT_S = 300
 
 

@@ -6,6 +6,8 @@ device's memory; the simulated GCU has its own capacity (capped by what the
 host can give), so the budget below works like a card's.
 """
 
+import os
+
 import torch
 
 from vllm.utils.cpu_resource_utils import get_allowed_cpu_list, get_visible_memory_node
@@ -44,11 +46,29 @@ class AccelSimWorker(AccelWorkerMixin, CPUWorker):
         self._claim_device(local_rank)
 
     def init_device(self) -> None:
+        if self.parallel_config.use_ray:
+            self._bind_cores_in_ray_actor()
         super().init_device()
         # CPUWorker.init_device builds vLLM's CPUModelRunner by name; replace it
         # with ours (the first one holds no model or KV cache yet).
         self.model_runner = AccelSimModelRunner(self.vllm_config, self.device)
         self._log_classes()
+
+    def _bind_cores_in_ray_actor(self) -> None:
+        """vLLM's multiprocessing executor binds each CPU worker to its cores with
+        OpenMP variables set before it spawns the worker; Ray starts its actors
+        itself. Apply the cores vLLM's rule gives this local rank here, before the
+        worker's first parallel region creates the OpenMP threads (which inherit
+        the process's affinity)."""
+        from vllm.utils.ompmultiprocessing import OMPProcessManager
+
+        manager = OMPProcessManager(self.vllm_config)
+        if manager.skip_setup:
+            return
+        cores = manager.cpu_lists[self.local_rank]
+        os.sched_setaffinity(0, cores)
+        torch.set_num_threads(len(cores))  # CPUWorker.init_device disables it after
+        logger.info("Rank %d (Ray actor) bound to cores %s", self.rank, cores)
 
     def determine_available_memory(self) -> int:
         if self._should_warm_up_model():
