@@ -11,7 +11,7 @@ setup:
 # float32: the default model is a Q4_1 GGUF dequantized to float32 (exact there);
 # vLLM's default downcast to bf16 rounds its greedy first chat token into a tie.
 serve: setup
-	@model=$$($(PY) -m vllm_accel.models path) && \
+	@model=$$($(PY) -m vllm_accel.tools.models path) && \
 	echo "[serve] vllm serve $$model --device gcu --dtype float32 --port $(PORT)" && \
 	. $(VENV)/bin/activate && exec vllm serve "$$model" --device gcu --dtype float32 --port $(PORT)
 

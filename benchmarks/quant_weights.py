@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Resident weight memory and linear-kernel times: bf16 vs W4A16 vs W8A16 vs W8A8.
 
-No engine runs. For the default model (``vllm_accel.models``; ``--model DIR``
+No engine runs. For the default model (``vllm_accel.tools.models``; ``--model DIR``
 for another HF Llama-like checkpoint):
 
 1. Resident weight bytes. The quantized variants are produced by the test
@@ -224,7 +224,7 @@ def main() -> None:
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     model_dir = args.model
     if model_dir is None:
-        from vllm_accel.models import prepare_default_model
+        from vllm_accel.tools.models import prepare_default_model
 
         model_dir = prepare_default_model()
     model_dir = Path(model_dir)

@@ -214,7 +214,7 @@ def run_worker(spec_path: str) -> None:
 
 def default_model() -> str:
     try:
-        from vllm_accel.models import default_model_path
+        from vllm_accel.tools.models import default_model_path
     except ImportError as exc:
         raise SystemExit(f"vllm_accel is not importable ({exc}); pass --model") from exc
     return str(default_model_path())
@@ -382,7 +382,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=None,
-                   help="model path/name (default: vllm_accel.models.default_model_path())")
+                   help="model path/name (default: vllm_accel.tools.models.default_model_path())")
     p.add_argument("--workloads", default="W1,W3",
                    help="comma list of W1, W3, LONG, custom (default: %(default)s)")
     p.add_argument("--engines", default="accel,stock", help="comma list of accel, accel-int8, stock, virtual (default: %(default)s)")
@@ -445,7 +445,7 @@ def main(argv: list[str] | None = None) -> int:
     model = args.model or default_model()
     if args.model is None and not (Path(model) / "config.json").is_file():
         raise SystemExit(f"default model not found at {model}; run "
-                         "`python -m vllm_accel.models prepare-default` first")
+                         "`python -m vllm_accel.tools.models prepare-default` first")
     vocab = vocab_size(model)
     need_len = max(workloads[w]["input_len"] + workloads[w]["output_len"] for w in wl_names)
     max_model_len = args.max_model_len or max(4096, need_len)

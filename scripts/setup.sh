@@ -46,4 +46,4 @@ if ! command -v "${CXX:-c++}" >/dev/null && ! command -v g++ >/dev/null; then
 fi
 
 say "preparing the default model (converted once, then reused)"
-"$VENV/bin/python" -m vllm_accel.models prepare-default
+"$VENV/bin/python" -m vllm_accel.tools.models prepare-default

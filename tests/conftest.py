@@ -127,7 +127,7 @@ def build_tiny_model(path: Path, arch: str = "llama", num_heads: int = 4,
 
 @pytest.fixture(scope="session")
 def default_model() -> Path:
-    from vllm_accel.models import prepare_default_model
+    from vllm_accel.tools.models import prepare_default_model
 
     return prepare_default_model()
 

@@ -1,4 +1,4 @@
-"""vllm_accel.models: the GGUF default model converted once into an HF directory.
+"""vllm_accel.tools.models: the GGUF default model converted once into an HF directory.
 
 The conversion (~20-30 s on 2 cores) runs once per module; the GGUF reference model
 is loaded once as well. No vLLM engine is started.
@@ -19,7 +19,7 @@ import safetensors  # noqa: F401  (the conversion writes with it)
 import torch
 import transformers
 
-from vllm_accel import models
+from vllm_accel.tools import models
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -161,7 +161,7 @@ def test_env_var_selects_cache(prepared, monkeypatch):
 def _cli(*args: str, cache: Path) -> subprocess.CompletedProcess:
     env = dict(os.environ, ACCEL_MODEL_CACHE=str(cache))
     return subprocess.run(
-        [sys.executable, "-m", "vllm_accel.models", *args],
+        [sys.executable, "-m", "vllm_accel.tools.models", *args],
         cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=120, check=True,
     )
 

@@ -1,7 +1,6 @@
 """Each monkeypatch in vllm_accel.patches: documented, applied, narrow."""
 
 import importlib.metadata
-
 import os
 import pickle
 
@@ -144,6 +143,15 @@ def test_serve_exits_nonzero_only_after_the_engine_died(monkeypatch):
 
 def _patch(name_start: str):
     return next(p for p in patches.PATCHES if p.name.startswith(name_start))
+
+
+def test_device_process_env_sets_defaults_and_keeps_what_the_user_exported(monkeypatch):
+    monkeypatch.delenv("VLLM_CPU_SIM_MULTI_NUMA", raising=False)
+    monkeypatch.setenv("MALLOC_TRIM_THRESHOLD_", "7")
+    patches.apply_all("config", env={"VLLM_CPU_SIM_MULTI_NUMA": "1",
+                                     "MALLOC_TRIM_THRESHOLD_": str(1 << 30)})
+    assert os.environ["VLLM_CPU_SIM_MULTI_NUMA"] == "1"
+    assert os.environ["MALLOC_TRIM_THRESHOLD_"] == "7"
 
 
 def test_model_runner_v1_pin_keeps_an_explicit_setting(monkeypatch):

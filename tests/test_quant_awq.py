@@ -154,7 +154,7 @@ def test_vllm_layers_load_merged_shards_and_skip(tp1, tmp_path):
             _load(layer, p, sid)
         layer.quant_method.process_weights_after_loading(layer)
         names = {n for n, _ in layer.named_parameters()}
-        assert names == {"gcu_qweight", "gcu_zeros", "gcu_scales"}, names
+        assert names == {"wint.qweight", "wint.zeros", "wint.scales"}, names
         w = torch.cat([oracle_weight(p, 32) for p, _ in shards])
         check_close(layer(x)[0], x, w, torch.float32)
     down = L.RowParallelLinear(256, 128, bias=False, quant_config=cfg,

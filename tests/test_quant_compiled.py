@@ -55,7 +55,7 @@ def _resident_layer(bits, group_size, sym, act_order, provider, monkeypatch, dty
         install_resident(layer, res)
     finally:
         torch.set_default_dtype(prev)
-    assert (layer.gcu_fast_provider is not None) == (provider == "torch_fast")
+    assert (layer.wint.provider is not None) == (provider == "torch_fast")
     method = SimpleNamespace(params=SimpleNamespace(bits=bits), bits=bits,
                              group_size=res.group_size)
 

@@ -201,7 +201,7 @@ def test_vllm_layers_targets_ignore_and_merged_shards(tp1):
             _load(layer, p, sid)
         layer.quant_method.process_weights_after_loading(layer)
         names = {n for n, _ in layer.named_parameters()}
-        assert names == {"gcu_qweight", "gcu_zeros", "gcu_scales"}, names
+        assert names == {"wint.qweight", "wint.zeros", "wint.scales"}, names
         w = torch.cat([ct_decompress(p, 4, 32, False) for p, _ in shards])
         check_close(layer(x)[0], x, w, torch.float32)
     down = L.RowParallelLinear(256, 128, bias=False, quant_config=cfg,

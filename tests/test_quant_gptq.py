@@ -202,7 +202,7 @@ def test_kernel_uneven_groups_and_fp16():
     perm = torch.argsort(g_idx, stable=True)
     w = (codes - zeros.double()[:, g_idx]) * scales.double()[:, g_idx]
     x = torch.randn(4, k, generator=gen).to(torch.float16)
-    y = G.gptq_linear(x, G.pack_nibbles(codes[:, perm]), scales, zeros, bits=bits,
+    y = packed.wint_linear(x, G.pack_nibbles(codes[:, perm]), scales, zeros, bits=bits,
                       group_size=32, perm=perm, g_idx=g_idx[perm].to(torch.int32), tile_k=40)
     check_close(y, x, w, torch.float16)
 
@@ -221,7 +221,7 @@ def test_resident_layout_and_v2():
     assert res.scales.dtype == torch.float16 and nb["scales"] == nb["zeros"] == 64 * 4 * 2
     assert nb["perm"] == 128 * 8
     x = torch.randn(2, 128, generator=gen)
-    y = G.gptq_linear(x, res.qweight, res.scales, res.zeros, bits=4, group_size=32,
+    y = packed.wint_linear(x, res.qweight, res.scales, res.zeros, bits=4, group_size=32,
                       perm=res.perm)
     check_close(y, x, oracle_weight(v2, 4, fmt="gptq_v2"), torch.float32)
     # absent g_idx (all -1, the loader's placeholder) = contiguous groups
@@ -280,7 +280,7 @@ def tp1(monkeypatch):
     """vLLM linear layers outside an engine: a single rank, no process groups.
     Pins the ``reference`` kernel provider, whose generic resident layout these
     layer tests inspect (an earlier in-process test may have set the simulator's
-    preference for ``torch_fast``, whose prepared layout test_quant_cpu_fast and
+    preference for ``torch_fast``, whose prepared layout test_quant_torch_fast and
     the engine tests cover)."""
     monkeypatch.setenv("ACCEL_KERNEL_PROVIDER", "reference")
     import vllm.model_executor.layers.linear as L
@@ -336,8 +336,8 @@ def test_vllm_layers_load_merged_shards(tp1, tiny_gptq):
             _load(layer, packed(name), sid)
         layer.quant_method.process_weights_after_loading(layer)
         names = {n for n, _ in layer.named_parameters()}
-        assert names == {"gcu_qweight", "gcu_zeros", "gcu_scales", "gcu_perm"}, names
-        assert layer.gcu_qweight.dtype == torch.uint8
+        assert names == {"wint.qweight", "wint.zeros", "wint.scales", "wint.perm"}, names
+        assert layer.wint.qweight.dtype == torch.uint8
         w = torch.cat([oracle_weight(packed(n), 4) for n, _ in shards])
         check_close(layer(inp)[0], inp, w, torch.float32)
 

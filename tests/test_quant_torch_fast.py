@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from vllm_accel.ops.registry import get_kernel
-from vllm_accel.quant import cpu_fast
+from vllm_accel.ops.torch_fast import wint_gemm as torch_fast_gemm
 from vllm_accel.quant.packed import resident_from_codes
 
 prepare = get_kernel("wint_prepare", "torch_fast")
@@ -99,7 +99,7 @@ def test_unsupported_layouts_keep_the_generic_kernel(case):
 
 
 def test_int4_group_size_choice():
-    assert cpu_fast._int4_group_size(128, 512) == 128
-    assert cpu_fast._int4_group_size(576, 576) == 64
-    assert cpu_fast._int4_group_size(96, 576) == 32
-    assert cpu_fast._int4_group_size(16, 576) is None
+    assert torch_fast_gemm._int4_group_size(128, 512) == 128
+    assert torch_fast_gemm._int4_group_size(576, 576) == 64
+    assert torch_fast_gemm._int4_group_size(96, 576) == 32
+    assert torch_fast_gemm._int4_group_size(16, 576) is None

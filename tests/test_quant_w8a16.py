@@ -24,9 +24,9 @@ import torch
 
 from conftest import build_tiny_model, run_engine
 
-from vllm_accel.quant import cpu_fast  # noqa: F401  (registers the torch_fast GEMM)
+from vllm_accel.ops.torch_fast import wint_gemm  # noqa: F401  (registers the torch_fast GEMM)
 from vllm_accel.quant import w8a16 as Q
-from vllm_accel.quant.packed import apply_resident, install_resident, resident_from_signed
+from vllm_accel.quant.packed import install_resident, resident_from_signed
 
 OUT_REL = {torch.float32: 0.0, torch.bfloat16: 2**-8, torch.float16: 2**-11}
 _LINEAR_RE = re.compile(
@@ -90,7 +90,7 @@ SHAPES = [(1, 64, 48), (5, 96, 40), (3, 576, 960), (17, 1536, 576), (2, 33, 7), 
 def test_w8a16_kernels(shape, dtype, provider, monkeypatch):
     """The per-channel codes on the shared resident layout: the ``torch_fast``
     prepared layout (torch's int8pack GEMM for bf16 with ``in % 16 == 0``, its
-    fp32 tile op otherwise; test_quant_cpu_fast checks the choice), or the
+    fp32 tile op otherwise; test_quant_torch_fast checks the choice), or the
     generic layout and tile kernel with the reference provider."""
     monkeypatch.setenv("ACCEL_KERNEL_PROVIDER", provider)
     m, k, n = shape
@@ -107,10 +107,10 @@ def test_w8a16_kernels(shape, dtype, provider, monkeypatch):
     finally:
         torch.set_default_dtype(prev)
     fused = provider == "torch_fast"  # rounds x @ W.T before adding the bias
-    assert layer.gcu_fast_provider == ("torch_fast" if fused else None)
+    assert layer.wint.provider == ("torch_fast" if fused else None)
     x = torch.randn(2, m, k, generator=gen).to(dtype)
     bias = torch.randn(n, generator=gen).to(dtype)
-    y = apply_resident(layer, x, 8, res.group_size, bias)
+    y = layer.wint(x, bias)
     assert y.shape == (2, m, n)
     check_close(y, x, codes.double() * s.double()[:, None], dtype, bias,
                 extra_rel=OUT_REL[dtype] if fused else 0.0)
@@ -211,15 +211,15 @@ def test_vllm_layers_quantize_online(tp1, tiny_float, dtype):
             layer.bias.data.copy_(torch.randn(layer.bias.shape, generator=gen))
         layer.quant_method.process_weights_after_loading(layer)
         names = {n for n, _ in layer.named_parameters()}
-        assert names == {"gcu_qweight", "gcu_scales"} | ({"bias"} if layer.bias is not None
+        assert names == {"wint.qweight", "wint.scales"} | ({"bias"} if layer.bias is not None
                                                          else set()), names
-        assert not hasattr(layer, "weight") and layer.gcu_zeros is None  # symmetric
-        assert layer.gcu_qweight.dtype == torch.uint8 and layer.gcu_scales.shape[1] == 1
+        assert not hasattr(layer, "weight") and layer.wint.zeros is None  # symmetric
+        assert layer.wint.qweight.dtype == torch.uint8 and layer.wint.scales.shape[1] == 1
         w = torch.cat([state[f"{pre}.{n}.weight"].to(dtype) for n, _ in shards]).double()
-        scales = layer.gcu_scales.double()[:, 0]
+        scales = layer.wint.scales.double()[:, 0]
         if dtype == torch.bfloat16:  # scales held exactly as the model dtype rounded them
             assert torch.equal(scales, scales.to(dtype).double())
-        dq = (layer.gcu_qweight.double() - 128) * scales[:, None]
+        dq = (layer.wint.qweight.double() - 128) * scales[:, None]
         assert bool(((dq - w).abs() <= scales[:, None] / 2 * 1.000001).all())
         if dtype == torch.float32:
             assert torch.equal(dq, dequant_oracle(w.float()))

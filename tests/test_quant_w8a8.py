@@ -402,7 +402,7 @@ def test_vllm_layers_load_merged_shards(tp1, tiny_w8a8, variant):
                 else:
                     p.weight_loader(p, state[key], sid)
         layer.quant_method.process_weights_after_loading(layer)
-        params = {n: p for n, p in layer.named_parameters()}
+        params = {n.removeprefix("w8a8."): p for n, p in layer.named_parameters()}
         expect = {"weight", "weight_scale"} | (set() if dynamic else {"input_scale"}) | (
             set() if sym else {"input_zero_point", "weight_col_sums"})
         assert set(params) == expect, set(params)
@@ -411,14 +411,14 @@ def test_vllm_layers_load_merged_shards(tp1, tiny_w8a8, variant):
         wscale = torch.cat([state[f"{pre}.{n}.weight_scale"].float().reshape(-1, 1)
                             .expand(state[f"{pre}.{n}.weight"].shape[0], 1)
                             for n, _ in shards]).reshape(-1)
-        assert torch.equal(layer.weight, codes)  # no requantization
+        assert torch.equal(layer.w8a8.weight, codes)  # no requantization
         in_scale = in_zp = None
         if not dynamic:
             first = shards[0][0]
             in_scale = state[f"{pre}.{first}.input_scale"].float().reshape(())
             in_zp = state[f"{pre}.{first}.input_zero_point"].to(torch.int32).reshape(())
-            assert float(layer.input_scale) == float(in_scale)
-            assert int(layer.input_zero_point) == int(in_zp)
+            assert float(layer.w8a8.input_scale) == float(in_scale)
+            assert int(layer.w8a8.input_zero_point) == int(in_zp)
         y = layer(inp)[0]
         ref, mag, _ = quantized_oracle(inp, codes, wscale, input_scale=in_scale,
                                        input_zp=in_zp, symmetric=sym)

@@ -186,10 +186,7 @@ class AccelPlatform(CpuPlatform):
             super().check_and_update_config(vllm_config)
         # CpuPlatform only fills worker_cls when it is "auto": set ours after it.
         vllm_config.parallel_config.worker_cls = backend.worker_cls
-        # Inherited by the EngineCore and worker processes spawned after this;
-        # a value the user exported wins.
-        for name, value in backend.process_env(host_ranks(parallel_config)).items():
-            os.environ.setdefault(name, value)
+        patches.apply_all("config", env=backend.process_env(host_ranks(parallel_config)))
         if not user_block_size:
             cache_config.block_size = DEFAULT_BLOCK_SIZE
         logger.info_once("vllm_accel: device %s via %s; worker %s", backend.device_name,

@@ -61,11 +61,16 @@ class AccelRMSNorm(RMSNorm):
     same; only its CUDA kernel works in place).
     """
 
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        # resolved once per layer: the workers register their providers first
+        self._rms_norm = get_kernel("rms_norm")
+
     def forward_native(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         pass_weight = self.pass_weight if residual is None else self.pass_weight_add
-        return get_kernel("rms_norm")(
+        return self._rms_norm(
             x,
             self.weight.data if pass_weight else None,
             self.variance_epsilon,
@@ -80,14 +85,18 @@ class AccelRMSNorm(RMSNorm):
 class AccelSiluAndMul(SiluAndMul):
     """vLLM ``SiluAndMul`` backed by the ``silu_and_mul`` kernel."""
 
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._silu_and_mul = get_kernel("silu_and_mul")
+
     # vLLM declares forward_native a staticmethod (callers may use it unbound),
-    # so ours is one too.
+    # so ours is one too: it has no layer to keep its kernel on.
     @staticmethod
     def forward_native(x: torch.Tensor) -> torch.Tensor:
         return get_kernel("silu_and_mul")(x)
 
     def forward_cpu(self, x: torch.Tensor) -> torch.Tensor:
-        return get_kernel("silu_and_mul")(x)
+        return self._silu_and_mul(x)
 
     forward_oot = forward_cpu
 
@@ -101,6 +110,10 @@ class AccelRotaryEmbedding(RotaryEmbedding):
     rely on that (deepseek_v2 passes ``is_inplace_rope=rope.enabled()``).
     """
 
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._rotary_embedding = get_kernel("rotary_embedding")
+
     def _run(
         self,
         positions: torch.Tensor,
@@ -109,7 +122,7 @@ class AccelRotaryEmbedding(RotaryEmbedding):
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         # Casts the cache to query's dtype/device once and keeps it (vLLM's helper).
         cos_sin_cache = self._match_cos_sin_cache_dtype(query)
-        return get_kernel("rotary_embedding")(
+        return self._rotary_embedding(
             positions,
             query,
             key,

@@ -16,16 +16,18 @@ Importing this package registers the quantization configs with vLLM (the
 * ``w8a16`` (:mod:`vllm_accel.quant.w8a16`): online per-channel int8 weights
   made at load from a float checkpoint (``--quantization w8a16``).
 
-The weight-only methods share one resident layout and kernel
-(:mod:`vllm_accel.quant.packed`), the simulator's fused int4/int8 GEMM provider
-(:mod:`vllm_accel.quant.cpu_fast`) and an on-disk repack cache
-(:mod:`vllm_accel.quant.repack_cache`).
+Formats and schemes: each weight-only format above is a config plus a converter
+from its checkpoint tensors to one resident layout (:mod:`vllm_accel.quant.packed`),
+served by one linear method, the weight-only int scheme
+(:mod:`vllm_accel.quant.wint_method`: repack cache, installation, resident bytes,
+kernel). W8A8 is the other scheme (:mod:`vllm_accel.quant.w8a8`). The simulator's
+fused int4/int8 GEMM provider is :mod:`vllm_accel.ops.torch_fast.wint_gemm`.
 
 This package imports ``vllm.model_executor``; never import it from the platform
 module (circular import while vLLM resolves ``current_platform``).
 """
 
-from vllm_accel.quant import cpu_fast  # noqa: F401  (registers the torch_fast GEMM)
+from vllm_accel.ops.torch_fast import wint_gemm  # noqa: F401  (registers torch_fast's GEMM)
 from vllm_accel.quant import gptq  # noqa: F401  (registers gcu_gptq at import)
 from vllm_accel.quant.gptq import AccelGPTQConfig, AccelGPTQLinearMethod
 from vllm_accel.quant import awq  # noqa: F401,E402  (registers gcu_awq at import)

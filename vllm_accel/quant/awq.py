@@ -1,4 +1,4 @@
-"""AutoAWQ checkpoints on the GCU: ``gcu_awq`` config and linear method.
+"""AutoAWQ checkpoints: the ``gcu_awq`` config, its checkpoint tensors and converter.
 
 Checkpoint format (AutoAWQ ``version: gemm``, ``zero_point: true``), per Linear
 with ``in``/``out`` features, 4-bit, ``G = in / group_size`` groups:
@@ -13,9 +13,8 @@ with ``in``/``out`` features, 4-bit, ``G = in / group_size`` groups:
 
 ``W[o, i] = (q[i, o] - zero[i // group_size, o]) * scale[i // group_size, o]``.
 There is no ``g_idx`` (AWQ has no act-order). The load converts this into the
-shared resident layout of :mod:`vllm_accel.quant.packed` (uint8 output-major
-nibbles, ``[out, G]`` scales and zeros) and runs ``wint_linear``; the
-conversion is cached on disk (:mod:`vllm_accel.quant.repack_cache`).
+shared resident layout of :mod:`vllm_accel.quant.packed`, served by the wint
+scheme (:mod:`vllm_accel.quant.wint_method`).
 
 Layers listed in ``modules_to_not_convert`` (substring match, as AutoAWQ and
 transformers do) and layers without a ``qweight`` in the checkpoint stay in
@@ -29,39 +28,21 @@ from typing import Any
 import torch
 
 from vllm.model_executor.layers.linear import (
-    LinearBase,
-    LinearMethodBase,
     UnquantizedLinearMethod,
     register_weight_loader_v2_supported_method,
 )
 from vllm.model_executor.layers.quantization import register_quantization_config
 from vllm.model_executor.parameter import GroupQuantScaleParameter, PackedvLLMParameter
 
-from vllm_accel.logger import init_logger
-from vllm_accel.quant.base import AccelQuantConfig, is_moe, layer_error, load_summary
-from vllm_accel.quant import repack_cache
-from vllm_accel.quant.packed import (
-    ResidentStats,
-    WIntResident,
-    apply_resident,
-    install_resident,
-    resident_from_codes,
-    unpack_int32,
-)
-
-logger = init_logger(__name__)
+from vllm_accel.quant.base import AccelQuantConfig
+from vllm_accel.quant.packed import WIntResident, resident_from_codes, unpack_int32
+from vllm_accel.quant.wint_method import WIntLinearMethod
 
 QUANT_NAME = "gcu_awq"
-#: user ``--quantization`` values under which gcu_awq claims an AWQ checkpoint
-CLAIMED_USER_QUANT = (None, "awq", QUANT_NAME)
 SUPPORTED_BITS = (4,)
 SUPPORTED_VERSIONS = ("gemm",)
 #: bit field f of a packed word holds column 8c + AWQ_PACK_ORDER[f]
 AWQ_PACK_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
-
-
-def _fail(prefix: str, problem: str, fix: str) -> ValueError:
-    return layer_error(QUANT_NAME, prefix, problem, fix)
 
 
 def unpack_awq(words: torch.Tensor, bits: int = 4) -> torch.Tensor:
@@ -95,6 +76,7 @@ class AccelAWQConfig(AccelQuantConfig):
     """
 
     quant_name = QUANT_NAME
+    checkpoint_method = "awq"
 
     def __init__(self, bits: int, group_size: int, zero_point: bool, version: str = "gemm",
                  modules_to_not_convert: list[str] | None = None,
@@ -130,28 +112,21 @@ class AccelAWQConfig(AccelQuantConfig):
             lm_head_quantized=bool(cls.get_from_keys_or(config, ["lm_head"], False)),
         )
 
-    @classmethod
-    def override_quantization_method(cls, hf_quant_cfg, user_quant,
-                                     hf_config=None) -> str | None:
-        if str(hf_quant_cfg.get("quant_method", "")).lower() != "awq":
-            return None
-        return QUANT_NAME if user_quant in CLAIMED_USER_QUANT else None
-
     def validate(self, prefix: str) -> None:
         """Reject what the format or the kernel cannot serve, naming the layer."""
         if self.weight_bits not in SUPPORTED_BITS:
-            raise _fail(prefix, f"{self.weight_bits}-bit AWQ weights are not supported "
-                        "(AutoAWQ GEMM is 4-bit)", "re-quantize the model with w_bit=4")
+            raise self.fail(prefix, f"{self.weight_bits}-bit AWQ weights are not supported "
+                            "(AutoAWQ GEMM is 4-bit)", "re-quantize the model with w_bit=4")
         if self.version not in SUPPORTED_VERSIONS:
-            raise _fail(prefix, f"AWQ version {self.version!r} is a kernel-specific layout "
-                        f"(supported: {', '.join(SUPPORTED_VERSIONS)})",
-                        "export the model with AutoAWQ version='GEMM'")
+            raise self.fail(prefix, f"AWQ version {self.version!r} is a kernel-specific layout "
+                            f"(supported: {', '.join(SUPPORTED_VERSIONS)})",
+                            "export the model with AutoAWQ version='GEMM'")
         if not self.zero_point:
-            raise _fail(prefix, "AWQ without zero points (zero_point: false) is not "
-                        "supported", "re-quantize with zero_point=True (AutoAWQ's default)")
+            raise self.fail(prefix, "AWQ without zero points (zero_point: false) is not "
+                            "supported", "re-quantize with zero_point=True (AutoAWQ's default)")
         if self.group_size <= 0 and self.group_size != -1:
-            raise _fail(prefix, f"group_size {self.group_size} is invalid",
-                        "use a positive group size (e.g. 128) or -1")
+            raise self.fail(prefix, f"group_size {self.group_size} is invalid",
+                            "use a positive group size (e.g. 128) or -1")
 
     def get_quant_method(self, layer: torch.nn.Module, prefix: str):
         from vllm.model_executor.layers.quantization.utils.gptq_utils import (
@@ -160,18 +135,12 @@ class AccelAWQConfig(AccelQuantConfig):
         from vllm.model_executor.layers.quantization.utils.quant_utils import (
             is_layer_skipped,
         )
-        from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
 
-        if is_moe(layer):
-            raise _fail(prefix, "AWQ-quantized MoE experts are not supported yet",
-                        "serve a dense model, or list the experts in "
-                        "modules_to_not_convert")
-        if isinstance(layer, ParallelLMHead):
-            if self.lm_head_quantized:
-                raise _fail(prefix, "an AWQ-quantized lm_head is not supported",
-                            "re-quantize with lm_head left in full precision")
-            return None
-        if not isinstance(layer, LinearBase):
+        if not self.is_quantizable_linear(
+                layer, prefix, what="AWQ-quantized",
+                moe_fix="serve a dense model, or list the experts in modules_to_not_convert",
+                lm_head_quantized=self.lm_head_quantized,
+                lm_head_fix="re-quantize with lm_head left in full precision"):
             return None
         if is_layer_skipped(prefix, self.modules_to_not_convert,
                             self.packed_modules_mapping, match_mode="substring"):
@@ -193,32 +162,21 @@ class AccelAWQConfig(AccelQuantConfig):
         """Learn which layers hold AWQ tensors (int32 ``qweight``) so that layers
         the export left in float load unquantized even when the config does not
         list them."""
-        try:
-            from vllm.transformers_utils.config import get_safetensors_params_metadata
-
-            metadata = get_safetensors_params_metadata(model_name, revision=revision)
-        except Exception as e:  # no metadata: every Linear is quantized
-            logger.debug("gcu_awq: no safetensors metadata for %s (%s)", model_name, e)
-            return
-        self.quantized_modules = sorted({
-            name.rsplit(".", 1)[0] for name, info in metadata.items()
-            if name.endswith(".qweight") and info.get("dtype") == "I32"
-        })
-
-
-# Resident bytes over all AWQ layers of this process, logged after loading.
-_stats = ResidentStats(QUANT_NAME, "AccelAWQLinearMethod")
-load_summary(_stats.log_summary)
+        modules = self.modules_in_checkpoint(
+            model_name, revision,
+            lambda name, info: name.endswith(".qweight") and info.get("dtype") == "I32")
+        if modules is not None:
+            self.quantized_modules = modules
 
 
 @register_weight_loader_v2_supported_method
-class AccelAWQLinearMethod(LinearMethodBase):
+class AccelAWQLinearMethod(WIntLinearMethod, quant_name=QUANT_NAME, cache_format="awq"):
     """Loads AWQ tensors through vLLM's loaders (TP sharding, qkv/gate_up
-    merging), converts them to the resident layout and runs ``wint_linear``."""
+    merging); the wint scheme converts and serves them."""
 
     def __init__(self, config: AccelAWQConfig, prefix: str = "") -> None:
+        super().__init__(prefix)
         self.config = config
-        self.prefix = prefix
         self.bits = config.weight_bits
         self.pack_factor = 32 // config.weight_bits
         self.group_size = config.group_size
@@ -227,27 +185,23 @@ class AccelAWQLinearMethod(LinearMethodBase):
                        output_partition_sizes: list[int], input_size: int,
                        output_size: int, params_dtype: torch.dtype,
                        **extra_weight_attrs) -> None:
-        pf, prefix = self.pack_factor, self.prefix
+        pf = self.pack_factor
         weight_loader = extra_weight_attrs.get("weight_loader")
         out_pp = sum(output_partition_sizes)
         is_row_parallel = input_size != input_size_per_partition
         if any(size % pf for size in output_partition_sizes):
-            raise _fail(prefix, f"output sizes {output_partition_sizes} (per rank) are not "
-                        f"multiples of {pf}, the {self.bits}-bit values per int32 of "
-                        "AWQ's output-packed qweight",
-                        "use a tensor-parallel size that keeps them multiples")
+            raise self.fail(f"output sizes {output_partition_sizes} (per rank) are not "
+                            f"multiples of {pf}, the {self.bits}-bit values per int32 of "
+                            "AWQ's output-packed qweight",
+                            "use a tensor-parallel size that keeps them multiples")
         if self.config.group_size == -1 and is_row_parallel:
-            raise _fail(prefix, "a single AWQ group (group_size -1) cannot be split over "
-                        "tensor-parallel ranks", "use tensor-parallel size 1 or a "
-                        "checkpoint with a positive group size")
+            raise self.fail("a single AWQ group (group_size -1) cannot be split over "
+                            "tensor-parallel ranks", "use tensor-parallel size 1 or a "
+                            "checkpoint with a positive group size")
         gs = input_size_per_partition if self.config.group_size == -1 else self.config.group_size
         if input_size_per_partition % gs:
-            raise _fail(prefix, f"group_size {self.config.group_size} does not divide the "
-                        f"input size {input_size_per_partition}"
-                        + (" per rank" if is_row_parallel else ""),
-                        "use a checkpoint quantized with a group size that divides it "
-                        "(e.g. 32, 64 or 128)" + (", or a smaller tensor-parallel size"
-                                                  if is_row_parallel else ""))
+            raise self.group_size_error(self.config.group_size, input_size_per_partition,
+                                        is_row_parallel, "e.g. 32, 64 or 128")
         self.group_size = gs
         n_groups = input_size_per_partition // gs
         qweight = PackedvLLMParameter(
@@ -266,21 +220,16 @@ class AccelAWQLinearMethod(LinearMethodBase):
         layer.register_parameter("qzeros", qzeros)
         layer.register_parameter("scales", scales)
 
-    def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
-        sources = {n: getattr(layer, n).data for n in ("qweight", "qzeros", "scales")}
+    def checkpoint_tensors(self) -> list[str]:
+        return ["qweight", "qzeros", "scales"]
 
-        def convert() -> WIntResident:
-            return awq_to_resident(sources["qweight"], sources["qzeros"], sources["scales"],
-                                   bits=self.bits, group_size=self.group_size)
+    def cache_params(self) -> dict:
+        return {"bits": self.bits, "group_size": self.group_size}
 
-        res = repack_cache.cached_resident(
-            "awq", {"bits": self.bits, "group_size": self.group_size}, sources, convert)
-        for name in sources:
-            delattr(layer, name)
-        install_resident(layer, res)
-        _stats.account(self.prefix, res, f"{self.bits}-bit group {self.config.group_size} "
-                       f"{'asym' if res.zeros is not None else 'sym'}")
+    def to_resident(self, sources: dict[str, torch.Tensor]) -> WIntResident:
+        return awq_to_resident(sources["qweight"], sources["qzeros"], sources["scales"],
+                               bits=self.bits, group_size=self.group_size)
 
-    def apply(self, layer: torch.nn.Module, x: torch.Tensor,
-              bias: torch.Tensor | None = None) -> torch.Tensor:
-        return apply_resident(layer, x, self.bits, self.group_size, bias)
+    def describe(self, res: WIntResident) -> str:
+        return (f"{self.bits}-bit group {self.config.group_size} "
+                f"{'asym' if res.zeros is not None else 'sym'}")

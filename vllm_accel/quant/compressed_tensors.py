@@ -1,4 +1,4 @@
-"""llmcompressor (compressed-tensors) checkpoints on the GCU: ``gcu_compressed_tensors``.
+"""llmcompressor (compressed-tensors) checkpoints: ``gcu_compressed_tensors``.
 
 The config (``quant_method: compressed-tensors``) maps layers to schemes through
 ``config_groups`` (each with ``targets``: module class names such as ``Linear``
@@ -7,8 +7,8 @@ or ``re:<regex>`` layer names, and ``weights``/``input_activations`` args) minus
 
 * ``pack-quantized``, integer weights of 4 or 8 bits, no input quantization
   (W4A16 / W8A16), strategy ``group`` or ``channel``, symmetric or not:
-  :class:`AccelCTWNA16LinearMethod` (shared resident layout and ``wint_linear``
-  of :mod:`vllm_accel.quant.packed`, conversion cached on disk).
+  :class:`AccelCTWNA16LinearMethod` (the wint scheme of
+  :mod:`vllm_accel.quant.wint_method`).
 * ``int-quantized`` with 8-bit integer weights (channel/tensor) and 8-bit
   integer input activations (dynamic per-token or static per-tensor):
   ``vllm_accel.quant.w8a8.AccelW8A8LinearMethod``.
@@ -38,7 +38,6 @@ from typing import Any
 import torch
 
 from vllm.model_executor.layers.linear import (
-    LinearBase,
     LinearMethodBase,
     UnquantizedLinearMethod,
     register_weight_loader_v2_supported_method,
@@ -53,31 +52,18 @@ from vllm.model_executor.parameter import (
 )
 
 from vllm_accel.logger import init_logger
-from vllm_accel.quant.base import AccelQuantConfig, is_moe, layer_error, load_summary
-from vllm_accel.quant import repack_cache
+from vllm_accel.quant.base import AccelQuantConfig
+from vllm_accel.quant.packed import WIntResident, resident_from_codes, unpack_int32
 from vllm_accel.quant.w8a8 import AccelW8A8LinearMethod
-from vllm_accel.quant.packed import (
-    ResidentStats,
-    WIntResident,
-    apply_resident,
-    install_resident,
-    resident_from_codes,
-    unpack_int32,
-)
+from vllm_accel.quant.wint_method import WIntLinearMethod
 
 logger = init_logger(__name__)
 
 QUANT_NAME = "gcu_compressed_tensors"
 CT_METHOD = "compressed-tensors"
-#: user ``--quantization`` values under which we claim a compressed-tensors checkpoint
-CLAIMED_USER_QUANT = (None, CT_METHOD, "compressed_tensors", QUANT_NAME)
 WEIGHT_ONLY_FORMATS = ("pack-quantized",)
 W8A8_FORMATS = ("int-quantized",)
 WNA16_BITS = (4, 8)
-
-
-def _fail(prefix: str, problem: str, fix: str) -> ValueError:
-    return layer_error(QUANT_NAME, prefix, problem, fix)
 
 
 @dataclass(frozen=True)
@@ -122,36 +108,37 @@ def _unsupported_fix(scheme: CTScheme) -> str:
 
 def wna16_params(scheme: CTScheme, prefix: str) -> WNA16Params:
     """Validate a weight-only scheme for one layer (errors name the layer)."""
+    fail = AccelCompressedTensorsConfig.fail
     w = scheme.weights or {}
     bits = int(w.get("num_bits", 0))
     strategy = str(w.get("strategy", ""))
     if w.get("type", "int") != "int":
-        raise _fail(prefix, f"{w.get('type')} weights ({scheme.describe()}) are not "
-                    "supported", _unsupported_fix(scheme))
+        raise fail(prefix, f"{w.get('type')} weights ({scheme.describe()}) are not "
+                   "supported", _unsupported_fix(scheme))
     if bits not in WNA16_BITS:
-        raise _fail(prefix, f"{bits}-bit weights ({scheme.describe()}) are not supported "
-                    f"(supported: {', '.join(map(str, WNA16_BITS))})",
-                    "re-quantize with num_bits 4 (W4A16) or 8 (W8A16)")
+        raise fail(prefix, f"{bits}-bit weights ({scheme.describe()}) are not supported "
+                   f"(supported: {', '.join(map(str, WNA16_BITS))})",
+                   "re-quantize with num_bits 4 (W4A16) or 8 (W8A16)")
     if strategy not in ("group", "channel"):
-        raise _fail(prefix, f"weight strategy {strategy!r} ({scheme.describe()}) is not "
-                    "supported for weight-only layers", "re-quantize with strategy "
-                    "'group' (e.g. group_size 128) or 'channel'")
+        raise fail(prefix, f"weight strategy {strategy!r} ({scheme.describe()}) is not "
+                   "supported for weight-only layers", "re-quantize with strategy "
+                   "'group' (e.g. group_size 128) or 'channel'")
     if w.get("actorder") in ("group", "dynamic"):
-        raise _fail(prefix, f"activation ordering actorder={w.get('actorder')!r} stores a "
-                    "per-layer g_idx that this plugin does not support",
-                    "re-quantize with actorder 'static' (same accuracy, no g_idx) or none")
+        raise fail(prefix, f"activation ordering actorder={w.get('actorder')!r} stores a "
+                   "per-layer g_idx that this plugin does not support",
+                   "re-quantize with actorder 'static' (same accuracy, no g_idx) or none")
     if w.get("dynamic"):
-        raise _fail(prefix, "dynamic weight quantization is not a stored checkpoint",
-                    "re-export the model with static weights")
+        raise fail(prefix, "dynamic weight quantization is not a stored checkpoint",
+                   "re-export the model with static weights")
     if w.get("block_structure"):
-        raise _fail(prefix, "block-structured weight scales are not supported",
-                    "re-quantize with strategy 'group' or 'channel'")
+        raise fail(prefix, "block-structured weight scales are not supported",
+                   "re-quantize with strategy 'group' or 'channel'")
     gs = -1
     if strategy == "group":
         gs = int(w.get("group_size") or 0)
         if gs <= 0:
-            raise _fail(prefix, f"strategy 'group' with group_size {w.get('group_size')}",
-                        "set a positive group_size in the scheme")
+            raise fail(prefix, f"strategy 'group' with group_size {w.get('group_size')}",
+                       "set a positive group_size in the scheme")
     return WNA16Params(bits=bits, strategy=strategy, group_size=gs,
                        symmetric=bool(w.get("symmetric", True)))
 
@@ -177,6 +164,8 @@ class AccelCompressedTensorsConfig(AccelQuantConfig):
     """
 
     quant_name = QUANT_NAME
+    checkpoint_method = CT_METHOD
+    claimed_aliases = ("compressed_tensors",)
 
     def __init__(self, schemes: list[CTScheme], ignore: list[str], quant_format: str | None,
                  kv_cache_scheme: dict | None = None, sparsity_config: dict | None = None,
@@ -219,13 +208,6 @@ class AccelCompressedTensorsConfig(AccelQuantConfig):
                    sparsity_config=config.get("sparsity_config"),
                    transform_config=config.get("transform_config"))
 
-    @classmethod
-    def override_quantization_method(cls, hf_quant_cfg, user_quant,
-                                     hf_config=None) -> str | None:
-        if str(hf_quant_cfg.get("quant_method", "")).lower() != CT_METHOD:
-            return None
-        return QUANT_NAME if user_quant in CLAIMED_USER_QUANT else None
-
     # -- layer -> scheme ---------------------------------------------------
 
     def scheme_for(self, layer: torch.nn.Module, prefix: str) -> CTScheme | None:
@@ -246,30 +228,24 @@ class AccelCompressedTensorsConfig(AccelQuantConfig):
 
     def _check_global(self, prefix: str) -> None:
         if self.sparsity_config:
-            raise _fail(prefix, f"sparsity ({self.sparsity_config.get('format', 'sparse')}) "
-                        "is not supported", "re-export the model without sparsity")
+            raise self.fail(prefix, f"sparsity ({self.sparsity_config.get('format', 'sparse')}) "
+                            "is not supported", "re-export the model without sparsity")
         if self.transform_config:
-            raise _fail(prefix, "compressed-tensors transforms (e.g. SpinQuant/QuIP "
-                        "rotations) are not supported", "re-export without transforms")
+            raise self.fail(prefix, "compressed-tensors transforms (e.g. SpinQuant/QuIP "
+                            "rotations) are not supported", "re-export without transforms")
 
     def get_quant_method(self, layer: torch.nn.Module, prefix: str):
-        from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
-
         self._check_global(prefix)
-        if is_moe(layer):
-            raise _fail(prefix, "compressed-tensors quantized MoE experts are not supported "
-                        "yet", "serve a dense model, or add the experts to `ignore`")
         if type(layer).__name__ == "Attention" and self.kv_cache_scheme:
-            raise _fail(prefix, "a compressed-tensors kv_cache_scheme (quantized KV cache "
-                        "with stored scales) is not supported",
-                        "re-export without kv_cache_scheme and use --kv-cache-dtype "
-                        "int8_per_token_head for a quantized KV cache")
-        if isinstance(layer, ParallelLMHead):
-            if self.scheme_for(layer, prefix) is not None:
-                raise _fail(prefix, "a quantized lm_head is not supported",
-                            "add 'lm_head' to `ignore` and re-export")
-            return None
-        if not isinstance(layer, LinearBase):
+            raise self.fail(prefix, "a compressed-tensors kv_cache_scheme (quantized KV cache "
+                            "with stored scales) is not supported",
+                            "re-export without kv_cache_scheme and use --kv-cache-dtype "
+                            "int8_per_token_head for a quantized KV cache")
+        if not self.is_quantizable_linear(
+                layer, prefix, what="compressed-tensors quantized",
+                moe_fix="serve a dense model, or add the experts to `ignore`",
+                lm_head_quantized=self.scheme_for(layer, prefix) is not None,
+                lm_head_fix="add 'lm_head' to `ignore` and re-export"):
             return None
         scheme = self.scheme_for(layer, prefix)
         if scheme is None:
@@ -279,57 +255,54 @@ class AccelCompressedTensorsConfig(AccelQuantConfig):
     def _linear_method(self, scheme: CTScheme, prefix: str) -> LinearMethodBase:
         w, a = scheme.weights, scheme.input_activations
         if scheme.output_activations:
-            raise _fail(prefix, f"output activation quantization ({scheme.describe()}) is "
-                        "not supported", _unsupported_fix(scheme))
+            raise self.fail(prefix, f"output activation quantization ({scheme.describe()}) is "
+                            "not supported", _unsupported_fix(scheme))
         if w is None:
-            raise _fail(prefix, f"{scheme.describe()} quantizes activations only",
-                        _unsupported_fix(scheme))
+            raise self.fail(prefix, f"{scheme.describe()} quantizes activations only",
+                            _unsupported_fix(scheme))
         if a is None:
             if scheme.format not in WEIGHT_ONLY_FORMATS:
-                raise _fail(prefix, f"weight-only format {scheme.format!r} "
-                            f"({scheme.describe()}) is not supported (supported: "
-                            f"{', '.join(WEIGHT_ONLY_FORMATS)})", _unsupported_fix(scheme))
+                raise self.fail(prefix, f"weight-only format {scheme.format!r} "
+                                f"({scheme.describe()}) is not supported (supported: "
+                                f"{', '.join(WEIGHT_ONLY_FORMATS)})", _unsupported_fix(scheme))
             return AccelCTWNA16LinearMethod(wna16_params(scheme, prefix), prefix)
         is_w8a8 = (scheme.format in W8A8_FORMATS and w.get("type") == "int"
                    and int(w.get("num_bits", 0)) == 8 and a.get("type") == "int"
                    and int(a.get("num_bits", 0)) == 8)
         if not is_w8a8:
-            raise _fail(prefix, f"scheme {scheme.describe()} is not supported",
-                        _unsupported_fix(scheme))
+            raise self.fail(prefix, f"scheme {scheme.describe()} is not supported",
+                            _unsupported_fix(scheme))
         return self._w8a8_method(scheme, prefix)
 
     def _w8a8_method(self, scheme: CTScheme, prefix: str) -> LinearMethodBase:
         w, a = scheme.weights, scheme.input_activations
         if w.get("strategy") not in ("channel", "tensor") or not w.get("symmetric", True):
-            raise _fail(prefix, f"W8A8 weights must be symmetric with strategy channel or "
-                        f"tensor ({scheme.describe()})", _unsupported_fix(scheme))
+            raise self.fail(prefix, f"W8A8 weights must be symmetric with strategy channel or "
+                            f"tensor ({scheme.describe()})", _unsupported_fix(scheme))
         dynamic = bool(a.get("dynamic"))
         strategy = a.get("strategy")
         if (dynamic and strategy != "token") or (not dynamic and strategy != "tensor"):
-            raise _fail(prefix, f"W8A8 input activations must be dynamic per-token or "
-                        f"static per-tensor ({scheme.describe()})", _unsupported_fix(scheme))
+            raise self.fail(prefix, f"W8A8 input activations must be dynamic per-token or "
+                            f"static per-tensor ({scheme.describe()})", _unsupported_fix(scheme))
         if dynamic and not a.get("symmetric", True):
-            raise _fail(prefix, "asymmetric dynamic input activations are not supported",
-                        _unsupported_fix(scheme))
+            raise self.fail(prefix, "asymmetric dynamic input activations are not supported",
+                            _unsupported_fix(scheme))
         return AccelW8A8LinearMethod(weight_strategy=w["strategy"], input_dynamic=dynamic,
                                      input_symmetric=bool(a.get("symmetric", True)),
                                      prefix=prefix)
 
 
-# Resident bytes over all weight-only CT layers of this process.
-_stats = ResidentStats(QUANT_NAME, "AccelCTWNA16LinearMethod")
-load_summary(_stats.log_summary)
-
-
 @register_weight_loader_v2_supported_method
-class AccelCTWNA16LinearMethod(LinearMethodBase):
+class AccelCTWNA16LinearMethod(WIntLinearMethod, quant_name=QUANT_NAME,
+                               cache_format="ct-pack"):
     """Loads pack-quantized W4A16/W8A16 tensors through vLLM's loaders (TP
-    sharding, qkv/gate_up merging), converts them to the resident layout and
-    runs ``wint_linear``."""
+    sharding, qkv/gate_up merging); the wint scheme converts and serves them."""
+
+    unused_tensors = ("weight_shape",)
 
     def __init__(self, params: WNA16Params, prefix: str = "") -> None:
+        super().__init__(prefix)
         self.params = params
-        self.prefix = prefix
         self.pack_factor = 32 // params.bits
         self.group_size = params.group_size
         self.in_features = 0
@@ -338,31 +311,28 @@ class AccelCTWNA16LinearMethod(LinearMethodBase):
                        output_partition_sizes: list[int], input_size: int,
                        output_size: int, params_dtype: torch.dtype,
                        **extra_weight_attrs) -> None:
-        p, pf, prefix = self.params, self.pack_factor, self.prefix
+        p, pf = self.params, self.pack_factor
         weight_loader = extra_weight_attrs.get("weight_loader")
         out_pp = sum(output_partition_sizes)
         is_row_parallel = input_size != input_size_per_partition
         if p.bits == 4 and input_size_per_partition % 2:
-            raise _fail(prefix, f"input size {input_size_per_partition} is odd",
-                        "4-bit weights need an even input size per rank")
+            raise self.fail(f"input size {input_size_per_partition} is odd",
+                            "4-bit weights need an even input size per rank")
         if is_row_parallel and input_size_per_partition % pf:
-            raise _fail(prefix, f"input size {input_size_per_partition} per rank is not a "
-                        f"multiple of {pf}, the {p.bits}-bit values per int32",
-                        "use a tensor-parallel size that keeps it a multiple")
+            raise self.fail(f"input size {input_size_per_partition} per rank is not a "
+                            f"multiple of {pf}, the {p.bits}-bit values per int32",
+                            "use a tensor-parallel size that keeps it a multiple")
         if not p.symmetric and len(output_partition_sizes) > 1 and any(
                 size % pf for size in output_partition_sizes):
-            raise _fail(prefix, f"merged output sizes {output_partition_sizes} (per rank) "
-                        f"are not multiples of {pf}, as the packed zero points need",
-                        "use a tensor-parallel size that keeps them multiples")
+            raise self.fail(f"merged output sizes {output_partition_sizes} (per rank) "
+                            f"are not multiples of {pf}, as the packed zero points need",
+                            "use a tensor-parallel size that keeps them multiples")
         channel = p.group_size == -1
         gs = input_size_per_partition if channel else p.group_size
         if input_size_per_partition % gs:
-            raise _fail(prefix, f"group_size {p.group_size} does not divide the input size "
-                        f"{input_size_per_partition}" + (" per rank" if is_row_parallel
-                                                         else ""),
-                        "use a checkpoint quantized with a group size that divides it "
-                        "(e.g. 32, 64 or 128) or strategy 'channel'"
-                        + (", or a smaller tensor-parallel size" if is_row_parallel else ""))
+            raise self.group_size_error(p.group_size, input_size_per_partition,
+                                        is_row_parallel, "e.g. 32, 64 or 128; or strategy "
+                                        "'channel'")
         self.group_size = gs
         self.in_features = input_size_per_partition
         n_groups = 1 if channel else input_size_per_partition // gs
@@ -395,27 +365,21 @@ class AccelCTWNA16LinearMethod(LinearMethodBase):
                                          weight_loader=weight_loader)
             layer.register_parameter("weight_zero_point", zp)
 
-    def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
+    def checkpoint_tensors(self) -> list[str]:
+        return ["weight_packed", "weight_scale"] + ([] if self.params.symmetric
+                                                    else ["weight_zero_point"])
+
+    def cache_params(self) -> dict:
+        return {"bits": self.params.bits, "group_size": self.group_size,
+                "in_features": self.in_features}
+
+    def to_resident(self, sources: dict[str, torch.Tensor]) -> WIntResident:
+        return ct_to_resident(sources["weight_packed"], sources["weight_scale"],
+                              sources.get("weight_zero_point"), bits=self.params.bits,
+                              group_size=self.group_size, in_features=self.in_features)
+
+    def describe(self, res: WIntResident) -> str:
         p = self.params
-        names = ["weight_packed", "weight_scale"] + ([] if p.symmetric
-                                                     else ["weight_zero_point"])
-        sources = {n: getattr(layer, n).data for n in names}
-
-        def convert() -> WIntResident:
-            return ct_to_resident(sources["weight_packed"], sources["weight_scale"],
-                                  sources.get("weight_zero_point"), bits=p.bits,
-                                  group_size=self.group_size, in_features=self.in_features)
-
-        res = repack_cache.cached_resident(
-            "ct-pack", {"bits": p.bits, "group_size": self.group_size,
-                        "in_features": self.in_features}, sources, convert)
-        for name in names + ["weight_shape"]:
-            delattr(layer, name)
-        install_resident(layer, res)
-        _stats.account(self.prefix, res, f"{p.bits}-bit {p.strategy}"
-                       f"{'' if p.strategy == 'channel' else ' ' + str(p.group_size)}"
-                       f"{' sym' if p.symmetric else ' asym'}")
-
-    def apply(self, layer: torch.nn.Module, x: torch.Tensor,
-              bias: torch.Tensor | None = None) -> torch.Tensor:
-        return apply_resident(layer, x, self.params.bits, self.group_size, bias)
+        return (f"{p.bits}-bit {p.strategy}"
+                f"{'' if p.strategy == 'channel' else ' ' + str(p.group_size)}"
+                f"{' sym' if p.symmetric else ' asym'}")

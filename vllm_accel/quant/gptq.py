@@ -1,4 +1,4 @@
-"""GPTQ checkpoints on the GCU: ``gcu_gptq`` config, linear method and kernel.
+"""GPTQ checkpoints: the ``gcu_gptq`` config, its checkpoint tensors and converter.
 
 Checkpoint format (AutoGPTQ / GPTQModel), per Linear with ``in``/``out``
 features, ``bits`` in {4, 8}, ``pf = 32 // bits`` and ``G`` groups: ``qweight``
@@ -8,35 +8,19 @@ gptq`` stores ``zero - 1``, ``gptq_v2`` stores ``zero``), ``scales`` ``[G, out]`
 and ``g_idx`` int32 ``[in]`` (the group of each input channel).
 ``W[o, i] = (q[i, o] - zero[g_idx[i], o]) * scale[g_idx[i], o]``.
 
-Resident layout (what ``process_weights_after_loading`` keeps; no float copy of
-the weight survives loading):
-
-* ``gcu_qweight`` uint8, output-major: 8-bit ``[out, in]`` codes; 4-bit
-  ``[out, in/2]`` two codes per byte (even column in the low nibble), i.e. the
-  same 0.5 byte/weight as the checkpoint. Output-major rows are what a GEMM
-  tile reads (``x @ W.T``), and unsigned codes keep asym and sym alike.
-* ``gcu_scales`` ``[out, G]`` in fp16 when the loaded scales are exactly
-  representable in fp16 (always for GPTQ checkpoints, whose scales are fp16),
-  else fp32. Never the activation dtype: bf16 would round fp16 scales.
-* ``gcu_zeros`` ``[out, G]`` real zero points (v1 offset removed) in the scales
-  dtype (integers <= 256 are exact there), or absent when every zero point is
-  ``2**(bits-1)`` (symmetric): the kernel then uses that constant.
-* act-order (``desc_act``, non-trivial ``g_idx``): the weight's columns are
-  reordered once at load by a stable sort of ``g_idx``, so each group's columns
-  become contiguous and the grouped layout above applies unchanged (per-group
-  scale broadcast over a contiguous column block, the shape a device kernel
-  wants). The sort permutation is kept as ``gcu_perm`` (int64 ``[in]``) and
-  applied to the activations at run time (``x[..., perm]``, one gather of
-  ``tokens x in`` per call, negligible next to the GEMM). The alternative,
-  keeping columns in checkpoint order and gathering a scale per column, would
-  need a per-column scale gather inside every weight tile. Only when the sorted
-  groups are not uniform (act-order under row-parallel TP, where a rank holds a
-  scattered subset of the global groups) is the sorted ``g_idx`` kept too
-  (``gcu_g_idx``) and the kernel gathers scales per column.
-
-The layout, its kernel ``wint_linear`` and the resident-bytes accounting are
-shared with AWQ and compressed-tensors (:mod:`vllm_accel.quant.packed`); the
-conversion result is cached on disk (:mod:`vllm_accel.quant.repack_cache`).
+The load converts this into the shared resident layout of
+:mod:`vllm_accel.quant.packed` (scales compacted to fp16, which holds GPTQ's fp16
+scales exactly; the v1 zero-point offset removed). Act-order (``desc_act``,
+non-trivial ``g_idx``): the weight's columns are reordered once at load by a
+stable sort of ``g_idx``, so each group's columns become contiguous and the
+grouped layout applies unchanged (a per-group scale over a contiguous column
+block, the shape a device kernel wants); the sort permutation is kept as the
+resident ``perm`` and applied to the activations at run time (one gather of
+``tokens x in`` per call). Keeping checkpoint column order instead would need a
+per-column scale gather inside every weight tile. Only when the sorted groups are
+not uniform (act-order under row-parallel TP, where a rank holds a scattered
+subset of the global groups) is the sorted ``g_idx`` kept too and the kernel
+gathers scales per column.
 
 This module imports ``vllm.model_executor``; import it only from the general
 plugin (never from the platform module).
@@ -51,8 +35,6 @@ from typing import Any
 import torch
 
 from vllm.model_executor.layers.linear import (
-    LinearBase,
-    LinearMethodBase,
     UnquantizedLinearMethod,
     register_weight_loader_v2_supported_method,
 )
@@ -65,31 +47,13 @@ from vllm.model_executor.parameter import (
     RowvLLMParameter,
 )
 
-from vllm_accel.logger import init_logger
-from vllm_accel.quant.base import AccelQuantConfig, is_moe, layer_error, load_summary
-from vllm_accel.quant import repack_cache
-from vllm_accel.quant.packed import (
-    ResidentStats,
-    WIntResident,
-    apply_resident,
-    compact_float,
-    install_resident,
-    pack_nibbles,
-    unpack_int32,
-    wint_linear,
-)
-
-logger = init_logger(__name__)
+from vllm_accel.quant.base import AccelQuantConfig
+from vllm_accel.quant.packed import WIntResident, compact_float, pack_nibbles, unpack_int32
+from vllm_accel.quant.wint_method import WIntLinearMethod
 
 QUANT_NAME = "gcu_gptq"
 SUPPORTED_BITS = (4, 8)
 SUPPORTED_FORMATS = ("gptq", "gptq_v2")
-#: user ``--quantization`` values under which gcu_gptq claims a GPTQ checkpoint
-CLAIMED_USER_QUANT = (None, "gptq", QUANT_NAME)
-
-
-def _fail(prefix: str, problem: str, fix: str) -> ValueError:
-    return layer_error(QUANT_NAME, prefix, problem, fix)
 
 
 # ---------------------------------------------------------------------------
@@ -124,9 +88,10 @@ def gptq_to_resident(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.
     if g_idx is not None and not bool((g_idx < 0).all()):
         gi = g_idx.to(torch.int64) - group_offset
         if int(gi.min()) < 0 or int(gi.max()) >= n_groups:
-            raise _fail(prefix, f"g_idx holds groups outside [0, {n_groups}) "
-                        f"(after offset {group_offset})",
-                        "the checkpoint's g_idx does not match its scales; re-export it")
+            raise AccelGPTQConfig.fail(
+                prefix, f"g_idx holds groups outside [0, {n_groups}) (after offset "
+                f"{group_offset})", "the checkpoint's g_idx does not match its scales; "
+                "re-export it")
         if not torch.equal(gi, trivial):
             perm = torch.argsort(gi, stable=True)
             codes = codes[:, perm]
@@ -140,10 +105,6 @@ def gptq_to_resident(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.
     return WIntResident(qweight=packed, scales=scales_r, zeros=zeros_r, perm=perm,
                         g_idx=g_sorted, bits=bits, group_size=gs,
                         in_features=in_features, out_features=out_features)
-
-
-#: the shared kernel (registered as ``wint_linear``), kept under its old name
-gptq_linear = wint_linear
 
 
 # ---------------------------------------------------------------------------
@@ -163,19 +124,20 @@ class GPTQLayerParams:
 
 
 def _validate(params: GPTQLayerParams, prefix: str) -> None:
+    fail = AccelGPTQConfig.fail
     if params.bits not in SUPPORTED_BITS:
-        raise _fail(prefix, f"{params.bits}-bit GPTQ weights are not supported "
-                    f"(supported: {', '.join(map(str, SUPPORTED_BITS))})",
-                    "re-quantize the model with bits=4 or bits=8")
+        raise fail(prefix, f"{params.bits}-bit GPTQ weights are not supported "
+                   f"(supported: {', '.join(map(str, SUPPORTED_BITS))})",
+                   "re-quantize the model with bits=4 or bits=8")
     if params.checkpoint_format not in SUPPORTED_FORMATS:
-        raise _fail(prefix, f"checkpoint_format {params.checkpoint_format!r} is a "
-                    "kernel-specific repacked layout, not the GPTQ format "
-                    f"(supported: {', '.join(SUPPORTED_FORMATS)})",
-                    "use the model's plain GPTQ export (GPTQModel saves "
-                    "checkpoint_format='gptq' by default)")
+        raise fail(prefix, f"checkpoint_format {params.checkpoint_format!r} is a "
+                   "kernel-specific repacked layout, not the GPTQ format "
+                   f"(supported: {', '.join(SUPPORTED_FORMATS)})",
+                   "use the model's plain GPTQ export (GPTQModel saves "
+                   "checkpoint_format='gptq' by default)")
     if params.group_size != -1 and params.group_size <= 0:
-        raise _fail(prefix, f"group_size {params.group_size} is invalid",
-                    "use -1 (per output channel) or a positive group size")
+        raise fail(prefix, f"group_size {params.group_size} is invalid",
+                   "use -1 (per output channel) or a positive group size")
 
 
 @register_quantization_config(QUANT_NAME)
@@ -190,6 +152,7 @@ class AccelGPTQConfig(AccelQuantConfig):
     """
 
     quant_name = QUANT_NAME
+    checkpoint_method = "gptq"
 
     def __init__(self, bits: int, group_size: int, desc_act: bool, sym: bool,
                  checkpoint_format: str = "gptq", lm_head_quantized: bool = False,
@@ -229,13 +192,6 @@ class AccelGPTQConfig(AccelQuantConfig):
                 config, ["modules_in_block_to_quantize"], None),
         )
 
-    @classmethod
-    def override_quantization_method(cls, hf_quant_cfg, user_quant,
-                                     hf_config=None) -> str | None:
-        if str(hf_quant_cfg.get("quant_method", "")).lower() != "gptq":
-            return None
-        return QUANT_NAME if user_quant in CLAIMED_USER_QUANT else None
-
     @staticmethod
     def get_checkpoint_weight_mapper():
         # The base class drops ``.g_idx`` (vLLM's kernels ignore act-order); we
@@ -269,18 +225,12 @@ class AccelGPTQConfig(AccelQuantConfig):
         from vllm.model_executor.layers.quantization.utils.gptq_utils import (
             is_layer_gptq_quantized,
         )
-        from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
 
-        if is_moe(layer):
-            raise _fail(prefix, "GPTQ-quantized MoE experts are not supported yet",
-                        "serve a dense model, or leave the experts unquantized "
-                        "(GPTQModel dynamic rule '-:.*experts.*')")
-        if isinstance(layer, ParallelLMHead):
-            if self.lm_head_quantized:
-                raise _fail(prefix, "a GPTQ-quantized lm_head is not supported",
-                            "re-quantize with lm_head=False")
-            return None
-        if not isinstance(layer, LinearBase):
+        if not self.is_quantizable_linear(
+                layer, prefix, what="GPTQ-quantized",
+                moe_fix="serve a dense model, or leave the experts unquantized (GPTQModel "
+                "dynamic rule '-:.*experts.*')", lm_head_quantized=self.lm_head_quantized,
+                lm_head_fix="re-quantize with lm_head=False"):
             return None
         params = self.layer_params(prefix)
         if params is None or not is_layer_gptq_quantized(
@@ -301,17 +251,11 @@ class AccelGPTQConfig(AccelQuantConfig):
         if self.modules_in_block_to_quantize:
             self.modules_in_block_to_quantize = flatten_list(self.modules_in_block_to_quantize)
             return
-        try:
-            from vllm.transformers_utils.config import get_safetensors_params_metadata
-
-            metadata = get_safetensors_params_metadata(model_name, revision=revision)
-        except Exception as e:  # no metadata: treat every Linear as quantized
-            logger.debug("gcu_gptq: no safetensors metadata for %s (%s)", model_name, e)
-            return
-        self.modules_in_block_to_quantize = sorted({
-            name.rsplit(".", 1)[0] for name, info in metadata.items()
-            if info.get("dtype") in ("I32", "I8", "U8", "I16")
-        })
+        modules = self.modules_in_checkpoint(
+            model_name, revision,
+            lambda name, info: info.get("dtype") in ("I32", "I8", "U8", "I16"))
+        if modules is not None:
+            self.modules_in_block_to_quantize = modules
 
 
 def _g_idx_loader(layer_loader, prefix: str):
@@ -321,30 +265,26 @@ def _g_idx_loader(layer_loader, prefix: str):
     act-order). A mismatch raises instead of silently keeping the last shard."""
 
     def load_g_idx(param, loaded_weight, *args, **kwargs):
-        before = param.data.clone() if getattr(param, "_gcu_loaded", False) else None
+        before = param.data.clone() if getattr(param, "_g_idx_loaded", False) else None
         layer_loader(param, loaded_weight, *args, **kwargs)
         if before is not None and not torch.equal(before, param.data):
-            raise _fail(prefix, "its merged shards have different act-order g_idx",
-                        "re-quantize so that layers reading the same input share one "
-                        "act-order (as GPTQ does), or with desc_act=False")
-        param._gcu_loaded = True
+            raise AccelGPTQConfig.fail(
+                prefix, "its merged shards have different act-order g_idx",
+                "re-quantize so that layers reading the same input share one act-order "
+                "(as GPTQ does), or with desc_act=False")
+        param._g_idx_loaded = True
 
     return load_g_idx
 
 
-# Resident bytes over all GPTQ layers of this process, logged after loading.
-_stats = ResidentStats(QUANT_NAME, "AccelGPTQLinearMethod")
-load_summary(_stats.log_summary)
-
-
 @register_weight_loader_v2_supported_method
-class AccelGPTQLinearMethod(LinearMethodBase):
+class AccelGPTQLinearMethod(WIntLinearMethod, quant_name=QUANT_NAME, cache_format="gptq"):
     """Loads GPTQ tensors through vLLM's loaders (TP sharding, qkv/gate_up
-    merging), converts them to the resident layout and runs ``wint_linear``."""
+    merging); the wint scheme converts and serves them."""
 
     def __init__(self, params: GPTQLayerParams, prefix: str = "") -> None:
+        super().__init__(prefix)
         self.params = params
-        self.prefix = prefix
         self.pack_factor = 32 // params.bits
         self.group_offset = 0
 
@@ -357,25 +297,22 @@ class AccelGPTQLinearMethod(LinearMethodBase):
         out_pp = sum(output_partition_sizes)
         is_row_parallel = input_size != input_size_per_partition
         if input_size_per_partition % pf:
-            raise _fail(prefix, f"input size {input_size_per_partition} (per rank) is not a "
-                        f"multiple of {pf}, the {p.bits}-bit values per int32",
-                        "use a tensor-parallel size that keeps it a multiple")
+            raise self.fail(f"input size {input_size_per_partition} (per rank) is not a "
+                            f"multiple of {pf}, the {p.bits}-bit values per int32",
+                            "use a tensor-parallel size that keeps it a multiple")
         if any(size % pf for size in output_partition_sizes):
-            raise _fail(prefix, f"output sizes {output_partition_sizes} (per rank) are not "
-                        f"multiples of {pf}, as the packed qzeros need",
-                        "use a tensor-parallel size that keeps them multiples")
+            raise self.fail(f"output sizes {output_partition_sizes} (per rank) are not "
+                            f"multiples of {pf}, as the packed qzeros need",
+                            "use a tensor-parallel size that keeps them multiples")
         gs = input_size if p.group_size == -1 else p.group_size
         # Act-order groups are scattered over all input channels, and a single
         # group (-1) spans them: a row-parallel rank then needs every group's
         # scales. Otherwise the groups shard with the input rows.
         replicate = is_row_parallel and (p.group_size == -1 or p.desc_act)
         if input_size % gs or (not replicate and input_size_per_partition % gs):
-            raise _fail(prefix, f"group_size {p.group_size} does not divide the input size "
-                        f"{input_size_per_partition if not replicate else input_size}"
-                        + (" per rank" if is_row_parallel else ""),
-                        "use a checkpoint quantized with a group size that divides it "
-                        "(e.g. 32, 64 or -1)" + (", or a smaller tensor-parallel size"
-                                                 if is_row_parallel else ""))
+            raise self.group_size_error(
+                p.group_size, input_size if replicate else input_size_per_partition,
+                is_row_parallel, "e.g. 32, 64 or -1")
         n_groups = input_size // gs if replicate else input_size_per_partition // gs
         # A row-parallel rank holds input rows [rank * in_pp, ...) and, unless
         # replicated, only their groups; column-parallel ranks hold every input row.
@@ -409,28 +346,22 @@ class AccelGPTQLinearMethod(LinearMethodBase):
         layer.register_parameter("scales", scales)
         layer.register_parameter("g_idx", g_idx)
 
-    def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
+    def checkpoint_tensors(self) -> list[str]:
+        return ["qweight", "qzeros", "scales", "g_idx"]
+
+    def cache_params(self) -> dict:
         p = self.params
-        sources = {n: getattr(layer, n).data for n in ("qweight", "qzeros", "scales", "g_idx")}
+        return {"bits": p.bits, "group_size": p.group_size,
+                "checkpoint_format": p.checkpoint_format, "group_offset": self.group_offset}
 
-        def convert() -> WIntResident:
-            return gptq_to_resident(
-                sources["qweight"], sources["qzeros"], sources["scales"], sources["g_idx"],
-                bits=p.bits, group_size=p.group_size, checkpoint_format=p.checkpoint_format,
-                group_offset=self.group_offset, prefix=self.prefix)
+    def to_resident(self, sources: dict[str, torch.Tensor]) -> WIntResident:
+        p = self.params
+        return gptq_to_resident(
+            sources["qweight"], sources["qzeros"], sources["scales"], sources["g_idx"],
+            bits=p.bits, group_size=p.group_size, checkpoint_format=p.checkpoint_format,
+            group_offset=self.group_offset, prefix=self.prefix)
 
-        res = repack_cache.cached_resident(
-            "gptq", {"bits": p.bits, "group_size": p.group_size,
-                     "checkpoint_format": p.checkpoint_format,
-                     "group_offset": self.group_offset}, sources, convert)
-        for name in ("qweight", "qzeros", "scales", "g_idx"):
-            delattr(layer, name)
-        install_resident(layer, res)
-        self.group_size = res.group_size
-        _stats.account(self.prefix, res, f"{p.bits}-bit group {p.group_size}"
-                       f"{' sym' if p.sym else ' asym'}"
-                       f"{' act-order' if res.perm is not None else ''}")
-
-    def apply(self, layer: torch.nn.Module, x: torch.Tensor,
-              bias: torch.Tensor | None = None) -> torch.Tensor:
-        return apply_resident(layer, x, self.params.bits, self.group_size, bias)
+    def describe(self, res: WIntResident) -> str:
+        p = self.params
+        return (f"{p.bits}-bit group {p.group_size}{' sym' if p.sym else ' asym'}"
+                f"{' act-order' if res.perm is not None else ''}")

@@ -33,8 +33,8 @@ registers its own provider of ``wint_linear`` to plug in its GEMM.
 Fused kernels usually want their own weight layout. A provider that has one
 registers ``wint_prepare`` (resident weight -> its layout, or None when it cannot
 express the layer) and ``wint_prepared_linear``; :func:`install_resident` then
-keeps only the prepared layout and :func:`apply_resident` calls that provider's
-GEMM (see quant/cpu_fast.py, the simulator's ``torch_fast`` provider).
+keeps only the prepared layout and its module calls that provider's
+GEMM (see ops/torch_fast/wint_gemm.py, the simulator's ``torch_fast`` provider).
 
 This module is pure torch (no vLLM imports) so it can be used anywhere.
 """
@@ -47,6 +47,7 @@ import torch
 
 from vllm_accel.logger import init_logger
 from vllm_accel.ops.registry import get_kernel, register_kernel, resolve_provider
+from vllm_accel.quant.stats import LayerTotals
 
 logger = init_logger(__name__)
 
@@ -263,65 +264,69 @@ def keep_generic_layout(res: WIntResident, act_dtype: torch.dtype) -> None:
 # ---------------------------------------------------------------------------
 
 
-def _register(layer: torch.nn.Module, attr: str, t: torch.Tensor | None) -> None:
-    if t is None:
-        setattr(layer, attr, None)
-    else:
-        layer.register_parameter(attr, torch.nn.Parameter(t, requires_grad=False))
+class InstalledWInt(torch.nn.Module):
+    """A layer's weight as it serves: the generic resident tensors, run by
+    ``wint_linear``, or the layout a kernel provider prepared from them, run by
+    that provider's ``wint_prepared_linear``. A submodule of the layer (its
+    tensors are parameters), so vLLM and torch.compile see them as the layer's."""
+
+    def __init__(self, res: WIntResident, provider: str | None = None,
+                 prepared: dict[str, torch.Tensor] | None = None) -> None:
+        super().__init__()
+        self.bits, self.group_size = res.bits, res.group_size
+        self.provider = provider
+        # resolved once per layer: the workers register their providers first
+        self.kernel = (get_kernel(KERNEL_NAME) if provider is None
+                       else get_kernel(PREPARED_KERNEL_NAME, provider))
+        tensors = prepared if prepared is not None else {
+            name: getattr(res, name) for name in WIntResident.TENSORS}
+        self.names = tuple(tensors)
+        for name, t in tensors.items():
+            if t is None:
+                setattr(self, name, None)
+            else:
+                self.register_parameter(name, torch.nn.Parameter(t, requires_grad=False))
+
+    def forward(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        if self.provider is not None:
+            return self.kernel(x, {name: getattr(self, name) for name in self.names}, bias)
+        return self.kernel(x, self.qweight, self.scales, self.zeros, bits=self.bits,
+                           group_size=self.group_size, perm=self.perm, g_idx=self.g_idx,
+                           bias=bias)
 
 
 def install_resident(layer: torch.nn.Module, res: WIntResident) -> None:
-    """Register the weight on ``layer``: the preferred provider's prepared layout
-    (``gcu_fast_<name>``) when it has one for this layer (called while vLLM
-    loads the model, so the default dtype is the activation dtype), else the
-    generic tensors as ``gcu_<name>`` (None kept as a plain attribute)."""
+    """Install the weight on ``layer`` as ``layer.wint``: the preferred provider's
+    prepared layout when it has one for this layer (called while vLLM loads the
+    model, so the default dtype is the activation dtype), else the generic one."""
     provider = resolve_provider(PREPARE_NAME)
     prepared = get_kernel(PREPARE_NAME, provider)(res, torch.get_default_dtype())
-    if prepared is not None:
-        res.prepared = (provider, prepared)
-        layer.gcu_fast_provider = provider
-        layer.gcu_fast_names = tuple(prepared)
-        for name, t in prepared.items():
-            _register(layer, f"gcu_fast_{name}", t)
+    if prepared is None:
+        layer.wint = InstalledWInt(res)
         return
-    layer.gcu_fast_provider = None
-    for name in WIntResident.TENSORS:
-        _register(layer, f"gcu_{name}", getattr(res, name))
+    res.prepared = (provider, prepared)
+    layer.wint = InstalledWInt(res, provider, prepared)
 
 
-def apply_resident(layer: torch.nn.Module, x: torch.Tensor, bits: int, group_size: int,
-                   bias: torch.Tensor | None = None) -> torch.Tensor:
-    """Run the GEMM that matches what :func:`install_resident` registered."""
-    provider = layer.gcu_fast_provider
-    if provider is not None:
-        prepared = {name: getattr(layer, f"gcu_fast_{name}") for name in layer.gcu_fast_names}
-        return get_kernel(PREPARED_KERNEL_NAME, provider)(x, prepared, bias)
-    return get_kernel(KERNEL_NAME)(x, layer.gcu_qweight, layer.gcu_scales, layer.gcu_zeros,
-                                   bits=bits, group_size=group_size, perm=layer.gcu_perm,
-                                   g_idx=layer.gcu_g_idx, bias=bias)
-
-
-class ResidentStats:
-    """Resident bytes of one quant method's layers in this process: one log
+class ResidentStats(LayerTotals):
+    """Resident bytes of one weight-only method's layers in this process: one log
     line per layer kind while loading, one summary once the model is loaded."""
 
     def __init__(self, quant_name: str, method_name: str) -> None:
+        super().__init__()
         self.quant_name = quant_name
         self.method_name = method_name
-        self.layers = self.resident = self.packed = self.fp16 = 0
+        self.packed = 0
         self.kernels: dict[str, int] = {}  # "kernel[provider]" -> layers
-        self._kinds: set[str] = set()
 
     def account(self, prefix: str, res: WIntResident, describe: str) -> None:
         """Add one layer; ``describe``: its scheme in words (e.g. '4-bit group 128 asym')."""
         nb = res.nbytes()
         n_weights = res.in_features * res.out_features
         n_groups = res.scales.shape[1]
-        self.layers += 1
-        self.resident += nb["total"]
+        first_of_kind = self.add(prefix, nb["total"], n_weights)
         self.packed += int(n_weights * res.bits / 8 + n_groups * res.out_features
                            * (2 + res.bits / 8))
-        self.fp16 += 2 * n_weights
         if res.prepared is not None:
             kernel = f"{PREPARED_KERNEL_NAME}[{res.prepared[0]}]"
             layout = "prepared " + ", ".join(
@@ -333,10 +338,9 @@ class ResidentStats:
                       f"scales {nb['scales']} {str(res.scales.dtype).split('.')[-1]}, "
                       f"zeros {nb['zeros']}, perm {nb['perm']}")
         self.kernels[kernel] = self.kernels.get(kernel, 0) + 1
-        kind = prefix.rsplit(".", 1)[-1] or "linear"
-        if kind in self._kinds:
+        if not first_of_kind:
             return
-        self._kinds.add(kind)
+        kind = prefix.rsplit(".", 1)[-1] or "linear"
         logger.info(
             "%s %s (e.g. %s): [%d x %d] %s -> resident %d B (%s) = %.3f B/weight vs fp16 "
             "weight %d B; kernel %s", self.quant_name, kind, prefix, res.out_features,

@@ -30,25 +30,16 @@ import torch
 
 from vllm.model_executor.layers.linear import (
     LinearBase,
-    LinearMethodBase,
     register_weight_loader_v2_supported_method,
 )
 from vllm.model_executor.layers.quantization import register_quantization_config
 from vllm.model_executor.parameter import ModelWeightParameter
 
-from vllm_accel.quant.base import AccelQuantConfig, is_moe, layer_error, load_summary
-from vllm_accel.quant.packed import (
-    ResidentStats,
-    apply_resident,
-    install_resident,
-    resident_from_signed,
-)
+from vllm_accel.quant.base import AccelQuantConfig, is_moe
+from vllm_accel.quant.packed import WIntResident, resident_from_signed
+from vllm_accel.quant.wint_method import WIntLinearMethod
 
 QUANT_NAME = "w8a16"
-
-
-def _fail(prefix: str, problem: str, fix: str) -> ValueError:
-    return layer_error(QUANT_NAME, prefix, problem, fix)
 
 
 def _round_up_to(s: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -100,25 +91,17 @@ class AccelW8A16Config(AccelQuantConfig):
 
     def get_quant_method(self, layer: torch.nn.Module, prefix: str):
         if is_moe(layer):
-            raise _fail(prefix, "online W8A16 of MoE experts is not supported",
-                        "serve the model without --quantization w8a16, or a dense model")
+            raise self.fail(prefix, "online W8A16 of MoE experts is not supported",
+                            "serve the model without --quantization w8a16, or a dense model")
         if isinstance(layer, LinearBase):
             return AccelW8A16LinearMethod(prefix)
         return None  # embeddings, lm_head, norms: full precision
 
 
-# Resident bytes over all W8A16 layers of this process, logged after loading.
-_stats = ResidentStats(QUANT_NAME, "AccelW8A16LinearMethod")
-load_summary(_stats.log_summary)
-
-
 @register_weight_loader_v2_supported_method
-class AccelW8A16LinearMethod(LinearMethodBase):
+class AccelW8A16LinearMethod(WIntLinearMethod, quant_name=QUANT_NAME):
     """Loads the float weight like an unquantized Linear, then keeps only its
-    per-channel int8 codes and scales in the shared resident layout (module doc)."""
-
-    def __init__(self, prefix: str = "") -> None:
-        self.prefix = prefix
+    per-channel int8 codes and scales as an 8-bit wint weight (module doc)."""
 
     def create_weights(self, layer: torch.nn.Module, input_size_per_partition: int,
                        output_partition_sizes: list[int], input_size: int,
@@ -130,22 +113,20 @@ class AccelW8A16LinearMethod(LinearMethodBase):
             input_dim=1, output_dim=0, weight_loader=extra_weight_attrs.get("weight_loader"))
         layer.register_parameter("weight", weight)
 
-    def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
-        w = layer.weight.data
+    def checkpoint_tensors(self) -> list[str]:
+        return ["weight"]
+
+    def to_resident(self, sources: dict[str, torch.Tensor]) -> WIntResident:
+        w = sources["weight"]
         if not w.is_floating_point():
-            raise _fail(self.prefix, f"the loaded weight has dtype {w.dtype}, not a float",
-                        "use --quantization w8a16 only on an unquantized checkpoint")
+            raise self.fail(f"the loaded weight has dtype {w.dtype}, not a float",
+                            "use --quantization w8a16 only on an unquantized checkpoint")
         # bf16/fp16 models: scales exact in that dtype (the fused kernel's scale dtype)
         scale_dtype = w.dtype if w.dtype in (torch.bfloat16, torch.float16) else torch.float32
         codes, scales = quantize_per_channel(w, scale_dtype)
-        loaded = str(w.dtype).split(".")[-1]
-        del layer.weight  # the float copy goes now
-        res = resident_from_signed(codes, scales, bits=8)
-        install_resident(layer, res)
-        self.group_size = res.group_size
-        _stats.account(self.prefix, res, f"per-channel int8 of a {loaded} weight, "
-                       f"{str(scales.dtype).split('.')[-1]} scales")
+        self.made_from = (f"per-channel int8 of a {str(w.dtype).split('.')[-1]} weight, "
+                          f"{str(scales.dtype).split('.')[-1]} scales")
+        return resident_from_signed(codes, scales, bits=8)
 
-    def apply(self, layer: torch.nn.Module, x: torch.Tensor,
-              bias: torch.Tensor | None = None) -> torch.Tensor:
-        return apply_resident(layer, x, 8, self.group_size, bias)
+    def describe(self, res: WIntResident) -> str:
+        return self.made_from

@@ -40,6 +40,7 @@ plugin (never from the platform module).
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -56,7 +57,8 @@ from vllm.model_executor.parameter import (
 
 from vllm_accel.logger import init_logger
 from vllm_accel.ops.registry import get_kernel, register_kernel
-from vllm_accel.quant.base import load_summary
+from vllm_accel.quant.base import layer_error, load_summary
+from vllm_accel.quant.stats import LayerTotals
 
 logger = init_logger(__name__)
 
@@ -69,8 +71,7 @@ EXACT_FP32_CHUNK = 1024
 _UNLOADED_ZP = -(2**20)
 
 
-def _fail(prefix: str, problem: str, fix: str) -> ValueError:
-    return ValueError(f"{QUANT_NAME} cannot serve layer {prefix!r}: {problem}. Fix: {fix}")
+_fail = functools.partial(layer_error, QUANT_NAME)
 
 
 # ---------------------------------------------------------------------------
@@ -285,27 +286,54 @@ def w8a8_to_resident(weight: torch.Tensor, weight_scale: torch.Tensor,
                         input_scale=s_in, input_zero_point=zp_in, weight_col_sums=col_sums)
 
 
+class InstalledW8A8(torch.nn.Module):
+    """A layer's W8A8 weight as it serves: int8 codes, their scales and the static
+    activation quantizer, run by ``int8_linear`` with the int8 GEMM probed at
+    load. A submodule of the layer (its tensors are parameters)."""
+
+    TENSORS = ("weight", "weight_scale", "input_scale", "input_zero_point", "weight_col_sums")
+
+    def __init__(self, res: W8A8Resident, input_symmetric: bool, mm_method: str) -> None:
+        super().__init__()
+        for name in self.TENSORS:
+            t = getattr(res, name)
+            if t is None:
+                setattr(self, name, None)
+            else:
+                self.register_parameter(name, torch.nn.Parameter(t, requires_grad=False))
+        self.input_symmetric = input_symmetric
+        self.mm_method = mm_method
+        # resolved once per layer: the workers register their providers first
+        self.kernel = get_kernel("int8_linear")
+
+    def forward(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        return self.kernel(x, self.weight, self.weight_scale, input_scale=self.input_scale,
+                           input_zero_point=self.input_zero_point,
+                           input_symmetric=self.input_symmetric,
+                           weight_col_sums=self.weight_col_sums, bias=bias,
+                           mm_method=self.mm_method)
+
+
 # ---------------------------------------------------------------------------
 # vLLM linear method
 # ---------------------------------------------------------------------------
 
 # Resident bytes over all W8A8 layers of this process, logged after loading.
-_totals = {"layers": 0, "resident": 0, "fp16": 0}
-_logged_layer_types: set[str] = set()
+_totals = LayerTotals()
 
 
 @load_summary
 def _log_summary() -> None:
-    if not _totals["layers"]:
+    if not _totals.layers:
         return
     kernel = get_kernel("int8_linear")
     logger.info(
         "AccelW8A8LinearMethod serves %d layers: kernel int8_linear = %s.%s (int8 GEMM: %s); "
-        "resident quantized weights %.2f MiB (fp16 %.2f MiB)", _totals["layers"],
+        "resident quantized weights %.2f MiB (fp16 %.2f MiB)", _totals.layers,
         kernel.__module__, kernel.__qualname__,
         ", ".join(f"{dev} {'torch._int_mm' if ok else 'exact chunked fp32'}"
                   for dev, ok in sorted(_int_mm_state.items())),
-        _totals["resident"] / 2**20, _totals["fp16"] / 2**20)
+        _totals.resident / 2**20, _totals.fp16 / 2**20)
 
 
 @register_weight_loader_v2_supported_method
@@ -374,33 +402,17 @@ class AccelW8A8LinearMethod(LinearMethodBase):
         for name in ("weight", "weight_scale", "input_scale", "input_zero_point"):
             if hasattr(layer, name):
                 delattr(layer, name)
-
-        def keep(name, t):
-            if t is None:
-                setattr(layer, name, None)
-            else:
-                layer.register_parameter(name, torch.nn.Parameter(t, requires_grad=False))
-
-        keep("weight", res.weight)
-        keep("weight_scale", res.weight_scale)
-        keep("input_scale", res.input_scale)
-        keep("input_zero_point", res.input_zero_point)
-        keep("weight_col_sums", res.weight_col_sums)
-        device = res.weight.device
         # probed here, at load: never inside a compiled graph
-        self.mm_method = "int_mm" if _int_mm_works(device) else "fp32_exact"
+        self.mm_method = "int_mm" if _int_mm_works(res.weight.device) else "fp32_exact"
+        layer.w8a8 = InstalledW8A8(res, self.input_symmetric, self.mm_method)
         self._account(res)
 
     def _account(self, res: W8A8Resident) -> None:
         nb = res.nbytes()
         n_out, n_in = res.weight.shape
-        _totals["layers"] += 1
-        _totals["resident"] += nb["total"]
-        _totals["fp16"] += 2 * n_out * n_in
-        kind = self.prefix.rsplit(".", 1)[-1] or "linear"
-        if kind in _logged_layer_types:
+        if not _totals.add(self.prefix, nb["total"], n_out * n_in):
             return
-        _logged_layer_types.add(kind)
+        kind = self.prefix.rsplit(".", 1)[-1] or "linear"
         act = ("dynamic per-token" if self.input_dynamic else "static per-tensor") + (
             " sym" if self.input_symmetric else " asym")
         logger.info(
@@ -412,7 +424,4 @@ class AccelW8A8LinearMethod(LinearMethodBase):
 
     def apply(self, layer: torch.nn.Module, x: torch.Tensor,
               bias: torch.Tensor | None = None) -> torch.Tensor:
-        return get_kernel("int8_linear")(
-            x, layer.weight, layer.weight_scale, input_scale=layer.input_scale,
-            input_zero_point=layer.input_zero_point, input_symmetric=self.input_symmetric,
-            weight_col_sums=layer.weight_col_sums, bias=bias, mm_method=self.mm_method)
+        return layer.w8a8(x, bias)

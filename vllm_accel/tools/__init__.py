@@ -1,0 +1,2 @@
+"""Command-line tools of vllm-accel (the ``vllm-accel`` console script): not
+imported by the plugin itself."""
