@@ -1,8 +1,4 @@
-"""What every vllm_accel quantization config shares.
-
-This module imports ``vllm.model_executor``; import it only from the general
-plugin (never from the platform module).
-"""
+"""What every vllm_accel quantization config shares."""
 
 from collections.abc import Callable
 

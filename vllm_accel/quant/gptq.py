@@ -21,9 +21,6 @@ per-column scale gather inside every weight tile. Only when the sorted groups ar
 not uniform (act-order under row-parallel TP, where a rank holds a scattered
 subset of the global groups) is the sorted ``g_idx`` kept too and the kernel
 gathers scales per column.
-
-This module imports ``vllm.model_executor``; import it only from the general
-plugin (never from the platform module).
 """
 
 from __future__ import annotations

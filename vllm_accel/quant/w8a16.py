@@ -17,9 +17,6 @@ fp32 activations; ``in % 16 == 0``), else the exact tile-dequantizing
 before the codes are computed, so ``codes * scales`` is exactly the weight every
 kernel uses (the fused kernel takes its scales in the activation dtype) and no
 code clips.
-
-This module imports ``vllm.model_executor``; import it only from the general
-plugin (never from the platform module).
 """
 
 from __future__ import annotations

@@ -33,9 +33,6 @@ fp32 path over K chunks of <= 1024 columns, see :func:`int8_mm`), then applies
 ``x_scale[m] * w_scale[o]`` in fp32. The exact integer accumulation makes the
 result equal, up to the final fp32 scaling, to float64 math on the quantized
 operands: that is what the tests check.
-
-This module imports ``vllm.model_executor``; import it only from the general
-plugin (never from the platform module).
 """
 
 from __future__ import annotations

@@ -8,9 +8,6 @@ tensors (through the on-disk repack cache), drops them, installs the resident
 weight (a kernel provider's prepared layout when it has one), accounts its bytes
 and runs the kernel. A format subclasses it with ``create_weights`` (vLLM
 parameters, with its checks) and :meth:`to_resident`.
-
-This module imports ``vllm.model_executor``; import it only from the general
-plugin (never from the platform module).
 """
 
 from __future__ import annotations
