@@ -36,7 +36,7 @@ patches.apply_all()
 #: what ``--device`` accepts (the device names of the backends)
 DEVICE_CHOICES = ("gcu", "sophtpu")
 ATTENTION_BACKEND_CLS = "vllm_accel.ops.attention.AccelAttentionBackend"
-#: default KV block size on the GCU (as vLLM-GCU uses)
+#: default KV block size on every backend (vLLM-GCU uses 64 too)
 DEFAULT_BLOCK_SIZE = 64
 
 

@@ -1,4 +1,4 @@
-"""W8A8 int8 linear layers (compressed-tensors ``int-quantized``) on the GCU.
+"""W8A8 int8 linear layers (compressed-tensors ``int-quantized``) on vllm_accel devices.
 
 Checkpoint format (llmcompressor / compressed-tensors ``int-quantized``), per
 quantized Linear with ``out``/``in`` features:
