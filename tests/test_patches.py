@@ -146,12 +146,25 @@ def _patch(name_start: str):
 
 
 def test_device_process_env_sets_defaults_and_keeps_what_the_user_exported(monkeypatch):
-    monkeypatch.delenv("VLLM_CPU_SIM_MULTI_NUMA", raising=False)
+    # setenv first, so that monkeypatch restores the variable's absence afterwards
+    monkeypatch.setenv("VLLM_CPU_SIM_MULTI_NUMA", "unset")
+    monkeypatch.delenv("VLLM_CPU_SIM_MULTI_NUMA")
     monkeypatch.setenv("MALLOC_TRIM_THRESHOLD_", "7")
     patches.apply_all("config", env={"VLLM_CPU_SIM_MULTI_NUMA": "1",
                                      "MALLOC_TRIM_THRESHOLD_": str(1 << 30)})
     assert os.environ["VLLM_CPU_SIM_MULTI_NUMA"] == "1"
     assert os.environ["MALLOC_TRIM_THRESHOLD_"] == "7"
+
+
+def test_simulator_splits_cores_only_for_vllms_automatic_binding(monkeypatch):
+    """vLLM asserts that VLLM_CPU_SIM_MULTI_NUMA comes with automatic binding: explicit
+    VLLM_CPU_OMP_THREADS_BIND core lists must not get it (TP=2 here has 1 NUMA node)."""
+    from vllm_accel.backends.cpu_sim import CpuSimBackend
+
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "auto")
+    assert CpuSimBackend().process_env(2).get("VLLM_CPU_SIM_MULTI_NUMA") == "1"
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")
+    assert "VLLM_CPU_SIM_MULTI_NUMA" not in CpuSimBackend().process_env(2)
 
 
 def test_model_runner_v1_pin_keeps_an_explicit_setting(monkeypatch):

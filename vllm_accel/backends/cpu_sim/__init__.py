@@ -6,6 +6,7 @@ by what this host can actually give, because every simulated byte is host RAM.
 """
 
 import contextlib
+import os
 
 import psutil
 import torch
@@ -57,7 +58,9 @@ class CpuSimBackend:
             "MALLOC_TRIM_THRESHOLD_": str(1 << 30),
             "MALLOC_TOP_PAD_": str(256 << 20),
         }
-        if local_world_size > 1 and local_world_size > len(_numa_nodes()):
+        # (only for vLLM's automatic binding: it asserts so for explicit core lists)
+        auto_bind = os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "auto") == "auto"
+        if auto_bind and local_world_size > 1 and local_world_size > len(_numa_nodes()):
             env["VLLM_CPU_SIM_MULTI_NUMA"] = "1"
         return env
 
