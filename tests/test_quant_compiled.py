@@ -11,7 +11,6 @@ compilation per quant family and hold it to the eager engine's tokens.
 
 import random
 import re
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -20,22 +19,18 @@ from quantizer import quantize_checkpoint, quantize_checkpoint_awq, quantize_che
 from quantizer_int8 import quantize_checkpoint_int8
 
 from vllm_accel.quant import (
-    AccelAWQLinearMethod,
-    AccelCTWNA16LinearMethod,
-    AccelGPTQLinearMethod,
     AccelW8A8LinearMethod,
     AccelW8A16LinearMethod,
     w8a8,
 )
 from vllm_accel.quant.packed import install_resident, resident_from_codes
-
-WEIGHT_ONLY_METHODS = (AccelGPTQLinearMethod, AccelAWQLinearMethod, AccelCTWNA16LinearMethod)
+from vllm_accel.quant.wint_method import WIntLinearMethod
 
 
 def _resident_layer(bits, group_size, sym, act_order, provider, monkeypatch, dtype,
                     n=64, k=256, non_uniform_groups=False):
     """A random resident weight installed as the weight-only methods install it,
-    run through each method's ``apply`` (they share the resident layout)."""
+    run through their shared ``apply``."""
     monkeypatch.setenv("ACCEL_KERNEL_PROVIDER", provider)
     g = torch.Generator().manual_seed(bits * 100 + group_size)
     gs = k if group_size == -1 else group_size
@@ -56,12 +51,8 @@ def _resident_layer(bits, group_size, sym, act_order, provider, monkeypatch, dty
     finally:
         torch.set_default_dtype(prev)
     assert (layer.wint.provider is not None) == (provider == "torch_fast")
-    method = SimpleNamespace(params=SimpleNamespace(bits=bits), bits=bits,
-                             group_size=res.group_size)
-
-    def forward(x):
-        outs = [cls.apply(method, layer, x) for cls in WEIGHT_ONLY_METHODS]
-        return torch.stack(outs)
+    def forward(x):  # what every weight-only format's apply runs (WIntLinearMethod)
+        return WIntLinearMethod.apply(None, layer, x)
 
     return forward
 
