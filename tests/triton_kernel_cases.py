@@ -205,6 +205,42 @@ def test_wint_linear(m, bits, group_size, asym, act_order, dtype, in_f):
     assert err <= WINT_TOL[dtype], err
 
 
+@pytest.mark.parametrize("bits,group_size,asym,dtype,out_f", [
+    (4, 128, True, torch.bfloat16, 96), (8, 64, False, torch.float32, 48),
+    (4, 32, False, torch.float16, 200)])  # 200 rows: row tiles of 8 take the tl.dot kernel
+def test_wint_gemv_split_k(bits, group_size, asym, dtype, out_f):
+    """Batch 1 over a long K: the word GEMV splits K across programs that meet in a
+    float32 workspace; the last one writes the row tile and leaves the workspace at
+    zero, so a second call (other x) is exact too."""
+    in_f = 2048
+    res, w = resident(out_f, in_f, bits, group_size, asym, False, seed=bits + out_f)
+    args = {k: (v.to(DEVICE) if isinstance(v, torch.Tensor) else v) for k, v in res.items()}
+    qweight, scales, zeros = args.pop("qweight"), args.pop("scales"), args.pop("zeros")
+    g = torch.Generator().manual_seed(out_f)
+    bias = torch.randn(out_f, generator=g)
+    for _ in range(2):
+        x = torch.randn(1, in_f, generator=g).to(dtype)
+        expected = x.double() @ w.T + bias.double()
+        y = wint_gemm.wint_linear(x.to(DEVICE), qweight, scales, zeros, bits=bits,
+                                  bias=bias.to(DEVICE), **args)
+        err = ((y.cpu().double() - expected).abs().max() / expected.abs().max()).item()
+        assert y.dtype == dtype and err <= WINT_TOL[dtype], err
+    mine = [t for key, ws in wint_gemm._SPLIT_WORKSPACE.items() if key[1] == out_f for t in ws]
+    assert bool(mine) == (out_f % 16 == 0) and all(not t.any() for t in mine)
+
+
+def test_probe_rejects_a_device_whose_gemv_is_wrong(monkeypatch):
+    """The card probe runs the batch-1 GEMV too: a device that flushed float32
+    subnormals would zero its codes, and must keep the torch kernels."""
+    from vllm_accel.ops.triton import provider
+
+    usable, why = provider.probe_triton(torch.device(DEVICE))
+    assert usable, why
+    monkeypatch.setattr(wint_gemm, "wint_linear", lambda x, *a, **k: torch.zeros_like(x[:, :16]))
+    usable, why = provider.probe_triton(torch.device(DEVICE))
+    assert not usable and "wint_linear" in why and "subnormals" in why
+
+
 # ---------------------------------------------------------------------------
 # W8A8 int8 GEMM with per-token activation quantization
 # ---------------------------------------------------------------------------

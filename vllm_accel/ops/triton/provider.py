@@ -2,7 +2,9 @@
 
 Card backends list ``triton`` after their vendor ops and before the torch kernels;
 the card worker calls :func:`install_triton_kernels` with its device, which first
-compiles and runs a probe (a small paged decode compared with the torch kernel):
+compiles and runs a probe (a small paged decode compared with the torch kernel, and
+a one-row 4-bit GEMV, whose dequantization relies on float32 subnormals, compared
+with a float64 matmul):
 a vendor whose Triton backend is missing or broken keeps the torch kernels, and the
 log says why. The simulator runs them only when ``ACCEL_KERNEL_PROVIDER=triton``
 forces it, which needs ``TRITON_INTERPRET=1`` (Triton has no CPU backend).
@@ -50,7 +52,27 @@ def probe_triton(device: torch.device) -> tuple[bool, str]:
                        f"({type(exc).__name__}: {first_line[:200]})")
     if not error <= 1e-3:
         return False, f"Triton probe on {device.type} is wrong (max error {error:g})"
-    return True, f"probe kernel compiled and matched the torch kernel on {device.type}"
+    error = _wint_probe_error(device)
+    if not error <= 1e-4:
+        return False, (f"Triton wint_linear probe on {device.type} is wrong (relative error "
+                       f"{error:g}; a device that flushes float32 subnormals to zero "
+                       f"cannot run its dequantization)")
+    return True, f"probe kernels compiled and matched the torch kernels on {device.type}"
+
+
+def _wint_probe_error(device: torch.device) -> float:
+    """Relative error of the Triton batch-1 4-bit GEMV against a float64 matmul."""
+    from vllm_accel.ops.triton import wint_gemm
+
+    g = torch.Generator().manual_seed(0)
+    codes = torch.randint(0, 16, (16, 64), generator=g, dtype=torch.uint8)
+    scales = torch.rand(16, 1, generator=g) * 0.01 + 1e-3
+    x = torch.randn(1, 64, generator=g)
+    want = x.double() @ ((codes.double() - 8) * scales.double()).T
+    qweight = codes[:, 0::2] | (codes[:, 1::2] << 4)
+    got = wint_gemm.wint_linear(x.to(device), qweight.to(device), scales.to(device), None,
+                                bits=4, group_size=64)
+    return float((got.cpu().double() - want).abs().max() / want.abs().max())
 
 
 def _keep_generic_layout(res, act_dtype):

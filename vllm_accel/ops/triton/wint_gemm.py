@@ -30,8 +30,11 @@ from vllm_accel.ops.triton.paged_attention import interpreted
 GEMV_MAX_ROWS = 8
 #: GEMV tile (rows x K columns), K slices per row tile, warps (tuned on an H100)
 GEMV = {"bn": 16, "bk": 128, "splits": 4, "num_warps": 4}
-#: the one-row word GEMV: rows x K columns per step, warps (tuned on an H100)
-GEMV_WORDS = {"bn": 8, "bk": 2048, "num_warps": 4}
+#: the one-row word GEMV (tuned on an H100): row tiles and K tiles it may take (the
+#: largest dividing the shape), about how many programs K splits aim for, and words a
+#: thread holds (sets the warps)
+GEMV_WORDS = {"bn": (128, 64, 32, 16), "bk": (256, 128, 64, 32), "programs": 256,
+              "words_per_thread": 32}
 #: the int32-word kernel (more than one row, when rows are whole words; tuned on an
 #: H100: 4 warps from batch 32 up)
 WORDS = {"bn": 128, "bk": 256, "num_warps": 8, "num_stages": 3, "programs": 528}
@@ -139,49 +142,78 @@ def _wint_gemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, gidx_ptr, y_ptr, N, K, G, grou
 
 
 @triton.jit
-def _wint_gemv_words_kernel(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, y_ptr, N, K, G, group_size,
-                            stride_w, BITS: tl.constexpr, HAS_Z: tl.constexpr,
-                            HAS_BIAS: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
-    """One row of ``x`` against ``BN`` weight rows per program, whole K. A code ``c``
-    shifted to mantissa bits ``23-BITS..22`` and OR-ed into ``2**BITS`` reads as the
-    float ``2**BITS + c``: the sums collect ``(2**BITS + c) * x`` and the offset
-    ``(2**BITS + zero) * sum(x)`` comes off once per word, before its group scale."""
+def _masked_code(word, MASK: tl.constexpr, x_scaled):
+    """``(word & MASK)`` read as a float32 times ``x_scaled``. Bit patterns below
+    2**24 are subnormals or the first normal binade, both ``bits * 2**-149``: a code
+    masked in place at bit ``b`` is ``code * 2**(b - 149)`` without a shift, an OR or
+    an int-to-float conversion (products stay exact: ``x_scaled`` carries the 2**k)."""
+    return (word & MASK).to(tl.float32, bitcast=True) * x_scaled
+
+
+@triton.jit
+def _wint_gemv_words_kernel(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, y_ptr, ws_ptr, count_ptr, G,
+                            stride_w, BITS: tl.constexpr, GROUP: tl.constexpr,
+                            HAS_Z: tl.constexpr, HAS_BIAS: tl.constexpr, BN: tl.constexpr,
+                            BK: tl.constexpr, KP: tl.constexpr, SPLIT: tl.constexpr):
+    """One ``x`` row against ``BN`` weight rows over ``KP`` columns per program (axis 1
+    splits K). Per code: one AND and one FMA (``_masked_code``; the top byte of a word
+    is shifted down once), every product ``code * x * 2**-60``; the zero-point offset
+    ``zero * sum(x)`` comes off per word, the group scale multiplies per word. The
+    next tile's words and scales are loaded before this tile's math. Split K: the
+    programs of a row tile add into the float32 workspace ``ws``; the last to arrive
+    (``count``) writes the output and leaves ``ws`` and ``count`` at zero."""
     PLANES: tl.constexpr = 32 // BITS
-    WORDS: tl.constexpr = BK // PLANES
-    MASK: tl.constexpr = (1 << BITS) - 1
-    AT: tl.constexpr = 23 - BITS  # lowest mantissa bit of a code
-    ONE: tl.constexpr = (127 + BITS) << 23  # float32 bits of 2**BITS
-    n = tl.program_id(0) * BN + tl.arange(0, BN)
-    n_ok = n < N
-    j = tl.arange(0, WORDS)
-    acc = tl.zeros([BN, WORDS], tl.float32)
-    for k0 in range(0, K, BK):
-        w_ok = k0 + j * PLANES < K
-        words = tl.load(w_ptr + n[:, None] * stride_w + (k0 // PLANES + j)[None, :],
-                        mask=n_ok[:, None] & w_ok[None, :], other=0)
-        t = tl.zeros([BN, WORDS], tl.float32)
-        xs = tl.zeros([WORDS], tl.float32)
+    W: tl.constexpr = BK // PLANES
+    CODE: tl.constexpr = (1 << BITS) - 1
+    pid_n = tl.program_id(0)
+    n = pid_n * BN + tl.arange(0, BN)
+    j = tl.arange(0, W)
+    k_begin = tl.program_id(1) * KP
+    w_rows = w_ptr + n[:, None] * stride_w
+    s_rows = s_ptr + n[:, None] * G
+    w_next = tl.load(w_rows + (k_begin // PLANES + j)[None, :])
+    s_next = tl.load(s_rows + ((k_begin + j * PLANES) // GROUP)[None, :])
+    acc = tl.zeros([BN, W], tl.float32)
+    for k0 in range(k_begin, k_begin + KP, BK):
+        words = w_next
+        s = s_next.to(tl.float32)
+        k_next = tl.minimum(k0 + BK, k_begin + KP - BK)  # the last tile reloads itself
+        w_next = tl.load(w_rows + (k_next // PLANES + j)[None, :])
+        s_next = tl.load(s_rows + ((k_next + j * PLANES) // GROUP)[None, :])
+        col = k0 + j * PLANES
+        x_sum = tl.zeros([1, W], tl.float32)
         for i in tl.static_range(PLANES):
-            kk = k0 + j * PLANES + i
-            xi = tl.load(x_ptr + kk, mask=kk < K, other=0.0).to(tl.float32)
-            if BITS * i <= AT:
-                at = words << (AT - BITS * i)
-            else:
-                at = words >> (BITS * i - AT)
-            t += ((at & (MASK << AT)) | ONE).to(tl.float32, bitcast=True) * xi[None, :]
-            xs += xi
-        sz = n[:, None] * G + ((k0 + j * PLANES) // group_size)[None, :]
-        sz_ok = n_ok[:, None] & w_ok[None, :]
-        s = tl.load(s_ptr + sz, mask=sz_ok, other=0.0).to(tl.float32)
-        if HAS_Z:
-            off = tl.load(z_ptr + sz, mask=sz_ok, other=0.0).to(tl.float32) + 2.0 ** BITS
+            x_sum += tl.load(x_ptr + col[None, :] + i).to(tl.float32)
+        if HAS_Z:  # the sums start at the zero-point offset
+            z = tl.load(z_ptr + n[:, None] * G + (col // GROUP)[None, :]).to(tl.float32)
+            t = -z * (x_sum * 2.0 ** -60)
         else:
-            off = 2.0 ** BITS + 2.0 ** (BITS - 1)
-        acc += (t - off * xs[None, :]) * s
-    y = tl.sum(acc, 1)
-    if HAS_BIAS:
-        y += tl.load(b_ptr + n, mask=n_ok, other=0.0).to(tl.float32)
-    tl.store(y_ptr + n, y.to(y_ptr.dtype.element_ty), mask=n_ok)
+            t = tl.broadcast_to(x_sum * -(2.0 ** (BITS - 61)), [BN, W])
+        top = words >> 8  # bits 24-31 at 16-23, under the 2**24 limit
+        for i in tl.static_range(PLANES):
+            xi = tl.load(x_ptr + col[None, :] + i).to(tl.float32)
+            if BITS * (i + 1) <= 24:
+                t += _masked_code(words, CODE << (BITS * i), xi * 2.0 ** (89 - BITS * i))
+            else:
+                t += _masked_code(top, CODE << (BITS * i - 8), xi * 2.0 ** (97 - BITS * i))
+        acc += t * s
+    y = tl.sum(acc, 1) * 2.0 ** 60
+    if SPLIT > 1:
+        tl.atomic_add(ws_ptr + n, y, sem="relaxed")
+        tl.debug_barrier()  # every thread's partial sums before the arrival count
+        arrived = tl.atomic_add(count_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
+        if arrived == SPLIT - 1:
+            y = tl.atomic_add(ws_ptr + n, tl.zeros([BN], tl.float32), sem="acq_rel",
+                              scope="gpu")
+            tl.store(ws_ptr + n, tl.zeros([BN], tl.float32))
+            tl.store(count_ptr + pid_n, 0)
+            if HAS_BIAS:
+                y += tl.load(b_ptr + n).to(tl.float32)
+            tl.store(y_ptr + n, y.to(y_ptr.dtype.element_ty))
+    else:
+        if HAS_BIAS:
+            y += tl.load(b_ptr + n).to(tl.float32)
+        tl.store(y_ptr + n, y.to(y_ptr.dtype.element_ty))
 
 
 @triton.jit
@@ -327,18 +359,46 @@ def wint_mm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
     scales = scales.contiguous()
     zeros = zeros.contiguous() if zeros is not None else scales  # unused when None
     words_ok = qweight.shape[1] % 4 == 0 and qweight.data_ptr() % 4 == 0
-    if m == 1 and words_ok and g_idx is None and group_size % (32 // bits) == 0:
-        y = torch.empty(1, n, dtype=x.dtype, device=x.device)
-        bn = GEMV_WORDS["bn"]
-        _wint_gemv_words_kernel[(triton.cdiv(n, bn),)](
-            x, qweight.view(torch.int32), scales, zeros,
-            bias if bias is not None else scales, y, n, k, groups, group_size,
-            qweight.shape[1] // 4, BITS=bits, HAS_Z=zeros is not scales,
-            HAS_BIAS=bias is not None, BN=bn, BK=GEMV_WORDS["bk"],
-            num_warps=GEMV_WORDS["num_warps"], num_stages=1)
-        return y
+    if m == 1 and words_ok and g_idx is None:
+        y = _gemv_words(x, qweight.view(torch.int32), scales, zeros, bias, bits, group_size)
+        if y is not None:
+            return y
     return _accumulated(x, qweight, scales, zeros, g_idx, bits, group_size, words_ok,
                         bias).to(x.dtype)
+
+
+#: per (device, rows, row tile): the split-K GEMV's float32 partial sums and arrival
+#: counts, zero between calls (the kernel's last program of a tile clears them). Calls
+#: on one device must not overlap (vLLM runs a model's layers on one stream).
+_SPLIT_WORKSPACE: dict = {}
+
+
+def _gemv_words(x, words, scales, zeros, bias, bits, group_size):
+    """``_wint_gemv_words_kernel`` for a one-row ``x`` when its tiles divide the shape
+    (no masks in the loop), else None."""
+    n, k = words.shape[0], x.shape[1]
+    planes = 32 // bits
+    bn = next((b for b in GEMV_WORDS["bn"] if n % b == 0), None)
+    bk = next((b for b in GEMV_WORDS["bk"] if k % b == 0), None)
+    if bn is None or bk is None or group_size % planes:
+        return None
+    tiles, steps = n // bn, k // bk
+    split = 1
+    while tiles * split * 2 <= GEMV_WORDS["programs"] and steps % (split * 2) == 0:
+        split *= 2
+    key = (x.device, n, bn)
+    if split > 1 and key not in _SPLIT_WORKSPACE:
+        _SPLIT_WORKSPACE[key] = (torch.zeros(n, dtype=torch.float32, device=x.device),
+                                 torch.zeros(tiles, dtype=torch.int32, device=x.device))
+    ws, count = _SPLIT_WORKSPACE[key] if split > 1 else (scales, scales)
+    warps = max(1, min(4, bn * bk // planes // (32 * GEMV_WORDS["words_per_thread"])))
+    y = torch.empty(1, n, dtype=x.dtype, device=x.device)
+    _wint_gemv_words_kernel[(tiles, split)](
+        x, words, scales, zeros, bias if bias is not None else scales, y, ws, count,
+        scales.shape[1], words.stride(0), BITS=bits, GROUP=group_size,
+        HAS_Z=zeros is not scales, HAS_BIAS=bias is not None, BN=bn, BK=bk, KP=k // split,
+        SPLIT=split, num_warps=warps, num_stages=1)
+    return y
 
 
 def _accumulated(x, qweight, scales, zeros, g_idx, bits, group_size, words_ok, bias):
