@@ -7,13 +7,13 @@ fp16/fp32, zero points ``[N, G]`` or none (symmetric ``2**(bits-1)``), the act-o
 permutation applied to ``x``'s columns and ``g_idx`` for non-contiguous groups.
 
 Rows that are whole int32 words take the word kernels: one ``x`` row (batch-1
-decode) a GEMV that keeps a float32 ``[rows, words]`` accumulator (no reduction until
-the end) and turns each code into a float with one shift, one mask-or into the
-mantissa of ``2**BITS`` and one multiply-add; more rows ``tl.dot`` over the code
+decode) a GEMV where a code costs one AND and one FMA (``_masked_code``), with K
+split across programs that meet in a float32 workspace (``_SPLIT_WORKSPACE``), when
+its tiles divide the shape; more rows, or other shapes, ``tl.dot`` over the code
 planes of the words (from ``INTERLEAVE_MIN_ROWS`` rows the planes are put back in
-column order for one wide dot). Other rows take byte kernels (a split-K GEMV,
-``tl.dot`` tiles), where a byte's low nibbles multiply ``x``'s even columns and its
-high nibbles the odd ones. Dequantization and
+column order for one wide dot). Other rows take byte
+kernels (a split-K GEMV, ``tl.dot`` tiles), where a byte's low nibbles multiply
+``x``'s even columns and its high nibbles the odd ones. Dequantization and
 accumulation run in float32; the result is rounded once.
 
 The entry point is a ``torch.library`` custom op, so torch.compile keeps it as one
