@@ -16,7 +16,7 @@ serve: setup
 	. $(VENV)/bin/activate && exec vllm serve "$$model" --device gcu --dtype float32 --port $(PORT)
 
 test: setup
-	$(VENV)/bin/python -m pytest -q -rs tests
+	$(VENV)/bin/python -m pytest -q -rs --durations=25 tests
 
 # both modes: compiled (vLLM's default), then eager; then the batch-size sweep
 # (compiled) with its plot. matplotlib alone: installing the package again would

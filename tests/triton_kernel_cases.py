@@ -208,10 +208,11 @@ def test_wint_linear(m, bits, group_size, asym, act_order, dtype, in_f):
 @pytest.mark.parametrize("bits,group_size,asym,dtype,out_f", [
     (4, 128, True, torch.bfloat16, 96), (8, 64, False, torch.float32, 48),
     (4, 32, False, torch.float16, 200)])  # 200 rows: row tiles of 8 take the tl.dot kernel
-def test_wint_gemv_split_k(bits, group_size, asym, dtype, out_f):
+def test_wint_gemv_split_k(bits, group_size, asym, dtype, out_f, monkeypatch):
     """Batch 1 over a long K: the word GEMV splits K across programs that meet in a
     float32 workspace; the last one writes the row tile and leaves the workspace at
     zero, so a second call (other x) is exact too."""
+    monkeypatch.setattr(wint_gemm, "_SPLIT_WORKSPACE", {})
     in_f = 2048
     res, w = resident(out_f, in_f, bits, group_size, asym, False, seed=bits + out_f)
     args = {k: (v.to(DEVICE) if isinstance(v, torch.Tensor) else v) for k, v in res.items()}
@@ -231,7 +232,8 @@ def test_wint_gemv_split_k(bits, group_size, asym, dtype, out_f):
 
 def test_probe_rejects_a_device_whose_gemv_is_wrong(monkeypatch):
     """The card probe runs the batch-1 GEMV too: a device that flushed float32
-    subnormals would zero its codes, and must keep the torch kernels."""
+    subnormals would zero its codes, and one whose Triton backend cannot build the
+    kernel must not stop the worker: both keep the torch kernels."""
     from vllm_accel.ops.triton import provider
 
     usable, why = provider.probe_triton(torch.device(DEVICE))
@@ -239,6 +241,12 @@ def test_probe_rejects_a_device_whose_gemv_is_wrong(monkeypatch):
     monkeypatch.setattr(wint_gemm, "wint_linear", lambda x, *a, **k: torch.zeros_like(x[:, :16]))
     usable, why = provider.probe_triton(torch.device(DEVICE))
     assert not usable and "wint_linear" in why and "subnormals" in why
+
+    def no_atomics(*args, **kwargs):
+        raise RuntimeError("atomic_add: unsupported\nmore")
+    monkeypatch.setattr(wint_gemm, "wint_linear", no_atomics)
+    usable, why = provider.probe_triton(torch.device(DEVICE))  # a broken backend: no raise
+    assert not usable and why.endswith("(RuntimeError: atomic_add: unsupported)")
 
 
 # ---------------------------------------------------------------------------

@@ -146,7 +146,8 @@ def _masked_code(word, MASK: tl.constexpr, x_scaled):
     """``(word & MASK)`` read as a float32 times ``x_scaled``. Bit patterns below
     2**24 are subnormals or the first normal binade, both ``bits * 2**-149``: a code
     masked in place at bit ``b`` is ``code * 2**(b - 149)`` without a shift, an OR or
-    an int-to-float conversion (products stay exact: ``x_scaled`` carries the 2**k)."""
+    an int-to-float conversion (``x_scaled`` carries the power of two back; the
+    multiply-add rounds once)."""
     return (word & MASK).to(tl.float32, bitcast=True) * x_scaled
 
 
@@ -157,7 +158,8 @@ def _wint_gemv_words_kernel(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, y_ptr, ws_ptr, co
                             BK: tl.constexpr, KP: tl.constexpr, SPLIT: tl.constexpr):
     """One ``x`` row against ``BN`` weight rows over ``KP`` columns per program (axis 1
     splits K). Per code: one AND and one FMA (``_masked_code``; the top byte of a word
-    is shifted down once), every product ``code * x * 2**-60``; the zero-point offset
+    is shifted down once), every product ``code * x * 2**PRODUCT_EXP`` (``x`` below
+    2**54 stays finite, products above 2**-51 stay normal); the zero-point offset
     ``zero * sum(x)`` comes off per word, the group scale multiplies per word. The
     next tile's words and scales are loaded before this tile's math. Split K: the
     programs of a row tile add into the float32 workspace ``ws``; the last to arrive
@@ -165,6 +167,7 @@ def _wint_gemv_words_kernel(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, y_ptr, ws_ptr, co
     PLANES: tl.constexpr = 32 // BITS
     W: tl.constexpr = BK // PLANES
     CODE: tl.constexpr = (1 << BITS) - 1
+    PRODUCT_EXP: tl.constexpr = -75
     pid_n = tl.program_id(0)
     n = pid_n * BN + tl.arange(0, BN)
     j = tl.arange(0, W)
@@ -186,18 +189,20 @@ def _wint_gemv_words_kernel(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, y_ptr, ws_ptr, co
             x_sum += tl.load(x_ptr + col[None, :] + i).to(tl.float32)
         if HAS_Z:  # the sums start at the zero-point offset
             z = tl.load(z_ptr + n[:, None] * G + (col // GROUP)[None, :]).to(tl.float32)
-            t = -z * (x_sum * 2.0 ** -60)
+            t = -z * (x_sum * 2.0 ** PRODUCT_EXP)
         else:
-            t = tl.broadcast_to(x_sum * -(2.0 ** (BITS - 61)), [BN, W])
+            t = tl.broadcast_to(x_sum * -(2.0 ** (BITS - 1 + PRODUCT_EXP)), [BN, W])
         top = words >> 8  # bits 24-31 at 16-23, under the 2**24 limit
         for i in tl.static_range(PLANES):
             xi = tl.load(x_ptr + col[None, :] + i).to(tl.float32)
             if BITS * (i + 1) <= 24:
-                t += _masked_code(words, CODE << (BITS * i), xi * 2.0 ** (89 - BITS * i))
+                t += _masked_code(words, CODE << (BITS * i),
+                                  xi * 2.0 ** (149 + PRODUCT_EXP - BITS * i))
             else:
-                t += _masked_code(top, CODE << (BITS * i - 8), xi * 2.0 ** (97 - BITS * i))
+                t += _masked_code(top, CODE << (BITS * i - 8),
+                                  xi * 2.0 ** (157 + PRODUCT_EXP - BITS * i))
         acc += t * s
-    y = tl.sum(acc, 1) * 2.0 ** 60
+    y = tl.sum(acc, 1) * 2.0 ** -PRODUCT_EXP
     if SPLIT > 1:
         tl.atomic_add(ws_ptr + n, y, sem="relaxed")
         tl.debug_barrier()  # every thread's partial sums before the arrival count
