@@ -207,7 +207,7 @@ def test_wint_linear(m, bits, group_size, asym, act_order, dtype, in_f):
 
 @pytest.mark.parametrize("bits,group_size,asym,dtype,out_f", [
     (4, 128, True, torch.bfloat16, 96), (8, 64, False, torch.float32, 48),
-    (4, 32, False, torch.float16, 200)])  # 200 rows: row tiles of 8 take the tl.dot kernel
+    (4, 32, False, torch.float16, 200)])  # 200 rows (not a multiple of 16): the tl.dot kernel
 def test_wint_gemv_split_k(bits, group_size, asym, dtype, out_f, monkeypatch):
     """Batch 1 over a long K: the word GEMV splits K across programs that meet in a
     float32 workspace; the last one writes the row tile and leaves the workspace at

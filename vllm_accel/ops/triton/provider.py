@@ -60,7 +60,7 @@ def probe_triton(device: torch.device) -> tuple[bool, str]:
         return False, (f"Triton wint_linear probe on {device.type} is wrong (relative error "
                        f"{error:g}; e.g. a device that flushes float32 subnormals to zero, "
                        f"which its dequantization relies on)")
-    return True, f"probe kernels compiled and matched the torch kernels on {device.type}"
+    return True, f"probe kernels compiled and matched their references on {device.type}"
 
 
 def _wint_probe_error(device: torch.device) -> float:

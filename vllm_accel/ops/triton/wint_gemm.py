@@ -11,10 +11,10 @@ decode) a GEMV where a code costs one AND and one FMA (``_masked_code``), with K
 split across programs that meet in a float32 workspace (``_SPLIT_WORKSPACE``), when
 its tiles divide the shape; more rows, or other shapes, ``tl.dot`` over the code
 planes of the words (from ``INTERLEAVE_MIN_ROWS`` rows the planes are put back in
-column order for one wide dot). Other rows take byte
-kernels (a split-K GEMV, ``tl.dot`` tiles), where a byte's low nibbles multiply
-``x``'s even columns and its high nibbles the odd ones. Dequantization and
-accumulation run in float32; the result is rounded once.
+column order for one wide dot). Other rows take byte kernels (a split-K GEMV,
+``tl.dot`` tiles), where a byte's low nibbles multiply ``x``'s even columns and its
+high nibbles the odd ones. Dequantization and accumulation run in float32; the
+result is rounded once.
 
 The entry point is a ``torch.library`` custom op, so torch.compile keeps it as one
 call instead of tracing into Triton.
@@ -152,6 +152,13 @@ def _masked_code(word, MASK: tl.constexpr, x_scaled):
 
 
 @triton.jit
+def _write_row_tile(y, y_ptr, b_ptr, n, HAS_BIAS: tl.constexpr):
+    if HAS_BIAS:
+        y += tl.load(b_ptr + n).to(tl.float32)
+    tl.store(y_ptr + n, y.to(y_ptr.dtype.element_ty))
+
+
+@triton.jit
 def _wint_gemv_words_kernel(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, y_ptr, ws_ptr, count_ptr, G,
                             stride_w, BITS: tl.constexpr, GROUP: tl.constexpr,
                             HAS_Z: tl.constexpr, HAS_BIAS: tl.constexpr, BN: tl.constexpr,
@@ -184,7 +191,7 @@ def _wint_gemv_words_kernel(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, y_ptr, ws_ptr, co
         w_next = tl.load(w_rows + (k_next // PLANES + j)[None, :])
         s_next = tl.load(s_rows + ((k_next + j * PLANES) // GROUP)[None, :])
         col = k0 + j * PLANES
-        x_sum = tl.zeros([1, W], tl.float32)
+        x_sum = tl.zeros([1, W], tl.float32)  # (the loop below reuses these loads)
         for i in tl.static_range(PLANES):
             x_sum += tl.load(x_ptr + col[None, :] + i).to(tl.float32)
         if HAS_Z:  # the sums start at the zero-point offset
@@ -212,13 +219,9 @@ def _wint_gemv_words_kernel(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, y_ptr, ws_ptr, co
                               scope="gpu")
             tl.store(ws_ptr + n, tl.zeros([BN], tl.float32))
             tl.store(count_ptr + pid_n, 0)
-            if HAS_BIAS:
-                y += tl.load(b_ptr + n).to(tl.float32)
-            tl.store(y_ptr + n, y.to(y_ptr.dtype.element_ty))
+            _write_row_tile(y, y_ptr, b_ptr, n, HAS_BIAS)
     else:
-        if HAS_BIAS:
-            y += tl.load(b_ptr + n).to(tl.float32)
-        tl.store(y_ptr + n, y.to(y_ptr.dtype.element_ty))
+        _write_row_tile(y, y_ptr, b_ptr, n, HAS_BIAS)
 
 
 @triton.jit
@@ -372,7 +375,7 @@ def wint_mm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
                         bias).to(x.dtype)
 
 
-#: per (device, rows, row tile): the split-K GEMV's float32 partial sums and arrival
+#: per (device, rows): the split-K GEMV's float32 partial sums and arrival
 #: counts, zero between calls (the kernel's last program of a tile clears them). Calls
 #: on one device must not overlap (vLLM runs a model's layers on one stream).
 _SPLIT_WORKSPACE: dict = {}
@@ -391,7 +394,7 @@ def _gemv_words(x, words, scales, zeros, bias, bits, group_size):
     split = 1
     while tiles * split * 2 <= GEMV_WORDS["programs"] and steps % (split * 2) == 0:
         split *= 2
-    key = (x.device, n, bn)
+    key = (x.device, n)  # the row tile follows from n
     if split > 1 and key not in _SPLIT_WORKSPACE:
         _SPLIT_WORKSPACE[key] = (torch.zeros(n, dtype=torch.float32, device=x.device),
                                  torch.zeros(tiles, dtype=torch.int32, device=x.device))
