@@ -258,7 +258,7 @@ def test_engine_awq_matches_hf_on_dequantized(case, tmp_path):
     }, tmp_path, env={"ACCEL_REPACK_CACHE": str(tmp_path / "repack")})
     assert results["platform"] == "AccelPlatform"
     assert "quantization=gcu_awq" in log
-    assert "AccelAWQLinearMethod serves" in log and "wint_prepared_linear[torch_fast]" in log
+    assert "AccelAWQLinearMethod serves" in log and "wint_prepared_linear[cpu_native]" in log
     assert "gcu_awq qkv_proj" in log and "gcu_awq o_proj" in log
     # layer 1's MLP stayed float: 2 layers x (qkv, o) + layer 0 x (gate_up, down)
     n_quant = 6 if skip else 8

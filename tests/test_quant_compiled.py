@@ -50,7 +50,7 @@ def _resident_layer(bits, group_size, sym, act_order, provider, monkeypatch, dty
         install_resident(layer, res)
     finally:
         torch.set_default_dtype(prev)
-    assert (layer.wint.provider is not None) == (provider == "torch_fast")
+    assert (layer.wint.provider is not None) == (provider in ("torch_fast", "cpu_native"))
     def forward(x):  # what every weight-only format's apply runs (WIntLinearMethod)
         return WIntLinearMethod.apply(None, layer, x)
 
@@ -92,6 +92,9 @@ def _w8a16(dtype):
 CASES = {
     # weight-only: torch's fused int4/int8 GEMMs on the prepared layout
     "int4-g32-sym-fast": lambda mp, dt: _resident_layer(4, 32, True, False, "torch_fast", mp, dt),
+    # torch_fast's layout, the C++ GEMV for bf16 batches of up to 4 rows
+    "int4-g64-asym-native": lambda mp, dt: _resident_layer(4, 64, False, False, "cpu_native",
+                                                           mp, dt),
     "int4-g64-asym-actorder-fast": lambda mp, dt: _resident_layer(4, 64, False, True,
                                                                    "torch_fast", mp, dt),
     "int8-channel-asym-fast": lambda mp, dt: _resident_layer(8, -1, False, False, "torch_fast",
@@ -116,7 +119,7 @@ def test_per_forward_path_traces_as_one_graph(case, dtype, monkeypatch):
     torch._dynamo.reset()
     compiled = torch.compile(fn, fullgraph=True, dynamic=True, backend="aot_eager")
     g = torch.Generator().manual_seed(11)
-    for tokens in (3, 17, 40):  # one trace serves every batch size
+    for tokens in (1, 3, 17, 40):  # one trace serves every batch size
         k = 128 if case.startswith("w8a") else 256
         x = torch.randn(tokens, k, generator=g).to(dtype)
         got = compiled(x)  # first, as in vLLM: the warm-up compiles before any eager run
@@ -133,7 +136,7 @@ def test_per_forward_path_traces_as_one_graph(case, dtype, monkeypatch):
 #: code (comments excluded)
 QUANT_GEMM_CALL = re.compile(
     r"^(?!\s*#).*?\b(extern_kernels\._int_mm|extern_kernels\._weight_int8pack_mm|"
-    r"vllm_accel\.int8_weight_mm\.default|"
+    r"vllm_accel\.int8_weight_mm\.default|vllm_accel\.int4pack_linear\.default|"
     r"int4mm_packed_weight_cpu\.default|aten\._weight_int4pack_mm_for_cpu\.default|"
     r"aten\._weight_int8pack_mm\.default)\(")
 #: a float GEMM in the graph: a quantized layer that fell back to a dequantized weight

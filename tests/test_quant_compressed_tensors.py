@@ -272,7 +272,7 @@ def test_engine_ct_matches_hf_on_dequantized(case, tmp_path):
     }, tmp_path, env={"ACCEL_REPACK_CACHE": str(tmp_path / "repack")})
     assert results["platform"] == "AccelPlatform"
     assert "quantization=gcu_compressed_tensors" in log
-    assert "AccelCTWNA16LinearMethod serves" in log and "wint_prepared_linear[torch_fast]" in log
+    assert "AccelCTWNA16LinearMethod serves" in log and "wint_prepared_linear[cpu_native]" in log
     n_quant = 6 if ignore else 8
     assert f"serves {n_quant} gcu_compressed_tensors layers" in log
     expected = hf_greedy(tmp_path / "dequant", prompts, 16)

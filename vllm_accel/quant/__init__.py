@@ -28,6 +28,7 @@ module (circular import while vLLM resolves ``current_platform``).
 """
 
 from vllm_accel.ops.torch_fast import wint_gemm  # noqa: F401  (registers torch_fast's GEMM)
+from vllm_accel.ops.cpu_native import wint_gemv  # noqa: F401  (registers cpu_native's GEMM)
 from vllm_accel.quant import gptq  # noqa: F401  (registers gcu_gptq at import)
 from vllm_accel.quant.gptq import AccelGPTQConfig, AccelGPTQLinearMethod
 from vllm_accel.quant import awq  # noqa: F401,E402  (registers gcu_awq at import)

@@ -32,7 +32,7 @@ from vllm_accel.logger import init_logger
 logger = init_logger(__name__)
 
 CSRC = Path(__file__).parent / "csrc"
-SOURCES = (CSRC / "paged_attention.cpp", CSRC / "elementwise.cpp")
+SOURCES = (CSRC / "paged_attention.cpp", CSRC / "elementwise.cpp", CSRC / "int4_gemv.cpp")
 HEADERS = (CSRC / "dtypes.h",)
 # -ffast-math: vectorized expf (glibc's libmvec) and reassociated sums in the
 # readers, which never see inf/NaN from valid inputs (no -inf masking, finite
@@ -59,6 +59,8 @@ _SIGNATURES = {
     ),
     "accel_rms_norm": (_i32, _ptr, _i64, _ptr, _i64, _ptr, _ptr, _i64, _ptr, _i64, _i64, _i32, _f32),
     "accel_silu_and_mul": (_i32, _ptr, _i64, _ptr, _i64, _i64, _i32),
+    "accel_int4pack_gemv_available": (),
+    "accel_int4pack_gemv": (_ptr, _i64, _ptr, _ptr, _ptr, _i64, _i32, _i64, _i64, _i64),
     "accel_rotary": (_i32, _ptr, _i64, _ptr, _i64, _ptr, _i64, _i32, _i32, _i32, _i32, _ptr, _i64,
                      _i64),
 }

@@ -124,8 +124,10 @@ def prepare(res, act_dtype: torch.dtype) -> dict[str, torch.Tensor] | None:
 
 @register_kernel("wint_prepared_linear", PROVIDER)
 def prepared_linear(x: torch.Tensor, prepared: dict[str, torch.Tensor],
-                    bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``x @ W.T (+ bias)`` with a weight :func:`prepare` made."""
+                    bias: torch.Tensor | None = None,
+                    int4_mm=torch.ops.aten._weight_int4pack_mm_for_cpu) -> torch.Tensor:
+    """``x @ W.T (+ bias)`` with a weight :func:`prepare` made (``int4_mm``: the
+    int4 layout's matmul, torch's or another provider's on the same layout)."""
     in_features = x.shape[-1]
     x2 = x.reshape(-1, in_features)
     if "perm" in prepared:
@@ -133,8 +135,8 @@ def prepared_linear(x: torch.Tensor, prepared: dict[str, torch.Tensor],
     x2 = x2.contiguous()
     if "int4_weight" in prepared:
         scales_zeros = prepared["int4_scales_zeros"]  # [K / group, N, 2]
-        y = torch.ops.aten._weight_int4pack_mm_for_cpu(
-            x2, prepared["int4_weight"], in_features // scales_zeros.shape[0], scales_zeros)
+        y = int4_mm(x2, prepared["int4_weight"], in_features // scales_zeros.shape[0],
+                    scales_zeros)
     else:
         if "int8_weight" in prepared:
             y = torch.ops.aten._weight_int8pack_mm(x2, prepared["int8_weight"],
