@@ -49,7 +49,7 @@ def test_gemv_is_available_exactly_on_avx512_bf16_and_vbmi():
 REL = 1.2e-2
 
 
-@pytest.mark.parametrize("tokens", [1, 2, 3, 4, 5])
+@pytest.mark.parametrize("tokens", [1, 3, 4, 5, 12, 64, 65])  # 5-64: 8-row chunks
 @pytest.mark.parametrize("group_size,sym,act_order,k", [
     (32, True, False, 576), (64, False, False, 576), (128, False, True, 512),
     (-1, False, False, 256),  # per channel: one 256-column group
@@ -67,7 +67,7 @@ def test_matches_float64(group_size, sym, act_order, k, tokens, gemv_calls):
     err = (y.double() - ref).abs()
     assert y.dtype == torch.bfloat16 and y.shape == (tokens, n)
     assert bool((err <= REL * magnitude + 1e-6).all()), (err / magnitude).max()
-    native_rows = tokens <= wint_gemv.GEMV_MAX_ROWS and wint_gemv.gemv_available()
+    native_rows = tokens <= wint_gemv.NATIVE_MAX_ROWS and wint_gemv.gemv_available()
     assert gemv_calls == ([tokens] if native_rows else [])
 
 
@@ -120,8 +120,8 @@ BF16_LOGPROB_BOUND = 0.1
 @pytest.mark.engine
 def test_compiled_bf16_engine_runs_the_gemv_and_matches_hf(tmp_path):
     """vLLM's default mode, bf16, a GPTQ 4-bit model on the simulator: inductor's
-    code calls the GEMV op for every quantized layer, decode steps of up to 4
-    requests take the C++ kernel, and the logprobs of the generated tokens match HF
+    code calls the op for every quantized layer, whose batches (decode and these
+    prompts' prefills, all up to 64 rows) take the C++ kernel, and the logprobs of the generated tokens match HF
     transformers' fp32 logprobs on the dequantized weights."""
     import random
     import re

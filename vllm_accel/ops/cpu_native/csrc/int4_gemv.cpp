@@ -18,7 +18,9 @@
 // are exact in float32). Per group the sum gives
 //   sum_k x*(q-8) = acc - 136*sum_k x,  then  y += s*that + z*sum_k x.
 #include <cstdint>
+#include <algorithm>
 #include <cstring>
+#include <vector>
 
 #include "dtypes.h"
 
@@ -29,7 +31,8 @@
 namespace {
 
 constexpr int kBlockN = 64;
-constexpr int kMaxRows = 4;
+constexpr int kMaxRows = 4;  // rows of the streaming GEMV (its sums stay in registers)
+constexpr int kMaxBatch = 64;  // rows of the slab kernel
 // how far ahead of the loads the weight stream is prefetched (the next block's
 // first lines once a block ends: blocks are contiguous)
 constexpr int kPrefetchBytes = 4096;
@@ -123,6 +126,83 @@ void gemv(const accel::bf16* x, int64_t x_stride, const uint8_t* packed, const u
     gemv_block<M>(x, x_stride, x_sums, packed, sz, y, y_stride, n0, n, k, group);
 }
 
+// Larger batches (up to kMaxBatch rows): one 16-row slab of a 64-row block at a time
+// against MR rows of x, so the accumulators fit in registers (2*MR + a few); the
+// block's bytes are read once per slab and row chunk, from L1/L2 after the first.
+template <int MR>
+void slab_rows(const accel::bf16* x, int64_t x_stride, const float* x_sums, int64_t groups,
+               const uint8_t* block, const uint32_t* sz, accel::bf16* y, int64_t y_stride,
+               int64_t n0, int64_t n, int64_t group, int slab) {
+  const __m512i nibble = _mm512_set1_epi8(0x0f);
+  const __m512i index = pair_index(slab % 2 ? 16 : 0);
+  const bool high = slab >= 2;
+  __m512 out[MR];
+  for (int m = 0; m < MR; ++m) out[m] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < groups; ++g) {
+    __m512 acc[MR];
+    for (int m = 0; m < MR; ++m) acc[m] = _mm512_setzero_ps();
+    for (int64_t kk = g * group; kk < (g + 1) * group; kk += 2) {
+      const __m512i both = _mm512_loadu_si512((const void*)(block + kk * 32));  // k, k+1
+      const __m512i codes = _mm512_and_si512(high ? _mm512_srli_epi16(both, 4) : both, nibble);
+      const __m512bh w = code_pairs(codes, index);
+      for (int m = 0; m < MR; ++m) {
+        uint32_t pair;
+        std::memcpy(&pair, x + m * x_stride + kk, 4);
+        acc[m] = _mm512_dpbf16_ps(acc[m], w, (__m512bh)_mm512_set1_epi32(int(pair)));
+      }
+    }
+    const __m512i pairs = _mm512_loadu_si512((const void*)(sz + g * n + n0 + 16 * slab));
+    const __m512 s = bf16_lanes_low(pairs), z = bf16_lanes_high(pairs);
+    for (int m = 0; m < MR; ++m) {
+      const __m512 xs = _mm512_set1_ps(x_sums[m * groups + g]);
+      const __m512 centered = _mm512_fnmadd_ps(_mm512_set1_ps(136.0f), xs, acc[m]);
+      out[m] = _mm512_fmadd_ps(s, centered, _mm512_fmadd_ps(z, xs, out[m]));
+    }
+  }
+  for (int m = 0; m < MR; ++m) {
+    alignas(64) float tmp[16];
+    _mm512_store_ps(tmp, out[m]);
+    accel::bf16* dst = y + m * y_stride + n0 + 16 * slab;
+    for (int i = 0; i < 16; ++i) accel::store(tmp[i], dst + i);
+  }
+}
+
+template <int MR>
+void slab_chunk(const accel::bf16* x, int64_t x_stride, const float* x_sums, int64_t groups,
+                const uint8_t* block, const uint32_t* sz, accel::bf16* y, int64_t y_stride,
+                int64_t n0, int64_t n, int64_t group, int slab, int rows) {
+  if constexpr (MR > 1) {
+    if (rows < MR) {
+      slab_chunk<MR - 1>(x, x_stride, x_sums, groups, block, sz, y, y_stride, n0, n, group,
+                         slab, rows);
+      return;
+    }
+  }
+  slab_rows<MR>(x, x_stride, x_sums, groups, block, sz, y, y_stride, n0, n, group, slab);
+}
+
+void gemm_slabs(const accel::bf16* x, int64_t x_stride, const uint8_t* packed, const uint32_t* sz,
+                accel::bf16* y, int64_t y_stride, int m, int64_t n, int64_t k, int64_t group) {
+  constexpr int kChunk = 8;
+  const int64_t groups = k / group;
+  std::vector<float> x_sums(size_t(m) * groups);
+  for (int r = 0; r < m; ++r)
+    for (int64_t g = 0; g < groups; ++g) {
+      float s = 0.f;
+      for (int64_t i = g * group; i < (g + 1) * group; ++i) s += accel::to_float(x[r * x_stride + i]);
+      x_sums[r * groups + g] = s;
+    }
+#pragma omp parallel for schedule(static)
+  for (int64_t n0 = 0; n0 < n; n0 += kBlockN) {
+    const uint8_t* block = packed + (n0 / kBlockN) * k * 32;
+    for (int slab = 0; slab < 4; ++slab)
+      for (int r0 = 0; r0 < m; r0 += kChunk)
+        slab_chunk<kChunk>(x + r0 * x_stride, x_stride, x_sums.data() + r0 * groups, groups,
+                           block, sz, y + r0 * y_stride, y_stride, n0, n, group, slab,
+                           std::min(kChunk, m - r0));
+  }
+}
+
 }  // namespace
 #endif  // __AVX512BF16__ && __AVX512VBMI__
 
@@ -138,13 +218,13 @@ int accel_int4pack_gemv_available() {
 }
 
 // y[M, N] (bf16, row stride y_stride) = x[M, K] (bf16, row stride x_stride) @ W.T for
-// M in 1..4, N a multiple of 64, K a multiple of group, group even and K/group <= 4096.
+// M in 1..64 (up to 4 streamed, more by 16-row slabs), N a multiple of 64, K a multiple of group, group even and K/group <= 4096.
 // Returns 0, -1 for shapes it does not take, -5 without AVX512-BF16 and AVX512-VBMI.
 int accel_int4pack_gemv(const void* x, int64_t x_stride, const void* packed,
                         const void* scales_zeros, void* y, int64_t y_stride, int32_t m,
                         int64_t n, int64_t k, int64_t group) {
 #ifdef ACCEL_INT4_GEMV
-  if (m < 1 || m > kMaxRows || n % kBlockN || group < 2 || group % 2 || k % group ||
+  if (m < 1 || m > kMaxBatch || n % kBlockN || group < 2 || group % 2 || k % group ||
       k / group > 4096)
     return -1;
   const auto* xb = static_cast<const accel::bf16*>(x);
@@ -155,7 +235,8 @@ int accel_int4pack_gemv(const void* x, int64_t x_stride, const void* packed,
     case 1: gemv<1>(xb, x_stride, pk, sz, yb, y_stride, n, k, group); break;
     case 2: gemv<2>(xb, x_stride, pk, sz, yb, y_stride, n, k, group); break;
     case 3: gemv<3>(xb, x_stride, pk, sz, yb, y_stride, n, k, group); break;
-    default: gemv<4>(xb, x_stride, pk, sz, yb, y_stride, n, k, group); break;
+    case 4: gemv<4>(xb, x_stride, pk, sz, yb, y_stride, n, k, group); break;
+    default: gemm_slabs(xb, x_stride, pk, sz, yb, y_stride, m, n, k, group); break;
   }
   return 0;
 #else
