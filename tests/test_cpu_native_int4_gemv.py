@@ -28,6 +28,8 @@ def gemv_calls(monkeypatch):
     """Counts the C++ GEMV's calls (the op falls back to torch's kernel silently)."""
     lib = native.library()
     calls = []
+    if lib is None:  # no compiler here: every call is torch's
+        return calls
     real = lib.accel_int4pack_gemv
 
     def counted(*args):
@@ -40,8 +42,11 @@ def gemv_calls(monkeypatch):
 
 def test_gemv_is_available_exactly_on_avx512_bf16_and_vbmi():
     """Dispatch follows what the CPU reports: the kernel is built in only with both
-    extensions; other CPUs keep torch's kernel (the portable path)."""
-    assert wint_gemv.gemv_available() == _cpu_has("avx512_bf16", "avx512vbmi")
+    extensions (and used only where torch packs the layout it reads); other CPUs
+    keep torch's kernel (the portable path)."""
+    built = native.library() is not None
+    assert wint_gemv.gemv_available() == (built and _cpu_has("avx512_bf16", "avx512vbmi")
+                                          and wint_gemv._layout_matches())
 
 
 # bf16 activations: scales and 4-bit's folded zero term rounded to bf16 once, plus
@@ -49,7 +54,7 @@ def test_gemv_is_available_exactly_on_avx512_bf16_and_vbmi():
 REL = 1.2e-2
 
 
-@pytest.mark.parametrize("tokens", [1, 3, 4, 5, 12, 64, 65])  # 5-64: 8-row chunks
+@pytest.mark.parametrize("tokens", [1, 2, 3, 4, 5, 7, 12, 15, 63, 64, 65])  # 5-64: 8-row chunks
 @pytest.mark.parametrize("group_size,sym,act_order,k", [
     (32, True, False, 576), (64, False, False, 576), (128, False, True, 512),
     (-1, False, False, 256),  # per channel: one 256-column group
@@ -69,6 +74,28 @@ def test_matches_float64(group_size, sym, act_order, k, tokens, gemv_calls):
     assert bool((err <= REL * magnitude + 1e-6).all()), (err / magnitude).max()
     native_rows = tokens <= wint_gemv.NATIVE_MAX_ROWS and wint_gemv.gemv_available()
     assert gemv_calls == ([tokens] if native_rows else [])
+
+
+def test_threaded_gemv_matches_float64(gemv_calls):
+    """A weight large enough for the GEMV's OpenMP loop (1024 x 1024 codes)."""
+    res, w = make_resident(1024, 1024, 4, 128, False, False, seed=9)
+    prepared = prepare(res, torch.bfloat16)
+    x = torch.randn(1, 1024, generator=torch.Generator().manual_seed(9)).bfloat16()
+    y = linear(x, prepared)
+    err = (y.double() - x.double() @ w.t()).abs()
+    assert bool((err <= REL * (x.double().abs() @ w.abs().t()) + 1e-6).all())
+    assert gemv_calls == ([1] if wint_gemv.gemv_available() else [])
+
+
+def test_bad_shapes_go_to_torch_which_names_them():
+    """Inputs the kernel would read out of bounds never reach it (the op is public):
+    torch's kernel gets them and raises its own error."""
+    res, _ = make_resident(128, 256, 4, 64, False, False, seed=2)
+    prepared = prepare(res, torch.bfloat16)
+    x = torch.randn(1, 512).bfloat16()  # K twice the weight's
+    with pytest.raises(RuntimeError):
+        torch.ops.vllm_accel.int4pack_linear(x, prepared["int4_weight"], 64,
+                                             prepared["int4_scales_zeros"])
 
 
 def test_strided_rows_and_the_torch_kernel_agree(gemv_calls):

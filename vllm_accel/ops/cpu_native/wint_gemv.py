@@ -5,8 +5,8 @@ torch's ``_weight_int4pack_mm_for_cpu`` reads its int4 layout at 12-17 GB/s at o
 row on a core that reads 35-40 GB/s (AMD EPYC Zen 5), and single-request decode is
 exactly that call. The C++ kernel reads the same layout (so the weight is prepared
 once, by ``torch_fast``, and torch's kernel keeps prefill-sized batches) with
-AVX512-BF16 dot products: a streaming GEMV up to 4 rows, 16-row slabs of the weight
-against chunks of 8 rows up to 64 (1.3-2.1x torch's kernel from 1 to 64 rows,
+AVX512-BF16 dot products: a streaming GEMV up to 4 rows, 16-output slabs of the
+weight against chunks of 8 rows up to 64 (1.3-2.1x torch's kernel from 1 to 64 rows,
 measured per layer of the default model). CPUs without AVX512-BF16 and AVX512-VBMI
 keep torch's kernel.
 
@@ -24,31 +24,55 @@ from vllm_accel.ops.registry import register_kernel
 from vllm_accel.ops.torch_fast import wint_gemm as torch_fast
 
 NATIVE = "cpu_native"
-#: largest batch the C++ kernel takes (decode batches; prefill goes to torch's)
+#: largest batch the C++ kernel takes (decode batches and short prefills; longer
+#: prefills go to torch's kernel)
 NATIVE_MAX_ROWS = 64
-#: output rows per kernel block (the int4 layout's row block on AVX-512)
+#: output features per block of the int4 layout on AVX-512
 BLOCK_N = 64
+
+
+def _layout_matches() -> bool:
+    """Whether torch packs int4 weights the way the kernel reads them: blocks of 64
+    outputs, byte ``i`` of a column holding output ``i`` (low nibble) and ``32 + i``
+    (high). torch picks its layout by the CPU capability it runs with (AVX2 or
+    ``ATEN_CPU_CAPABILITY`` give another), so this is checked, not assumed."""
+    rows = torch.arange(BLOCK_N, dtype=torch.int32)
+    codes = torch.stack((rows % 16, (rows // 4) % 16), 1)  # [64 outputs, 2 columns]
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1).reshape(-1)
+    expected = torch.cat([(codes[:32, c] | (codes[32:, c] << 4)) for c in (0, 1)])
+    return packed.numel() == expected.numel() and torch.equal(packed.to(torch.int32), expected)
 
 
 @functools.cache
 def gemv_available() -> bool:
-    """Whether the library is built and has the GEMV (the CPU has AVX512-BF16)."""
+    """Whether the library has the kernel (built on a CPU with AVX512-BF16 and
+    AVX512-VBMI) and torch packs the layout it reads."""
     lib = native.library()
-    return lib is not None and bool(lib.accel_int4pack_gemv_available())
+    return lib is not None and bool(lib.accel_int4pack_gemv_available()) and _layout_matches()
+
+
+def _takes(x, weight, group_size, scales_zeros) -> bool:
+    """Whether the C++ kernel takes these inputs (it trusts shapes: check them here)."""
+    m, k = x.shape
+    n = scales_zeros.shape[1] if scales_zeros.dim() == 3 else -1
+    return (0 < m <= NATIVE_MAX_ROWS and x.dtype == torch.bfloat16 and x.stride(1) == 1
+            and scales_zeros.dtype == torch.bfloat16 and scales_zeros.is_contiguous()
+            and n % BLOCK_N == 0 and n > 0 and group_size > 0 and group_size % 2 == 0
+            and k % group_size == 0 and tuple(scales_zeros.shape) == (k // group_size, n, 2)
+            and weight.dtype == torch.uint8 and tuple(weight.shape) == (n, k // 2)
+            and weight.is_contiguous() and gemv_available())
 
 
 def int4pack_linear(x: torch.Tensor, weight: torch.Tensor, group_size: int,
                     scales_zeros: torch.Tensor) -> torch.Tensor:
     """``torch.ops.aten._weight_int4pack_mm_for_cpu``'s contract; up to
-    ``NATIVE_MAX_ROWS`` bf16 rows run the C++ GEMV."""
+    ``NATIVE_MAX_ROWS`` bf16 rows run the C++ kernel."""
+    if not _takes(x, weight, group_size, scales_zeros):
+        return torch.ops.aten._weight_int4pack_mm_for_cpu(x.contiguous(), weight, group_size,
+                                                          scales_zeros)
     m, k = x.shape
     n = scales_zeros.shape[1]
-    if (m > NATIVE_MAX_ROWS or m == 0 or x.dtype != torch.bfloat16
-            or scales_zeros.dtype != torch.bfloat16 or n % BLOCK_N or x.stride(1) != 1
-            or not weight.is_contiguous() or not scales_zeros.is_contiguous()
-            or not gemv_available()):
-        return torch.ops.aten._weight_int4pack_mm_for_cpu(x, weight, group_size, scales_zeros)
-    y = torch.empty(m, n, dtype=x.dtype)
+    y = x.new_empty((m, n))
     rc = native.library().accel_int4pack_gemv(
         x.data_ptr(), x.stride(0), weight.data_ptr(), scales_zeros.data_ptr(), y.data_ptr(),
         y.stride(0), m, n, k, group_size)

@@ -1,11 +1,14 @@
-// Batch-1..4 GEMV on torch's CPU int4 weight layout (the one
-// torch.ops.aten._convert_weight_to_int4pack_for_cpu makes and the torch_fast
-// provider keeps resident), compiled at first use (see cpu_native/build.py).
+// Int4 weight x bf16 activations for decode-sized batches (1-64 rows of x) on
+// torch's CPU int4 weight layout (the one
+// torch.ops.aten._convert_weight_to_int4pack_for_cpu makes on AVX-512 and the
+// torch_fast provider keeps resident), compiled at first use (see cpu_native/build.py).
 //
 // Why: torch's _weight_int4pack_mm_for_cpu reads 12-17 GB/s at one row on a core
 // that reads 35-40 GB/s, and decode of one request is this GEMV. Same layout and
 // result formula, so the prepared weight is shared with torch's kernel, which
-// keeps the larger batches.
+// keeps prefill-sized batches. Up to 4 rows of x stream each weight block once
+// (gemv: their sums stay in registers); more go through 16-output slabs of a block
+// (gemm_slabs).
 //
 // Layout (rows in blocks of 64): packed[N/64][K][32] bytes, byte i of (block, k)
 // holds row 64*block+i in its low nibble and row 64*block+32+i in its high one.
@@ -31,8 +34,7 @@
 namespace {
 
 constexpr int kBlockN = 64;
-constexpr int kMaxRows = 4;  // rows of the streaming GEMV (its sums stay in registers)
-constexpr int kMaxBatch = 64;  // rows of the slab kernel
+constexpr int kMaxBatch = 64;  // x rows the slab kernel takes
 // how far ahead of the loads the weight stream is prefetched (the next block's
 // first lines once a block ends: blocks are contiguous)
 constexpr int kPrefetchBytes = 4096;
@@ -110,24 +112,35 @@ void gemv_block(const accel::bf16* x, int64_t x_stride, const float* x_sums, con
   }
 }
 
+// Each x row's sum over each group ([m][K/group]): the zero-point terms.
+std::vector<float> group_sums(const accel::bf16* x, int64_t x_stride, int m, int64_t k,
+                              int64_t group) {
+  const int64_t groups = k / group;
+  std::vector<float> sums(size_t(m) * groups);
+  for (int r = 0; r < m; ++r)
+    for (int64_t g = 0; g < groups; ++g) {
+      float s = 0.f;
+      for (int64_t i = g * group; i < (g + 1) * group; ++i) s += accel::to_float(x[r * x_stride + i]);
+      sums[r * groups + g] = s;
+    }
+  return sums;
+}
+
+// Threads only for weights of 1 MiB codes and more: below that one pass is a few
+// microseconds, about what waking the OpenMP team costs.
+constexpr int64_t kParallelMinWeights = int64_t(1) << 20;
+
 template <int M>
 void gemv(const accel::bf16* x, int64_t x_stride, const uint8_t* packed, const uint32_t* sz,
           accel::bf16* y, int64_t y_stride, int64_t n, int64_t k, int64_t group) {
-  const int64_t groups = k / group;
-  float x_sums[kMaxRows * 4096];  // M x groups, groups <= 4096 checked by the caller
-  for (int m = 0; m < M; ++m)
-    for (int64_t g = 0; g < groups; ++g) {
-      float s = 0.f;
-      for (int64_t i = g * group; i < (g + 1) * group; ++i) s += accel::to_float(x[m * x_stride + i]);
-      x_sums[m * groups + g] = s;
-    }
-#pragma omp parallel for schedule(static) if (n * k >= (int64_t(1) << 20))
+  const std::vector<float> x_sums = group_sums(x, x_stride, M, k, group);
+#pragma omp parallel for schedule(static) if (n * k >= kParallelMinWeights)
   for (int64_t n0 = 0; n0 < n; n0 += kBlockN)
-    gemv_block<M>(x, x_stride, x_sums, packed, sz, y, y_stride, n0, n, k, group);
+    gemv_block<M>(x, x_stride, x_sums.data(), packed, sz, y, y_stride, n0, n, k, group);
 }
 
-// Larger batches (up to kMaxBatch rows): one 16-row slab of a 64-row block at a time
-// against MR rows of x, so the accumulators fit in registers (2*MR + a few); the
+// Larger batches (up to kMaxBatch rows of x): one 16-output slab of a 64-output block
+// at a time against MR rows of x, so the accumulators fit in registers (2*MR + a few); the
 // block's bytes are read once per slab and row chunk, from L1/L2 after the first.
 template <int MR>
 void slab_rows(const accel::bf16* x, int64_t x_stride, const float* x_sums, int64_t groups,
@@ -185,14 +198,8 @@ void gemm_slabs(const accel::bf16* x, int64_t x_stride, const uint8_t* packed, c
                 accel::bf16* y, int64_t y_stride, int m, int64_t n, int64_t k, int64_t group) {
   constexpr int kChunk = 8;
   const int64_t groups = k / group;
-  std::vector<float> x_sums(size_t(m) * groups);
-  for (int r = 0; r < m; ++r)
-    for (int64_t g = 0; g < groups; ++g) {
-      float s = 0.f;
-      for (int64_t i = g * group; i < (g + 1) * group; ++i) s += accel::to_float(x[r * x_stride + i]);
-      x_sums[r * groups + g] = s;
-    }
-#pragma omp parallel for schedule(static)
+  const std::vector<float> x_sums = group_sums(x, x_stride, m, k, group);
+#pragma omp parallel for schedule(static) if (n * k >= kParallelMinWeights / 8)
   for (int64_t n0 = 0; n0 < n; n0 += kBlockN) {
     const uint8_t* block = packed + (n0 / kBlockN) * k * 32;
     for (int slab = 0; slab < 4; ++slab)
@@ -218,15 +225,14 @@ int accel_int4pack_gemv_available() {
 }
 
 // y[M, N] (bf16, row stride y_stride) = x[M, K] (bf16, row stride x_stride) @ W.T for
-// M in 1..64 (up to 4 streamed, more by 16-row slabs), N a multiple of 64, K a multiple of group, group even and K/group <= 4096.
+// M in 1..64 (up to 4 streamed, more by 16-output slabs), N a multiple of 64, K a
+// multiple of group, group even.
 // Returns 0, -1 for shapes it does not take, -5 without AVX512-BF16 and AVX512-VBMI.
 int accel_int4pack_gemv(const void* x, int64_t x_stride, const void* packed,
                         const void* scales_zeros, void* y, int64_t y_stride, int32_t m,
                         int64_t n, int64_t k, int64_t group) {
 #ifdef ACCEL_INT4_GEMV
-  if (m < 1 || m > kMaxBatch || n % kBlockN || group < 2 || group % 2 || k % group ||
-      k / group > 4096)
-    return -1;
+  if (m < 1 || m > kMaxBatch || n % kBlockN || group < 2 || group % 2 || k % group) return -1;
   const auto* xb = static_cast<const accel::bf16*>(x);
   const auto* pk = static_cast<const uint8_t*>(packed);
   const auto* sz = static_cast<const uint32_t*>(scales_zeros);
