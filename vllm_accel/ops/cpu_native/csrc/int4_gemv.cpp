@@ -126,7 +126,7 @@ std::vector<float> group_sums(const accel::bf16* x, int64_t x_stride, int m, int
   return sums;
 }
 
-// Threads only for weights of 1 MiB codes and more: below that one pass is a few
+// Threads only for weights of 2**20 codes and more: below that one pass is a few
 // microseconds, about what waking the OpenMP team costs.
 constexpr int64_t kParallelMinWeights = int64_t(1) << 20;
 
@@ -199,6 +199,7 @@ void gemm_slabs(const accel::bf16* x, int64_t x_stride, const uint8_t* packed, c
   constexpr int kChunk = 8;
   const int64_t groups = k / group;
   const std::vector<float> x_sums = group_sums(x, x_stride, m, k, group);
+  // (each weight costs a slab pass per 8-row chunk: threads pay off 8x sooner)
 #pragma omp parallel for schedule(static) if (n * k >= kParallelMinWeights / 8)
   for (int64_t n0 = 0; n0 < n; n0 += kBlockN) {
     const uint8_t* block = packed + (n0 / kBlockN) * k * 32;
