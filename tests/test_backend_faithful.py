@@ -47,7 +47,10 @@ def test_device_flag_must_match_the_backend(tmp_path):
 
 GCU_DISPATCH = textwrap.dedent("""
     import sys, torch
-    import vllm._C  # vLLM's CPU ops are loaded first on a real box too
+    # vLLM's CPU ops are loaded first on a real box too, as vLLM picks them for this
+    # CPU (vllm._C needs AVX512-BF16; _C_AVX512 or _C_AVX2 otherwise: loading two aborts)
+    from vllm.platforms.cpu import CpuPlatform
+    CpuPlatform.import_kernels()
     from vllm_accel.backends import get_backend
     b = get_backend()
     assert b.name == "gcu" and "torch_gcu" not in sys.modules

@@ -40,13 +40,18 @@ def gemv_calls(monkeypatch):
     return calls
 
 
-def test_gemv_is_available_exactly_on_avx512_bf16_and_vbmi():
-    """Dispatch follows what the CPU reports: the kernel is built in only with both
-    extensions (and used only where torch packs the layout it reads); other CPUs
-    keep torch's kernel (the portable path)."""
-    built = native.library() is not None
-    assert wint_gemv.gemv_available() == (built and _cpu_has("avx512_bf16", "avx512vbmi")
-                                          and wint_gemv._layout_matches())
+def test_gemv_is_available_exactly_on_avx512_and_vbmi():
+    """Dispatch follows what the CPU reports: the kernel is built in with AVX-512F and
+    AVX512-VBMI (float32 FMAs), its BF16 variant only with AVX512-BF16 as well, and it
+    is used only where torch packs the layout it reads; other CPUs keep torch's
+    kernel (the portable path)."""
+    lib = native.library()
+    vbmi = _cpu_has("avx512f", "avx512vbmi")
+    assert wint_gemv.gemv_available() == (lib is not None and vbmi and wint_gemv._layout_matches())
+    if lib is not None:
+        bf16 = vbmi and _cpu_has("avx512_bf16")
+        assert lib.accel_int4pack_gemv_available() == (
+            (wint_gemv.FP32_FMA if vbmi else 0) | (wint_gemv.BF16_DOT if bf16 else 0))
 
 
 # bf16 activations: scales and 4-bit's folded zero term rounded to bf16 once, plus
@@ -74,6 +79,32 @@ def test_matches_float64(group_size, sym, act_order, k, tokens, gemv_calls):
     assert bool((err <= REL * magnitude + 1e-6).all()), (err / magnitude).max()
     native_rows = tokens <= wint_gemv.NATIVE_MAX_ROWS and wint_gemv.gemv_available()
     assert gemv_calls == ([tokens] if native_rows else [])
+
+
+@pytest.mark.parametrize("variant", [wint_gemv.FP32_FMA, wint_gemv.BF16_DOT],
+                         ids=["fp32_fma", "bf16_dot"])
+@pytest.mark.parametrize("tokens", [1, 4, 5, 64])  # streamed GEMV, then slabs
+def test_each_variant_matches_float64(variant, tokens):
+    """Both ways of multiplying (the op takes the best one built), called directly, vs
+    float64; a variant this CPU lacks is refused (-5), never run."""
+    lib = native.library()
+    if lib is None:
+        pytest.skip("no C++ compiler: the kernel cannot be built here")
+    k, n, group = 256, 128, 64
+    res, w = make_resident(n, k, 4, group, False, False, seed=tokens + 31 * variant)
+    prepared = prepare(res, torch.bfloat16)
+    x = torch.randn(tokens, k, generator=torch.Generator().manual_seed(tokens)).bfloat16()
+    y = torch.zeros(tokens, n, dtype=torch.bfloat16)
+    rc = lib.accel_int4pack_gemv(
+        x.data_ptr(), x.stride(0), prepared["int4_weight"].data_ptr(),
+        prepared["int4_scales_zeros"].data_ptr(), y.data_ptr(), y.stride(0), tokens, n, k,
+        group, variant)
+    if not lib.accel_int4pack_gemv_available() & variant:
+        assert rc == -5 and not y.any()
+        return
+    assert rc == 0
+    err = (y.double() - x.double() @ w.t()).abs()
+    assert bool((err <= REL * (x.double().abs() @ w.abs().t()) + 1e-6).all()), err.max()
 
 
 def test_threaded_gemv_matches_float64(gemv_calls):

@@ -4,11 +4,12 @@ layouts, with a C++ kernel (``csrc/int4_gemv.cpp``) for 4-bit decode batches.
 torch's ``_weight_int4pack_mm_for_cpu`` reads its int4 layout at 12-17 GB/s at one
 row on a core that reads 35-40 GB/s (AMD EPYC Zen 5), and single-request decode is
 exactly that call. The C++ kernel reads the same layout (so the weight is prepared
-once, by ``torch_fast``, and torch's kernel keeps prefill-sized batches) with
-AVX512-BF16 dot products: a streaming GEMV up to 4 rows, 16-output slabs of the
-weight against chunks of 8 rows up to 64 (1.3-2.1x torch's kernel from 1 to 64 rows,
-measured per layer of the default model). CPUs without AVX512-BF16 and AVX512-VBMI
-keep torch's kernel.
+once, by ``torch_fast``, and torch's kernel keeps prefill-sized batches): a
+streaming GEMV up to 4 rows, 16-output slabs of the weight against chunks of 8 rows
+up to 64 (1.3-2.1x torch's kernel from 1 to 64 rows, measured per layer of the
+default model with AVX512-BF16). It multiplies with AVX512-BF16 dot products where
+the CPU has them, else with float32 FMAs (AVX-512F: Ice Lake, or a VM that hides
+BF16); both need AVX512-VBMI. Other CPUs keep torch's kernel.
 
 The GEMV is the ``torch.library`` op ``vllm_accel::int4pack_linear``, so
 torch.compile keeps it as one call (a ctypes call would break the graph); larger
@@ -29,6 +30,9 @@ NATIVE = "cpu_native"
 NATIVE_MAX_ROWS = 64
 #: output features per block of the int4 layout on AVX-512
 BLOCK_N = 64
+#: ``accel_int4pack_gemv``'s variants (bits of ``accel_int4pack_gemv_available()``):
+#: the best this build has, float32 FMAs, AVX512-BF16 dot products
+BEST, FP32_FMA, BF16_DOT = 0, 1, 2
 
 
 def _layout_matches() -> bool:
@@ -45,7 +49,7 @@ def _layout_matches() -> bool:
 
 @functools.cache
 def gemv_available() -> bool:
-    """Whether the library has the kernel (built on a CPU with AVX512-BF16 and
+    """Whether the library has the kernel (built on a CPU with AVX-512F and
     AVX512-VBMI) and torch packs the layout it reads."""
     lib = native.library()
     return lib is not None and bool(lib.accel_int4pack_gemv_available()) and _layout_matches()
@@ -75,7 +79,7 @@ def int4pack_linear(x: torch.Tensor, weight: torch.Tensor, group_size: int,
     y = x.new_empty((m, n))
     rc = native.library().accel_int4pack_gemv(
         x.data_ptr(), x.stride(0), weight.data_ptr(), scales_zeros.data_ptr(), y.data_ptr(),
-        y.stride(0), m, n, k, group_size)
+        y.stride(0), m, n, k, group_size, BEST)
     if rc:
         raise RuntimeError(f"accel_int4pack_gemv failed ({rc}) for x {tuple(x.shape)}, "
                            f"weight {tuple(weight.shape)}, group {group_size}")

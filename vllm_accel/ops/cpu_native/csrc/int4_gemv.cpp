@@ -14,20 +14,25 @@
 // holds row 64*block+i in its low nibble and row 64*block+32+i in its high one.
 // scales_zeros[K/group][N][2] bf16: W[n,k] = (q - 8) * s + z.
 //
-// Per pair of columns (k, k+1), one 64-byte load, and 16 rows: the two codes of a
-// row become one 32-bit lane of two bf16 values 128+q (0x4300 | q: exact; one VPERMB
-// for 16 rows), and one VDPBF16PS adds
-// x[k]*(128+q[k]) + x[k+1]*(128+q[k+1]) into the row's float32 sum (bf16 products
-// are exact in float32). Per group the sum gives
+// Per pair of columns (k, k+1), one 64-byte load, and 16 rows, two ways to the
+// row's float32 sum (a Madd policy below, chosen at run time by what was built):
+// - Bf16Dot (AVX512-BF16): the two codes of a row become one 32-bit lane of two bf16
+//   values 128+q (0x4300 | q: exact; one VPERMB for 16 rows), and one VDPBF16PS adds
+//   x[k]*(128+q[k]) + x[k+1]*(128+q[k+1]) (bf16 products are exact in float32).
+// - Fp32Fma (AVX-512F, for CPUs without BF16 such as Ice Lake, or VMs that hide it):
+//   each column's codes become float32 128+q (0x43000000 | q << 16: exact; one VPERMB
+//   for 16 rows), and one FMA per column adds x*(128+q) (exact products as well).
+// Either way, per group the sum gives
 //   sum_k x*(q-8) = acc - 136*sum_k x,  then  y += s*that + z*sum_k x.
 #include <cstdint>
 #include <algorithm>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #include "dtypes.h"
 
-#if defined(__AVX512BF16__) && defined(__AVX512VBMI__)
+#if defined(__AVX512F__) && defined(__AVX512VBMI__)
 #define ACCEL_INT4_GEMV 1
 #include <immintrin.h>
 
@@ -44,26 +49,79 @@ inline __m512 bf16_lanes_high(__m512i pairs) {
   return _mm512_castsi512_ps(_mm512_and_si512(pairs, _mm512_set1_epi32(int(0xffff0000u))));
 }
 
-// Byte lanes of one 64-byte load, columns (k, k+1) of 32 rows (k's 32 codes, then
-// k+1's), to 16 rows' bf16 pairs 0x43q: VPERMB puts row r's codes at bytes 4r and
-// 4r+2 and the masked-off odd bytes take 0x43 (rows 0-15 with first=0, 16-31 with 16).
-inline __m512i pair_index(int first) {
-  alignas(64) uint8_t idx[64];
+// VPERMB's table for 16 rows (rows first..first+15 of the 32 in a load, whose bytes
+// hold column k's codes at 0-31 and column k+1's at 32-63): byte `k_at` of row r's
+// 32-bit lane takes column k's code, byte `k1_at` column k+1's (-1: neither).
+inline __m512i code_index(int first, int k_at, int k1_at) {
+  alignas(64) uint8_t idx[64] = {};
   for (int r = 0; r < 16; ++r) {
-    idx[4 * r] = uint8_t(first + r);
-    idx[4 * r + 2] = uint8_t(32 + first + r);
-    idx[4 * r + 1] = idx[4 * r + 3] = 0;
+    if (k_at >= 0) idx[4 * r + k_at] = uint8_t(first + r);
+    if (k1_at >= 0) idx[4 * r + k1_at] = uint8_t(32 + first + r);
   }
   return _mm512_load_si512(idx);
 }
 
-inline __m512bh code_pairs(__m512i codes, __m512i index) {
-  return (__m512bh)_mm512_mask_permutexvar_epi8(_mm512_set1_epi8(0x43), 0x5555555555555555ull,
-                                                index, codes);
+#ifdef __AVX512BF16__
+struct Bf16Dot {
+  using XElem = accel::bf16;  // x as the kernel reads it: bf16 pairs as they are
+  struct Index { __m512i pairs; };
+  struct Weights { __m512bh pairs; };
+  struct X { __m512bh pair; };
+  // row r's codes at bytes 4r and 4r+2; the masked-off odd bytes take 0x43
+  static Index index(int first) { return {code_index(first, 0, 2)}; }
+  static Weights weights(__m512i codes, const Index& index) {
+    return {(__m512bh)_mm512_mask_permutexvar_epi8(_mm512_set1_epi8(0x43), 0x5555555555555555ull,
+                                                   index.pairs, codes)};
+  }
+  static X x(const accel::bf16* row, int64_t kk) {
+    uint32_t pair;
+    std::memcpy(&pair, row + kk, 4);
+    return {(__m512bh)_mm512_set1_epi32(int(pair))};
+  }
+  static __m512 madd(__m512 acc, const Weights& w, const X& x) {
+    return _mm512_dpbf16_ps(acc, w.pairs, x.pair);
+  }
+};
+#endif
+
+struct Fp32Fma {
+  using XElem = float;  // x converted once per call: broadcasts straight from memory
+  struct Index { __m512i k0, k1; };
+  struct Weights { __m512 k0, k1; };
+  struct X { __m512 k0, k1; };
+  // row r's code at byte 4r+2 of its lane; the other bytes keep 0x43000000's
+  static Index index(int first) { return {code_index(first, 2, -1), code_index(first, -1, 2)}; }
+  static __m512 column(__m512i codes, __m512i index) {
+    return _mm512_castsi512_ps(_mm512_mask_permutexvar_epi8(
+        _mm512_set1_epi32(0x43000000), 0x4444444444444444ull, index, codes));
+  }
+  static Weights weights(__m512i codes, const Index& index) {
+    return {column(codes, index.k0), column(codes, index.k1)};
+  }
+  static X x(const float* row, int64_t kk) { return {_mm512_set1_ps(row[kk]), _mm512_set1_ps(row[kk + 1])}; }
+  static __m512 madd(__m512 acc, const Weights& w, const X& x) {
+    return _mm512_fmadd_ps(w.k1, x.k1, _mm512_fmadd_ps(w.k0, x.k0, acc));
+  }
+};
+
+// out += s * (acc - 136 * xs) + z * xs for 16 outputs, (s, z) bf16 pairs at sz
+inline __m512 finish_group(__m512 out, __m512 acc, const uint32_t* sz, float x_sum) {
+  const __m512i pairs = _mm512_loadu_si512((const void*)sz);
+  const __m512 s = bf16_lanes_low(pairs), z = bf16_lanes_high(pairs);
+  const __m512 xs = _mm512_set1_ps(x_sum);
+  const __m512 centered = _mm512_fnmadd_ps(_mm512_set1_ps(136.0f), xs, acc);
+  return _mm512_fmadd_ps(s, centered, _mm512_fmadd_ps(z, xs, out));
 }
 
-template <int M>
-void gemv_block(const accel::bf16* x, int64_t x_stride, const float* x_sums, const uint8_t* packed,
+inline void store16(__m512 v, accel::bf16* dst) {
+  alignas(64) float tmp[16];
+  _mm512_store_ps(tmp, v);
+  for (int i = 0; i < 16; ++i) accel::store(tmp[i], dst + i);
+}
+
+template <class Madd, int M>
+void gemv_block(const typename Madd::XElem* x, int64_t x_stride, const float* x_sums,
+                const uint8_t* packed,
                 const uint32_t* sz, accel::bf16* y, int64_t y_stride, int64_t n0, int64_t n,
                 int64_t k, int64_t group) {
   const uint8_t* block = packed + (n0 / kBlockN) * k * 32;
@@ -72,7 +130,7 @@ void gemv_block(const accel::bf16* x, int64_t x_stride, const float* x_sums, con
   for (int m = 0; m < M; ++m)
     for (int j = 0; j < 4; ++j) out[m][j] = _mm512_setzero_ps();
   const __m512i nibble = _mm512_set1_epi8(0x0f);
-  const __m512i first16 = pair_index(0), second16 = pair_index(16);
+  const typename Madd::Index first16 = Madd::index(0), second16 = Madd::index(16);
   for (int64_t g = 0; g < groups; ++g) {
     __m512 acc[M][4];
     for (int m = 0; m < M; ++m)
@@ -84,32 +142,20 @@ void gemv_block(const accel::bf16* x, int64_t x_stride, const float* x_sums, con
       const __m512i both = _mm512_loadu_si512((const void*)(block + kk * 32));  // k, k+1
       const __m512i lo = _mm512_and_si512(both, nibble);
       const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(both, 4), nibble);
-      const __m512bh w[4] = {code_pairs(lo, first16), code_pairs(lo, second16),
-                             code_pairs(hi, first16), code_pairs(hi, second16)};
-      for (int m = 0; m < M; ++m) {
-        uint32_t pair;
-        std::memcpy(&pair, x + m * x_stride + kk, 4);
-        const __m512bh xp = (__m512bh)_mm512_set1_epi32(int(pair));
-        for (int j = 0; j < 4; ++j) acc[m][j] = _mm512_dpbf16_ps(acc[m][j], w[j], xp);
+      typename Madd::X xk[M];
+      for (int m = 0; m < M; ++m) xk[m] = Madd::x(x + m * x_stride, kk);
+      for (int j = 0; j < 4; ++j) {  // rows 0-15, 16-31 (low nibbles), 32-47, 48-63
+        const typename Madd::Weights w = Madd::weights(j < 2 ? lo : hi, j % 2 ? second16 : first16);
+        for (int m = 0; m < M; ++m) acc[m][j] = Madd::madd(acc[m][j], w, xk[m]);
       }
     }
     const uint32_t* gsz = sz + (g * n + n0);  // 64 (s, z) bf16 pairs
-    for (int j = 0; j < 4; ++j) {
-      const __m512i pairs = _mm512_loadu_si512((const void*)(gsz + 16 * j));
-      const __m512 s = bf16_lanes_low(pairs), z = bf16_lanes_high(pairs);
-      for (int m = 0; m < M; ++m) {
-        const __m512 xs = _mm512_set1_ps(x_sums[m * groups + g]);
-        const __m512 centered = _mm512_fnmadd_ps(_mm512_set1_ps(136.0f), xs, acc[m][j]);
-        out[m][j] = _mm512_fmadd_ps(s, centered, _mm512_fmadd_ps(z, xs, out[m][j]));
-      }
-    }
+    for (int j = 0; j < 4; ++j)
+      for (int m = 0; m < M; ++m)
+        out[m][j] = finish_group(out[m][j], acc[m][j], gsz + 16 * j, x_sums[m * groups + g]);
   }
-  for (int m = 0; m < M; ++m) {
-    alignas(64) float tmp[kBlockN];
-    for (int j = 0; j < 4; ++j) _mm512_store_ps(tmp + 16 * j, out[m][j]);
-    accel::bf16* dst = y + m * y_stride + n0;
-    for (int i = 0; i < kBlockN; ++i) accel::store(tmp[i], dst + i);
-  }
+  for (int m = 0; m < M; ++m)
+    for (int j = 0; j < 4; ++j) store16(out[m][j], y + m * y_stride + n0 + 16 * j);
 }
 
 // Each x row's sum over each group ([m][K/group]): the zero-point terms.
@@ -126,28 +172,51 @@ std::vector<float> group_sums(const accel::bf16* x, int64_t x_stride, int m, int
   return sums;
 }
 
+// x's m rows as a policy reads them: the bf16 rows themselves, or float32 copies.
+template <class Elem>
+struct XRows {
+  const Elem* rows;
+  int64_t stride;
+  std::vector<float> storage;
+};
+
+template <class Elem>
+XRows<Elem> x_rows(const accel::bf16* x, int64_t x_stride, int m, int64_t k) {
+  if constexpr (std::is_same_v<Elem, float>) {
+    XRows<Elem> out{nullptr, k, std::vector<float>(size_t(m) * k)};
+    for (int r = 0; r < m; ++r)
+      for (int64_t i = 0; i < k; ++i) out.storage[r * k + i] = accel::to_float(x[r * x_stride + i]);
+    out.rows = out.storage.data();
+    return out;
+  } else {
+    return {x, x_stride, {}};
+  }
+}
+
 // Threads only for weights of 2**20 codes and more: below that one pass is a few
 // microseconds, about what waking the OpenMP team costs.
 constexpr int64_t kParallelMinWeights = int64_t(1) << 20;
 
-template <int M>
+template <class Madd, int M>
 void gemv(const accel::bf16* x, int64_t x_stride, const uint8_t* packed, const uint32_t* sz,
           accel::bf16* y, int64_t y_stride, int64_t n, int64_t k, int64_t group) {
   const std::vector<float> x_sums = group_sums(x, x_stride, M, k, group);
+  const auto xr = x_rows<typename Madd::XElem>(x, x_stride, M, k);
 #pragma omp parallel for schedule(static) if (n * k >= kParallelMinWeights)
   for (int64_t n0 = 0; n0 < n; n0 += kBlockN)
-    gemv_block<M>(x, x_stride, x_sums.data(), packed, sz, y, y_stride, n0, n, k, group);
+    gemv_block<Madd, M>(xr.rows, xr.stride, x_sums.data(), packed, sz, y, y_stride, n0, n, k,
+                        group);
 }
 
 // Larger batches (up to kMaxBatch rows of x): one 16-output slab of a 64-output block
 // at a time against MR rows of x, so the accumulators fit in registers (2*MR + a few); the
 // block's bytes are read once per slab and row chunk, from L1/L2 after the first.
-template <int MR>
-void slab_rows(const accel::bf16* x, int64_t x_stride, const float* x_sums, int64_t groups,
+template <class Madd, int MR>
+void slab_rows(const typename Madd::XElem* x, int64_t x_stride, const float* x_sums, int64_t groups,
                const uint8_t* block, const uint32_t* sz, accel::bf16* y, int64_t y_stride,
                int64_t n0, int64_t n, int64_t group, int slab) {
   const __m512i nibble = _mm512_set1_epi8(0x0f);
-  const __m512i index = pair_index(slab % 2 ? 16 : 0);
+  const typename Madd::Index index = Madd::index(slab % 2 ? 16 : 0);
   const bool high = slab >= 2;
   __m512 out[MR];
   for (int m = 0; m < MR; ++m) out[m] = _mm512_setzero_ps();
@@ -157,94 +226,105 @@ void slab_rows(const accel::bf16* x, int64_t x_stride, const float* x_sums, int6
     for (int64_t kk = g * group; kk < (g + 1) * group; kk += 2) {
       const __m512i both = _mm512_loadu_si512((const void*)(block + kk * 32));  // k, k+1
       const __m512i codes = _mm512_and_si512(high ? _mm512_srli_epi16(both, 4) : both, nibble);
-      const __m512bh w = code_pairs(codes, index);
-      for (int m = 0; m < MR; ++m) {
-        uint32_t pair;
-        std::memcpy(&pair, x + m * x_stride + kk, 4);
-        acc[m] = _mm512_dpbf16_ps(acc[m], w, (__m512bh)_mm512_set1_epi32(int(pair)));
-      }
+      const typename Madd::Weights w = Madd::weights(codes, index);
+      for (int m = 0; m < MR; ++m) acc[m] = Madd::madd(acc[m], w, Madd::x(x + m * x_stride, kk));
     }
-    const __m512i pairs = _mm512_loadu_si512((const void*)(sz + g * n + n0 + 16 * slab));
-    const __m512 s = bf16_lanes_low(pairs), z = bf16_lanes_high(pairs);
-    for (int m = 0; m < MR; ++m) {
-      const __m512 xs = _mm512_set1_ps(x_sums[m * groups + g]);
-      const __m512 centered = _mm512_fnmadd_ps(_mm512_set1_ps(136.0f), xs, acc[m]);
-      out[m] = _mm512_fmadd_ps(s, centered, _mm512_fmadd_ps(z, xs, out[m]));
-    }
+    for (int m = 0; m < MR; ++m)
+      out[m] = finish_group(out[m], acc[m], sz + g * n + n0 + 16 * slab, x_sums[m * groups + g]);
   }
-  for (int m = 0; m < MR; ++m) {
-    alignas(64) float tmp[16];
-    _mm512_store_ps(tmp, out[m]);
-    accel::bf16* dst = y + m * y_stride + n0 + 16 * slab;
-    for (int i = 0; i < 16; ++i) accel::store(tmp[i], dst + i);
-  }
+  for (int m = 0; m < MR; ++m) store16(out[m], y + m * y_stride + n0 + 16 * slab);
 }
 
-template <int MR>
-void slab_chunk(const accel::bf16* x, int64_t x_stride, const float* x_sums, int64_t groups,
+template <class Madd, int MR>
+void slab_chunk(const typename Madd::XElem* x, int64_t x_stride, const float* x_sums, int64_t groups,
                 const uint8_t* block, const uint32_t* sz, accel::bf16* y, int64_t y_stride,
                 int64_t n0, int64_t n, int64_t group, int slab, int rows) {
   if constexpr (MR > 1) {
     if (rows < MR) {
-      slab_chunk<MR - 1>(x, x_stride, x_sums, groups, block, sz, y, y_stride, n0, n, group,
-                         slab, rows);
+      slab_chunk<Madd, MR - 1>(x, x_stride, x_sums, groups, block, sz, y, y_stride, n0, n,
+                               group, slab, rows);
       return;
     }
   }
-  slab_rows<MR>(x, x_stride, x_sums, groups, block, sz, y, y_stride, n0, n, group, slab);
+  slab_rows<Madd, MR>(x, x_stride, x_sums, groups, block, sz, y, y_stride, n0, n, group, slab);
 }
 
+template <class Madd>
 void gemm_slabs(const accel::bf16* x, int64_t x_stride, const uint8_t* packed, const uint32_t* sz,
                 accel::bf16* y, int64_t y_stride, int m, int64_t n, int64_t k, int64_t group) {
   constexpr int kChunk = 8;
   const int64_t groups = k / group;
   const std::vector<float> x_sums = group_sums(x, x_stride, m, k, group);
+  const auto xr = x_rows<typename Madd::XElem>(x, x_stride, m, k);
   // (each weight costs a slab pass per 8-row chunk: threads pay off 8x sooner)
 #pragma omp parallel for schedule(static) if (n * k >= kParallelMinWeights / 8)
   for (int64_t n0 = 0; n0 < n; n0 += kBlockN) {
     const uint8_t* block = packed + (n0 / kBlockN) * k * 32;
     for (int slab = 0; slab < 4; ++slab)
       for (int r0 = 0; r0 < m; r0 += kChunk)
-        slab_chunk<kChunk>(x + r0 * x_stride, x_stride, x_sums.data() + r0 * groups, groups,
-                           block, sz, y + r0 * y_stride, y_stride, n0, n, group, slab,
-                           std::min(kChunk, m - r0));
+        slab_chunk<Madd, kChunk>(xr.rows + r0 * xr.stride, xr.stride, x_sums.data() + r0 * groups,
+                                 groups, block, sz, y + r0 * y_stride, y_stride, n0, n, group,
+                                 slab, std::min(kChunk, m - r0));
+  }
+}
+
+template <class Madd>
+void run(const accel::bf16* x, int64_t x_stride, const uint8_t* packed, const uint32_t* sz,
+         accel::bf16* y, int64_t y_stride, int m, int64_t n, int64_t k, int64_t group) {
+  switch (m) {
+    case 1: gemv<Madd, 1>(x, x_stride, packed, sz, y, y_stride, n, k, group); break;
+    case 2: gemv<Madd, 2>(x, x_stride, packed, sz, y, y_stride, n, k, group); break;
+    case 3: gemv<Madd, 3>(x, x_stride, packed, sz, y, y_stride, n, k, group); break;
+    case 4: gemv<Madd, 4>(x, x_stride, packed, sz, y, y_stride, n, k, group); break;
+    default: gemm_slabs<Madd>(x, x_stride, packed, sz, y, y_stride, m, n, k, group); break;
   }
 }
 
 }  // namespace
-#endif  // __AVX512BF16__ && __AVX512VBMI__
+#endif  // __AVX512F__ && __AVX512VBMI__
+
+// Variants (accel_int4pack_gemv's `variant`; bits of accel_int4pack_gemv_available())
+enum : int { kBest = 0, kFp32Fma = 1, kBf16Dot = 2 };
 
 extern "C" {
 
-// 1 if this build has the kernel (the CPU has AVX512-BF16 and AVX512-VBMI), else 0.
+// Which variants this build has (the CPU's extensions): bit kFp32Fma with AVX-512F and
+// AVX512-VBMI, bit kBf16Dot with AVX512-BF16 as well; 0 without.
 int accel_int4pack_gemv_available() {
+  int variants = 0;
 #ifdef ACCEL_INT4_GEMV
-  return 1;
-#else
-  return 0;
+  variants |= kFp32Fma;
+#ifdef __AVX512BF16__
+  variants |= kBf16Dot;
 #endif
+#endif
+  return variants;
 }
 
 // y[M, N] (bf16, row stride y_stride) = x[M, K] (bf16, row stride x_stride) @ W.T for
 // M in 1..64 (up to 4 streamed, more by 16-output slabs), N a multiple of 64, K a
-// multiple of group, group even.
-// Returns 0, -1 for shapes it does not take, -5 without AVX512-BF16 and AVX512-VBMI.
+// multiple of group, group even. `variant`: kBest (BF16 dot products where built,
+// else float32 FMAs) or one of them (the tests run both).
+// Returns 0, -1 for shapes it does not take, -5 for a variant this build lacks.
 int accel_int4pack_gemv(const void* x, int64_t x_stride, const void* packed,
                         const void* scales_zeros, void* y, int64_t y_stride, int32_t m,
-                        int64_t n, int64_t k, int64_t group) {
+                        int64_t n, int64_t k, int64_t group, int32_t variant) {
+  const int built = accel_int4pack_gemv_available();
+  if (variant == kBest) variant = built & kBf16Dot ? kBf16Dot : kFp32Fma;
+  if (!(built & variant) || (variant != kFp32Fma && variant != kBf16Dot)) return -5;
 #ifdef ACCEL_INT4_GEMV
   if (m < 1 || m > kMaxBatch || n % kBlockN || group < 2 || group % 2 || k % group) return -1;
   const auto* xb = static_cast<const accel::bf16*>(x);
   const auto* pk = static_cast<const uint8_t*>(packed);
   const auto* sz = static_cast<const uint32_t*>(scales_zeros);
   auto* yb = static_cast<accel::bf16*>(y);
-  switch (m) {
-    case 1: gemv<1>(xb, x_stride, pk, sz, yb, y_stride, n, k, group); break;
-    case 2: gemv<2>(xb, x_stride, pk, sz, yb, y_stride, n, k, group); break;
-    case 3: gemv<3>(xb, x_stride, pk, sz, yb, y_stride, n, k, group); break;
-    case 4: gemv<4>(xb, x_stride, pk, sz, yb, y_stride, n, k, group); break;
-    default: gemm_slabs(xb, x_stride, pk, sz, yb, y_stride, m, n, k, group); break;
+#ifdef __AVX512BF16__
+  if (variant == kBf16Dot) {
+    run<Bf16Dot>(xb, x_stride, pk, sz, yb, y_stride, m, n, k, group);
+    return 0;
   }
+#endif
+  run<Fp32Fma>(xb, x_stride, pk, sz, yb, y_stride, m, n, k, group);
   return 0;
 #else
   (void)x, (void)x_stride, (void)packed, (void)scales_zeros, (void)y, (void)y_stride, (void)m,
