@@ -19,8 +19,8 @@ from pathlib import Path
 import torch
 
 #: flags that decide which kernels run (what the dispatch reads at run time)
-KERNEL_FLAGS = ("avx2", "avx512f", "avx512bw", "avx512_vnni", "avx512_bf16", "amx_tile",
-                "amx_bf16", "amx_int8")
+KERNEL_FLAGS = ("avx2", "avx512f", "avx512bw", "avx512_vnni", "avx512vbmi", "avx512_bf16",
+                "amx_tile", "amx_bf16", "amx_int8")
 
 
 def cpu_model() -> str:

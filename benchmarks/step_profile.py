@@ -1,0 +1,182 @@
+#!/usr/bin/env python
+"""Where a decode step's time goes: torch.profiler over an in-process engine.
+
+One engine (``--engine accel``: our plugin; ``stock``: vLLM's CPU platform, the plugin
+excluded through ``VLLM_PLUGINS``) runs in this process
+(``VLLM_ENABLE_V1_MULTIPROCESSING=0``, so the scheduler, the runner and the model are
+all visible to the profiler) with one torch thread, generates ``--output-len`` tokens
+for one random ``--input-len``-token prompt (greedy, ``ignore_eos``: issue 13's W3),
+and prints milliseconds per decode step by kind:
+
+- scheduler: ``Scheduler.schedule`` + ``update_from_output``;
+- input prep: the runner's ``_update_states`` + ``_prepare_inputs``;
+- forward, split into the linear GEMMs (oneDNN bf16, int4/int8 kernels), the
+  attention ops (vLLM's ``unified_attention_with_output`` and
+  ``unified_kv_cache_update``, with everything they call, our Python included) and
+  the rest of the model (compiled graph glue, norms, rotary, activation);
+- LM head (``compute_logits``) and sampler (``_sample``);
+- other: the rest of the step (engine loop, output processing).
+
+The profiler adds its own overhead per op, so the split is what matters; the
+unprofiled wall time per step is printed beside it. Prefill is left out: the
+profile starts after the first generated token.
+
+Usage::
+
+    python benchmarks/step_profile.py [--engine accel|stock] [--model DIR] [--compile]
+                                      [--output-len 128] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+#: (kind, profiler event names whose total CPU time it is)
+SPANS = (
+    ("scheduler", ("step_profile::schedule", "step_profile::update_from_output")),
+    ("input prep", ("step_profile::update_states", "step_profile::prepare_inputs")),
+    ("forward", ("step_profile::model_forward",)),
+    ("LM head", ("step_profile::compute_logits",)),
+    ("sampler", ("step_profile::sample",)),
+)
+#: forward's parts, counted only inside ``_model_forward`` (the LM head is oneDNN too):
+#: the linear GEMMs' own time, the attention ops with everything they call
+FORWARD_GEMMS = ("_C::onednn_mm", "vllm_accel::int4pack_linear",
+                 "aten::_weight_int4pack_mm_for_cpu", "aten::_weight_int8pack_mm", "aten::_int_mm",
+                 "aten::mm", "aten::addmm")
+FORWARD_ATTENTION = ("vllm::unified_attention_with_output", "vllm::unified_kv_cache_update")
+
+
+def _wrap(cls, name: str, label: str) -> None:
+    """Run ``cls.name`` inside ``record_function(label)`` (this process only)."""
+    import torch
+
+    original = getattr(cls, name)
+
+    def wrapped(self, *args, **kwargs):
+        with torch.profiler.record_function(label):
+            return original(self, *args, **kwargs)
+
+    setattr(cls, name, wrapped)
+
+
+def _instrument() -> None:
+    from vllm.model_executor.layers.logits_processor import LogitsProcessor
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    _wrap(Scheduler, "schedule", "step_profile::schedule")
+    _wrap(Scheduler, "update_from_output", "step_profile::update_from_output")
+    for name, label in (("_update_states", "update_states"), ("_prepare_inputs", "prepare_inputs"),
+                        ("_model_forward", "model_forward"), ("_sample", "sample")):
+        _wrap(GPUModelRunner, name, "step_profile::" + label)
+    _wrap(LogitsProcessor, "forward", "step_profile::compute_logits")
+
+
+def _inside(event, name: str) -> bool:
+    parent = event.cpu_parent
+    while parent is not None:
+        if parent.name == name:
+            return True
+        parent = parent.cpu_parent
+    return False
+
+
+def _split(events) -> dict[str, float]:
+    """Microseconds by kind over the profiler's events."""
+    span_of = {n: kind for kind, names in SPANS for n in names}
+    out = {kind: 0.0 for kind, _ in SPANS}
+    out.update({"forward: linear GEMMs": 0.0, "forward: attention + KV write": 0.0})
+    for e in events:
+        if e.name in span_of:
+            out[span_of[e.name]] += e.cpu_time_total
+        elif e.name in FORWARD_GEMMS and _inside(e, "step_profile::model_forward"):
+            out["forward: linear GEMMs"] += e.self_cpu_time_total
+        elif e.name in FORWARD_ATTENTION and _inside(e, "step_profile::model_forward"):
+            out["forward: attention + KV write"] += e.cpu_time_total
+    out["forward: rest"] = (out["forward"] - out["forward: linear GEMMs"]
+                            - out["forward: attention + KV write"])
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--engine", choices=("accel", "stock"), default="accel")
+    ap.add_argument("--model", default=None, help="HF model dir (default model)")
+    ap.add_argument("--compile", action="store_true", help="vLLM's default torch.compile")
+    ap.add_argument("--input-len", type=int, default=32)
+    ap.add_argument("--output-len", type=int, default=128)
+    ap.add_argument("--json", type=Path, default=None)
+    args = ap.parse_args()
+
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    if args.engine == "stock":
+        os.environ["VLLM_PLUGINS"] = "lora_filesystem_resolver"
+
+    import torch
+    from vllm import LLM, SamplingParams
+    from vllm.platforms import current_platform
+
+    import roofline
+    import throughput
+
+    torch.set_num_threads(1)
+    model = args.model or throughput.default_model()
+    _instrument()
+    llm = LLM(model=model, dtype="bfloat16", seed=0, max_model_len=1024,
+              kv_cache_memory_bytes=1 << 30, enforce_eager=not args.compile,
+              skip_tokenizer_init=True)
+    platform = type(current_platform).__name__
+    expected = "AccelPlatform" if args.engine == "accel" else "CpuPlatform"
+    if platform != expected:
+        raise SystemExit(f"--engine {args.engine} runs on {platform}, expected {expected}")
+    prompt = throughput.random_prompts(1, args.input_len, throughput.vocab_size(model), 0)
+    prompts = throughput._token_prompts(prompt)
+
+    def generate(n: int) -> float:
+        params = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, detokenize=False)
+        t0 = time.perf_counter()
+        llm.generate(prompts, params, use_tqdm=False)
+        return time.perf_counter() - t0
+
+    generate(args.output_len)  # warm-up
+    steps = args.output_len - 1
+    wall_ms = (generate(args.output_len) - generate(1)) / steps * 1e3  # prefill excluded
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        seconds = generate(args.output_len)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof_one:
+        seconds -= generate(1)
+    # the decode steps: the long run's events less the one-token run's (its prefill)
+    whole, first = _split(prof.events()), _split(prof_one.events())
+    split = {kind: (whole[kind] - first[kind]) / steps / 1e3 for kind in whole}
+    profiled_ms = seconds / steps * 1e3
+    split["other (engine loop, outputs)"] = profiled_ms - sum(
+        ms for kind, ms in split.items() if not kind.startswith("forward:"))
+
+    cpu, flags = roofline.cpu_model(), " ".join(roofline.cpu_flags())
+    print(f"CPU: {cpu}; flags: {flags}")
+    print(f"engine {args.engine} ({platform}), {'compiled' if args.compile else 'eager'}, "
+          f"{Path(model).name}, 1 x {args.input_len} in / {args.output_len} out")
+    print(f"unprofiled: {wall_ms:.2f} ms per decode step ({1e3 / wall_ms:.1f} tok/s); "
+          f"profiled: {profiled_ms:.2f}")
+    print("profiled, ms per decode step:")
+    for kind, ms in split.items():
+        print(f"  {kind:32s} {ms:7.2f}")
+    if args.json:
+        args.json.write_text(json.dumps({"cpu": cpu, "flags": flags, "engine": args.engine,
+                                         "compiled": args.compile, "model": model,
+                                         "wall_ms_per_step": wall_ms,
+                                         "profiled_ms_per_step": profiled_ms, "split_ms": split},
+                                        indent=2))
+
+
+if __name__ == "__main__":
+    main()
