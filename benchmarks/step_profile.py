@@ -118,15 +118,15 @@ def main() -> None:
 
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    if args.engine == "stock":
-        os.environ["VLLM_PLUGINS"] = "lora_filesystem_resolver"
+    import roofline
+    import throughput
+
+    engine = throughput.ENGINES[args.engine]  # the benchmark's platform and environment
+    os.environ.update(engine["env"])
 
     import torch
     from vllm import LLM, SamplingParams
     from vllm.platforms import current_platform
-
-    import roofline
-    import throughput
 
     torch.set_num_threads(1)
     model = args.model or throughput.default_model()
@@ -135,9 +135,9 @@ def main() -> None:
               kv_cache_memory_bytes=1 << 30, enforce_eager=not args.compile,
               skip_tokenizer_init=True)
     platform = type(current_platform).__name__
-    expected = "AccelPlatform" if args.engine == "accel" else "CpuPlatform"
-    if platform != expected:
-        raise SystemExit(f"--engine {args.engine} runs on {platform}, expected {expected}")
+    if platform != engine["platform"]:
+        raise SystemExit(f"--engine {args.engine} runs on {platform}, expected "
+                         f"{engine['platform']}")
     prompt = throughput.random_prompts(1, args.input_len, throughput.vocab_size(model), 0)
     prompts = throughput._token_prompts(prompt)
 

@@ -88,8 +88,9 @@ def test_each_variant_matches_float64(variant, tokens):
     """Both ways of multiplying (the op takes the best one built), called directly, vs
     float64; a variant this CPU lacks is refused (-5), never run."""
     lib = native.library()
-    if lib is None:
-        pytest.skip("no C++ compiler: the kernel cannot be built here")
+    if lib is None:  # no compiler: nothing to call, and the op keeps torch's kernel
+        assert not wint_gemv.gemv_available()
+        return
     k, n, group = 256, 128, 64
     res, w = make_resident(n, k, 4, group, False, False, seed=tokens + 31 * variant)
     prepared = prepare(res, torch.bfloat16)
