@@ -10,7 +10,7 @@ and prints milliseconds per decode step by kind:
 
 - scheduler: ``Scheduler.schedule`` + ``update_from_output``;
 - input prep: the runner's ``_update_states`` + ``_prepare_inputs``;
-- forward, split into the linear GEMMs (oneDNN bf16, int4/int8 kernels), the
+- forward, split into the linear GEMMs (oneDNN or our bf16, int4/int8 kernels), the
   attention ops (vLLM's ``unified_attention_with_output`` and
   ``unified_kv_cache_update``, with everything they call, our Python included) and
   the rest of the model (compiled graph glue, norms, rotary, activation);
@@ -46,9 +46,9 @@ SPANS = (
     ("LM head", ("step_profile::compute_logits",)),
     ("sampler", ("step_profile::sample",)),
 )
-#: forward's parts, counted only inside ``_model_forward`` (the LM head is oneDNN too):
-#: the linear GEMMs' own time, the attention ops with everything they call
-FORWARD_GEMMS = ("_C::onednn_mm", "vllm_accel::int4pack_linear",
+#: forward's parts, counted only inside ``_model_forward`` (the LM head runs one of them
+#: too): the linear GEMMs' own time, the attention ops with everything they call
+FORWARD_GEMMS = ("_C::onednn_mm", "vllm_accel::bf16_linear", "vllm_accel::int4pack_linear",
                  "aten::_weight_int4pack_mm_for_cpu", "aten::_weight_int8pack_mm", "aten::_int_mm",
                  "aten::mm", "aten::addmm")
 FORWARD_ATTENTION = ("vllm::unified_attention_with_output", "vllm::unified_kv_cache_update")

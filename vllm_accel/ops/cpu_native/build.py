@@ -32,7 +32,8 @@ from vllm_accel.logger import init_logger
 logger = init_logger(__name__)
 
 CSRC = Path(__file__).parent / "csrc"
-SOURCES = (CSRC / "paged_attention.cpp", CSRC / "elementwise.cpp", CSRC / "int4_gemv.cpp")
+SOURCES = (CSRC / "paged_attention.cpp", CSRC / "elementwise.cpp", CSRC / "int4_gemv.cpp",
+           CSRC / "bf16_linear.cpp")
 HEADERS = (CSRC / "dtypes.h",)
 # -ffast-math: vectorized expf (glibc's libmvec) and reassociated sums in the
 # readers, which never see inf/NaN from valid inputs (no -inf masking, finite
@@ -62,6 +63,8 @@ _SIGNATURES = {
     "accel_int4pack_gemv_available": (),
     "accel_int4pack_gemv": (_ptr, _i64, _ptr, _ptr, _ptr, _i64, _i32, _i64, _i64, _i64,
                             _i32),
+    "accel_bf16_linear_available": (),
+    "accel_bf16_linear": (_ptr, _i64, _i32, _ptr, _i64, _ptr, _ptr, _i64, _i64, _i64, _i64),
     "accel_rotary": (_i32, _ptr, _i64, _ptr, _i64, _ptr, _i64, _i32, _i32, _i32, _i32, _ptr, _i64,
                      _i64),
 }

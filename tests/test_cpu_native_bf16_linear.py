@@ -1,0 +1,131 @@
+"""The ``cpu_native`` bf16 linear (``csrc/bf16_linear.cpp``): float32 FMAs on bf16
+weights for CPUs without AVX512-BF16/AMX. The op vs ``x @ W.T`` in float64, and a
+compiled engine whose linears run it, scored against HF transformers on the same
+bf16 weights. (The patch that routes vLLM's CPU linears to it: test_patches.py.)"""
+
+import random
+import re
+
+import pytest
+import torch
+
+from conftest import build_tiny_model, count_native_calls, cpu_has, run_engine
+from vllm_accel.ops.cpu_native import bf16_linear
+from vllm_accel.ops.cpu_native import build as native
+
+UNIT_ROUNDOFF = {torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11, torch.float32: 2.0**-24}
+
+
+def test_kernel_is_built_exactly_on_avx512():
+    """Built in with AVX-512 F/BW/VL; ``auto`` routes to it only where oneDNN has no
+    bf16 units to run (no AVX512-BF16, no AMX): dispatch on what the CPU reports."""
+    lib = native.library()
+    avx512 = cpu_has("avx512f", "avx512bw", "avx512vl")
+    assert bf16_linear.available() == (lib is not None and avx512)
+    assert bf16_linear.cpu_has_bf16_units() == (cpu_has("avx512_bf16") or cpu_has("amx_tile"))
+
+
+@pytest.mark.parametrize("mode", ["auto", "on", "off"])
+def test_wanted_follows_the_variable_and_the_cpu(mode, monkeypatch):
+    monkeypatch.setenv("ACCEL_BF16_LINEAR", mode)
+    expected = {"off": False, "on": bf16_linear.available(),
+                "auto": bf16_linear.available() and not bf16_linear.cpu_has_bf16_units()}[mode]
+    assert bf16_linear.wanted() == expected
+
+
+@pytest.fixture
+def kernel_calls(monkeypatch):
+    """Counts the C++ kernel's calls (the op falls back to F.linear silently)."""
+    return count_native_calls(monkeypatch, "accel_bf16_linear", 8)
+
+
+# rows: 1 and 5 stream the weight (one tile), 7/13 widen it into the buffer (tiles of 6 +
+# tails), 70 spans two 64-row blocks of x; outputs 9 and 130 end in a partial block of
+# 4, inputs 37 and 100 in a partial 16-column chunk
+SHAPES = [(1, 9, 37), (5, 130, 100), (7, 64, 576), (13, 9, 100), (70, 130, 37)]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32],
+                         ids=["bf16", "fp16", "fp32"])
+@pytest.mark.parametrize("m,n,k", SHAPES)
+def test_op_matches_float64(m, n, k, dtype, kernel_calls):
+    gen = torch.Generator().manual_seed(m * 1000 + n + k)
+    w = torch.randn(n, k, generator=gen).to(torch.bfloat16)
+    # x as a slice of a wider tensor (row stride > k), with a bias on every other case
+    x = torch.randn(m, k + 3, generator=gen).to(dtype)[:, 1:k + 1]
+    bias = torch.randn(n, generator=gen).to(dtype) if (m + n) % 2 else None
+    got = torch.ops.vllm_accel.bf16_linear(x, w, bias)
+    ref = x.double() @ w.double().T + (0 if bias is None else bias.double())
+    # float32 sums (K terms) and one rounding to x's dtype
+    tol = UNIT_ROUNDOFF[dtype] * ref.abs() + k * 2.0**-23 * (x.double().abs() @ w.double().abs().T)
+    assert got.dtype == dtype and got.shape == (m, n)
+    assert ((got.double() - ref).abs() <= tol + 1e-30).all(), (got.double() - ref).abs().max()
+    assert kernel_calls == ([m] if bf16_linear.available() else [])
+
+
+def test_op_takes_batched_x_and_empty_batches(kernel_calls):
+    w = torch.randn(24, 40).to(torch.bfloat16)
+    x = torch.randn(2, 3, 40).to(torch.bfloat16)
+    got = torch.ops.vllm_accel.bf16_linear(x, w, None)
+    assert got.shape == (2, 3, 24)
+    torch.testing.assert_close(got.float(), x.float() @ w.float().T, rtol=2**-7, atol=1e-3)
+    assert torch.ops.vllm_accel.bf16_linear(x[:, :0], w, None).shape == (2, 0, 24)
+
+
+def test_op_traces_into_one_call_under_compile():
+    w = torch.randn(48, 64).to(torch.bfloat16)
+
+    def fn(x):
+        return torch.relu(torch.ops.vllm_accel.bf16_linear(x, w, None)) * 2
+
+    compiled = torch.compile(fn, fullgraph=True, dynamic=True, backend="aot_eager")
+    for rows in (1, 6):
+        x = torch.randn(rows, 64).to(torch.bfloat16)
+        torch.testing.assert_close(compiled(x), fn(x))
+
+
+#: inductor's generated code calling our op
+BF16_LINEAR_CALL = re.compile(r"^(?!\s*#).*?\bvllm_accel\.bf16_linear\.default\(")
+ONEDNN_CALL = re.compile(r"^(?!\s*#).*?\bonednn_mm\(")
+
+
+@pytest.mark.engine
+def test_compiled_engine_runs_the_kernel_and_matches_hf(tmp_path):
+    """vLLM's default mode on a tiny bf16 model with ACCEL_BF16_LINEAR=on: inductor's
+    code calls the op for every linear of the decoder (no oneDNN GEMM), and the
+    engine's greedy tokens, teacher-forced through HF transformers on the same bf16
+    weights (float32 math), are HF's top token or within 0.05 nats of it, with the
+    engine's logprob of each within 0.05 of HF's."""
+    from transformers import AutoModelForCausalLM
+
+    model = build_tiny_model(tmp_path / "tiny", num_heads=4, num_kv_heads=2, head_dim=32,
+                             hidden_size=128)
+    rng = random.Random(3)
+    prompts = [[rng.randrange(3, 512) for _ in range(n)] for n in (5, 17, 40)]
+    results, log = run_engine(
+        {"llm": {"model": str(model), "dtype": "bfloat16", "skip_tokenizer_init": True,
+                 "max_model_len": 256, "seed": 0},
+         "prompts": prompts,
+         "sampling": {"temperature": 0.0, "max_tokens": 16, "ignore_eos": True,
+                      "detokenize": False, "logprobs": 1}},
+        tmp_path, env={"ACCEL_BF16_LINEAR": "on", "ACCEL_SIM_DEVICE_MEMORY_GB": "1",
+                       "TORCH_LOGS": "output_code", "VLLM_DISABLE_COMPILE_CACHE": "1"})
+    assert "Warming up model for the compilation" in log
+    code = [line for line in log.splitlines() if "[__output_code]" in line]
+    calls = [line for line in code if BF16_LINEAR_CALL.match(line.split("[__output_code]", 1)[1])]
+    if bf16_linear.available():
+        assert "bf16 Linear layers run the cpu_native float32-FMA kernel" in log
+        assert len(calls) == 8, calls  # qkv, o, gate_up, down x 2 layers
+        assert not [line for line in code if ONEDNN_CALL.match(line.split("[__output_code]", 1)[1])]
+    else:
+        assert not calls
+
+    hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch.bfloat16).float()
+    for prompt, out in zip(prompts, results["outputs"]):
+        ids = prompt + out["token_ids"]
+        with torch.no_grad():
+            logp = torch.log_softmax(hf(torch.tensor([ids])).logits[0].double(), -1)
+        for step, (token, top) in enumerate(zip(out["token_ids"], out["logprobs"])):
+            row = logp[len(prompt) - 1 + step]
+            assert row.max() - row[token] <= 0.05, (prompt, step)
+            assert abs(top[str(token)] - row[token].item()) <= 0.05, (prompt, step)

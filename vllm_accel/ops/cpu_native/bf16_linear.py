@@ -1,0 +1,95 @@
+"""bf16 Linear layers in float32 FMAs (``csrc/bf16_linear.cpp``) on CPUs without
+AVX512-BF16 and AMX.
+
+vLLM's CPU linears call oneDNN, which on such a CPU (Ice Lake, or a VM that hides
+BF16) emulates bf16 dot products: ~30 GFLOP/s a core at any batch, 4-5x below its own
+float32 GEMM, and a single-request decode reads weights at ~10 GB/s of a 13 GB/s
+core. The C++ kernel widens each bf16 weight to float32 exactly (two integer
+instructions) and runs float32 FMAs on the weight as the checkpoint stores it (no
+copy, no repack): per layer of the default model on an Intel Xeon without BF16, one
+core, weights cold: 1.2-1.7x oneDNN at 1 row, 2.4-3.6x from 4 rows up.
+
+The simulator routes vLLM's unquantized CPU linears here (``patches.py``, "bf16
+linears on CPUs without AVX512-BF16"); ``ACCEL_BF16_LINEAR`` says when. It is the
+``torch.library`` op ``vllm_accel::bf16_linear``, so torch.compile keeps it as one
+call.
+"""
+
+import functools
+
+import torch
+
+from vllm_accel import envs
+from vllm_accel.ops.cpu_native import build as native
+
+#: activation dtypes the kernel takes (the output has x's dtype)
+X_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+@functools.cache
+def available() -> bool:
+    """Whether the library has the kernel (built on a CPU with AVX-512 F/BW/VL)."""
+    lib = native.library()
+    return lib is not None and bool(lib.accel_bf16_linear_available())
+
+
+def cpu_has_bf16_units() -> bool:
+    """Whether oneDNN runs bf16 natively here (AVX512-BF16 or AMX), so it keeps the
+    linears."""
+    return torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
+
+
+def wanted() -> bool:
+    """Whether the simulator's bf16 linears go to this kernel (``ACCEL_BF16_LINEAR``:
+    ``auto`` on CPUs without bf16 units, ``on`` wherever it is built, ``off``)."""
+    mode = envs.ACCEL_BF16_LINEAR
+    if mode == "off" or not available():
+        return False
+    return mode == "on" or not cpu_has_bf16_units()
+
+
+def takes_weight(weight: torch.Tensor) -> bool:
+    """Whether a layer's weight is one the kernel reads in place."""
+    return (weight.dtype == torch.bfloat16 and weight.dim() == 2 and weight.device.type == "cpu"
+            and weight.stride(1) == 1 and not weight.is_meta)
+
+
+def bf16_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``torch.nn.functional.linear(x, weight, bias)`` for a bf16 ``weight``, in x's dtype."""
+    if x.dtype not in X_DTYPES or not takes_weight(weight) or x.shape[-1] != weight.shape[1]:
+        return torch.nn.functional.linear(x, weight.to(x.dtype), bias)
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, x.shape[-1])
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    m, k = x2.shape
+    n = weight.shape[0]
+    y = x2.new_empty((m, n))
+    if m:
+        b = None if bias is None else bias.to(torch.float32).contiguous()
+        rc = native.library().accel_bf16_linear(
+            x2.data_ptr(), x2.stride(0), native.dtype_code(x2.dtype), weight.data_ptr(),
+            weight.stride(0), None if b is None else b.data_ptr(), y.data_ptr(), y.stride(0),
+            m, n, k)
+        if rc:
+            raise RuntimeError(f"accel_bf16_linear failed ({rc}) for x {tuple(x.shape)} "
+                               f"{x.dtype}, weight {tuple(weight.shape)}")
+    return y.reshape(*lead, n)
+
+
+# torch.library.Library rather than @custom_op, for the dispatcher's lower per-call
+# cost (as vllm_accel::int4pack_linear, wint_gemv.py).
+_LIB = torch.library.Library("vllm_accel", "FRAGMENT")
+_LIB.define("bf16_linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor")
+_LIB.impl("bf16_linear", bf16_linear, "CPU")
+
+
+@torch.library.register_fake("vllm_accel::bf16_linear", lib=_LIB)
+def _bf16_linear_shape(x, weight, bias):
+    return x.new_empty((*x.shape[:-1], weight.shape[0]))
+
+
+def cpu_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """What a routed layer's ``cpu_linear`` is (vLLM's CPU linear calls it with the
+    layer's own weight and bias)."""
+    return torch.ops.vllm_accel.bf16_linear(x, weight, bias)

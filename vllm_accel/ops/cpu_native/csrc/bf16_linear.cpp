@@ -1,0 +1,185 @@
+// bf16 weights x (bf16 | fp16 | fp32) activations in float32 FMAs, for x86 CPUs with
+// AVX-512 but without AVX512-BF16 (Ice Lake, or a VM that hides BF16), compiled at
+// first use (see cpu_native/build.py).
+//
+// Why: there, oneDNN's bf16 matmul (what vLLM's CPU linears call) emulates bf16 dot
+// products at ~30 GFLOP/s a core, 4-5x below its own float32 GEMM, while a bf16
+// weight widens to float32 exactly with two integer instructions. Decode of one
+// request reads each weight once (bandwidth); a batch reuses each widened weight
+// across rows (FMA throughput).
+//
+// y[M, N] = x[M, K] @ W[N, K].T (+ bias[N]) on the checkpoint's own layout (W row-major,
+// no repack). x is converted to float32 once per block of kBlockM rows (zero-padded to
+// a multiple of 16 columns; W's last columns are loaded masked). Per block of kRowsW
+// weight rows and kRowsX rows of x: kRowsW * kRowsX accumulators of 16 lanes, summed
+// across lanes at the end. With more rows of x than one tile, the weight rows are
+// widened once into a per-thread float32 buffer (L1/L2) and every tile reads that.
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <vector>
+
+#include "dtypes.h"
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#define ACCEL_BF16_LINEAR 1
+namespace {
+
+constexpr int kRowsW = 4;         // weight rows per block (outputs per tile)
+constexpr int kRowsX = 6;         // rows of x per tile: 24 accumulators
+constexpr int64_t kBlockM = 64;
+// Threads only from 2**18 weights: below that a pass is a few microseconds, about what
+// waking the OpenMP team costs.
+constexpr int64_t kParallelMinWork = int64_t(1) << 18;
+
+inline __m512 widen(const accel::bf16* w, __mmask16 mask) {
+  const __m256i raw = _mm256_maskz_loadu_epi16(mask, w);
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+
+inline __mmask16 tail_mask(int64_t k, int64_t kk) {
+  const int64_t left = k - kk;
+  return left >= 16 ? __mmask16(0xffff) : __mmask16((1u << left) - 1);
+}
+
+// One tile: NB weight rows (widened from bf16 as read, or float32 from the buffer) by
+// MR rows of x (float32, padded), full K.
+template <int NB, int MR, bool kBuffered>
+void tile(const float* xf, int64_t kp, const accel::bf16* w, int64_t w_stride,
+          const float* wbuf, int64_t k, float out[MR][NB]) {
+  __m512 acc[MR][NB];
+  for (int m = 0; m < MR; ++m)
+    for (int j = 0; j < NB; ++j) acc[m][j] = _mm512_setzero_ps();
+  for (int64_t kk = 0; kk < k; kk += 16) {
+    __m512 wv[NB];
+    if constexpr (kBuffered) {
+      for (int j = 0; j < NB; ++j) wv[j] = _mm512_loadu_ps(wbuf + j * kp + kk);
+    } else {
+      const __mmask16 mask = tail_mask(k, kk);
+      for (int j = 0; j < NB; ++j) {
+        // the next block's rows (right after this one's in memory), one pass ahead: the
+        // hardware prefetcher alone kept one core at 9-11 GB/s of its 13
+        _mm_prefetch((const char*)(w + (j + NB) * w_stride + kk), _MM_HINT_T0);
+        wv[j] = widen(w + j * w_stride + kk, mask);
+      }
+    }
+    for (int m = 0; m < MR; ++m) {
+      const __m512 xv = _mm512_loadu_ps(xf + m * kp + kk);
+      for (int j = 0; j < NB; ++j) acc[m][j] = _mm512_fmadd_ps(wv[j], xv, acc[m][j]);
+    }
+  }
+  for (int m = 0; m < MR; ++m)
+    for (int j = 0; j < NB; ++j) out[m][j] = _mm512_reduce_add_ps(acc[m][j]);
+}
+
+template <class Out>
+struct Target {
+  Out* y;
+  int64_t y_stride;
+  const float* bias;  // float32 copy, or nullptr
+};
+
+template <int NB, int MR, bool kBuffered, class Out>
+void tile_store(const float* xf, int64_t kp, const accel::bf16* w, int64_t w_stride,
+                const float* wbuf, int64_t k, const Target<Out>& t, int64_t row, int64_t n0) {
+  float out[MR][NB];
+  tile<NB, MR, kBuffered>(xf, kp, w, w_stride, wbuf, k, out);
+  for (int m = 0; m < MR; ++m)
+    for (int j = 0; j < NB; ++j)
+      accel::store(out[m][j] + (t.bias ? t.bias[n0 + j] : 0.f), t.y + (row + m) * t.y_stride + n0 + j);
+}
+
+// All rows of the x block against NB weight rows starting at n0.
+template <int NB, class Out>
+void weight_rows(const float* xf, int64_t kp, int64_t rows, int64_t row0, const accel::bf16* w,
+                 int64_t w_stride, float* wbuf, int64_t k, const Target<Out>& t, int64_t n0) {
+  const accel::bf16* wn = w + n0 * w_stride;
+  if (rows <= kRowsX) {  // one tile: stream the weight straight from memory
+    switch (rows) {
+#define ACCEL_TILE(R) \
+  case R: tile_store<NB, R, false>(xf, kp, wn, w_stride, nullptr, k, t, row0, n0); return;
+      ACCEL_TILE(1) ACCEL_TILE(2) ACCEL_TILE(3) ACCEL_TILE(4) ACCEL_TILE(5) ACCEL_TILE(6)
+#undef ACCEL_TILE
+    }
+  }
+  for (int j = 0; j < NB; ++j)
+    for (int64_t kk = 0; kk < kp; kk += 16)
+      _mm512_storeu_ps(wbuf + j * kp + kk, widen(wn + j * w_stride + kk, tail_mask(k, kk)));
+  int64_t r = 0;
+  for (; r + kRowsX <= rows; r += kRowsX)
+    tile_store<NB, kRowsX, true>(xf + r * kp, kp, nullptr, 0, wbuf, k, t, row0 + r, n0);
+  switch (rows - r) {
+#define ACCEL_TILE(R) \
+  case R: tile_store<NB, R, true>(xf + r * kp, kp, nullptr, 0, wbuf, k, t, row0 + r, n0); break;
+    ACCEL_TILE(1) ACCEL_TILE(2) ACCEL_TILE(3) ACCEL_TILE(4) ACCEL_TILE(5)
+#undef ACCEL_TILE
+  }
+}
+
+template <class In, class Out>
+void linear(const In* x, int64_t x_stride, const accel::bf16* w, int64_t w_stride,
+            const float* bias, Out* y, int64_t y_stride, int64_t m, int64_t n, int64_t k) {
+  const int64_t kp = (k + 15) / 16 * 16;
+  const Target<Out> t{y, y_stride, bias};
+  std::vector<float> xf(size_t(std::min(m, kBlockM)) * kp);
+  const int64_t blocks = (n + kRowsW - 1) / kRowsW;
+  for (int64_t row0 = 0; row0 < m; row0 += kBlockM) {
+    const int64_t rows = std::min(kBlockM, m - row0);
+    for (int64_t r = 0; r < rows; ++r) {
+      float* dst = xf.data() + r * kp;
+      const In* src = x + (row0 + r) * x_stride;
+      for (int64_t i = 0; i < k; ++i) dst[i] = accel::to_float(src[i]);
+      std::fill(dst + k, dst + kp, 0.f);
+    }
+#pragma omp parallel if (rows * n * k >= kParallelMinWork)
+    {
+      std::vector<float> wbuf(rows > kRowsX ? size_t(kRowsW) * kp : 0);
+#pragma omp for schedule(static)
+      for (int64_t b = 0; b < blocks; ++b) {
+        const int64_t n0 = b * kRowsW;
+        if (n0 + kRowsW <= n)
+          weight_rows<kRowsW>(xf.data(), kp, rows, row0, w, w_stride, wbuf.data(), k, t, n0);
+        else
+          for (int64_t j = n0; j < n; ++j)
+            weight_rows<1>(xf.data(), kp, rows, row0, w, w_stride, wbuf.data(), k, t, j);
+      }
+    }
+  }
+}
+
+}  // namespace
+#endif
+
+extern "C" {
+
+// 1 if this build has the kernel (AVX-512 F/BW/VL), else 0.
+int accel_bf16_linear_available() {
+#ifdef ACCEL_BF16_LINEAR
+  return 1;
+#else
+  return 0;
+#endif
+}
+
+// y[M, N] (x's dtype, row stride y_stride) = x[M, K] (dtype x_dtype, row stride
+// x_stride) @ W[N, K].T (bf16, row stride w_stride) + bias (float32 [N], or null).
+// Returns 0, -1 for an unknown dtype, -5 when this build lacks the kernel.
+int accel_bf16_linear(const void* x, int64_t x_stride, int32_t x_dtype, const void* w,
+                      int64_t w_stride, const float* bias, void* y, int64_t y_stride, int64_t m,
+                      int64_t n, int64_t k) {
+#ifdef ACCEL_BF16_LINEAR
+  const auto* wb = static_cast<const accel::bf16*>(w);
+  return accel::dispatch(x_dtype, [&](auto elem) {
+    using T = decltype(elem);
+    linear<T, T>(static_cast<const T*>(x), x_stride, wb, w_stride, bias, static_cast<T*>(y),
+                 y_stride, m, n, k);
+  });
+#else
+  (void)x, (void)x_stride, (void)x_dtype, (void)w, (void)w_stride, (void)bias, (void)y,
+      (void)y_stride, (void)m, (void)n, (void)k;
+  return -5;
+#endif
+}
+
+}  // extern "C"
