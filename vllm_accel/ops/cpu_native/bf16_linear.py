@@ -7,7 +7,8 @@ float32 GEMM, and a single-request decode reads weights at ~10 GB/s of a 13 GB/s
 core. The C++ kernel widens each bf16 weight to float32 exactly (two integer
 instructions) and runs float32 FMAs on the weight as the checkpoint stores it (no
 copy, no repack): per layer of the default model on an Intel Xeon without BF16, one
-core, weights cold: 1.2-1.7x oneDNN at 1 row, 2.4-3.6x from 4 rows up.
+core, weights cold: 1.2-1.7x oneDNN at 1 row, 2.4-3.6x at 4, 16, 64 and 256 rows
+(1.6-2.4x at 8: one tile of 6 rows and one of 2).
 
 The simulator routes vLLM's unquantized CPU linears here (``patches.py``, "bf16
 linears on CPUs without AVX512-BF16"); ``ACCEL_BF16_LINEAR`` says when. It is the
