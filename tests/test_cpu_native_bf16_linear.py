@@ -72,6 +72,22 @@ def test_op_takes_batched_x_and_empty_batches(kernel_calls):
     assert torch.ops.vllm_accel.bf16_linear(x[:, :0], w, None).shape == (2, 0, 24)
 
 
+def test_op_falls_back_to_torch_for_what_the_kernel_does_not_take(kernel_calls):
+    """A bias that is not ``[N]``, an empty K, a non-bf16 or column-strided weight:
+    ``F.linear``'s answer (or its error), never the kernel."""
+    x = torch.randn(3, 40).to(torch.bfloat16)
+    w = torch.randn(24, 40).to(torch.bfloat16)
+    with pytest.raises(RuntimeError):
+        torch.ops.vllm_accel.bf16_linear(x, w, torch.zeros(23, dtype=torch.bfloat16))
+    bias = torch.ones(24, dtype=torch.bfloat16)
+    empty = torch.ops.vllm_accel.bf16_linear(x[:, :0], w[:, :0], bias)
+    assert empty.shape == (3, 24) and torch.equal(empty.float(), torch.ones(3, 24))
+    for weight in (w.float(), torch.randn(40, 24).to(torch.bfloat16).T):
+        got = torch.ops.vllm_accel.bf16_linear(x, weight, None)
+        torch.testing.assert_close(got.float(), x.float() @ weight.float().T, rtol=2**-7, atol=1e-3)
+    assert kernel_calls == []
+
+
 def test_op_traces_into_one_call_under_compile():
     w = torch.randn(48, 64).to(torch.bfloat16)
 

@@ -57,14 +57,16 @@ def takes_weight(weight: torch.Tensor) -> bool:
 
 def bf16_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """``torch.nn.functional.linear(x, weight, bias)`` for a bf16 ``weight``, in x's dtype."""
-    if x.dtype not in X_DTYPES or not takes_weight(weight) or x.shape[-1] != weight.shape[1]:
+    n, k = weight.shape if weight.dim() == 2 else (0, 0)
+    if (x.dtype not in X_DTYPES or not takes_weight(weight) or x.shape[-1] != k or k == 0
+            or (bias is not None and (tuple(bias.shape) != (n,) or bias.device.type != "cpu"))
+            or not available()):
         return torch.nn.functional.linear(x, weight.to(x.dtype), bias)
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1])
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
-    m, k = x2.shape
-    n = weight.shape[0]
+    m = x2.shape[0]
     y = x2.new_empty((m, n))
     if m:
         b = None if bias is None else bias.to(torch.float32).contiguous()
