@@ -109,6 +109,7 @@ def count_native_calls(monkeypatch, symbol: str, rows_arg: int) -> list:
     monkeypatch.setattr(lib, symbol, counted)
     return calls
 
+
 def run_engine(spec: dict, tmp_path: Path, env: dict | None = None, timeout: int = 600):
     """Run tests/engine_run.py with ``spec``; returns (results, combined log)."""
     spec_file = tmp_path / f"spec-{os.getpid()}-{len(list(tmp_path.iterdir()))}.json"

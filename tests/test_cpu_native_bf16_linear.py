@@ -70,6 +70,7 @@ def test_op_takes_batched_x_and_empty_batches(kernel_calls):
     assert got.shape == (2, 3, 24)
     torch.testing.assert_close(got.float(), x.float() @ w.float().T, rtol=2**-7, atol=1e-3)
     assert torch.ops.vllm_accel.bf16_linear(x[:, :0], w, None).shape == (2, 0, 24)
+    assert kernel_calls == ([6] if bf16_linear.available() else [])  # the empty batch: none
 
 
 def test_op_falls_back_to_torch_for_what_the_kernel_does_not_take(kernel_calls):

@@ -249,6 +249,7 @@ def _bf16_linear_dispatch() -> None:
         return
 
     def dispatch_cpu_unquantized_gemm(layer, remove_weight: bool) -> None:
+        from vllm_accel import envs
         from vllm_accel.backends import get_backend
         from vllm_accel.ops.cpu_native import bf16_linear
 
@@ -257,9 +258,9 @@ def _bf16_linear_dispatch() -> None:
                 or not bf16_linear.takes_weight(weight) or not bf16_linear.wanted()):
             return original(layer, remove_weight)
         layer.cpu_linear = bf16_linear.cpu_linear
-        logger.info_once("bf16 Linear layers run the cpu_native float32-FMA kernel (this CPU "
-                         "has no AVX512-BF16/AMX, so oneDNN would emulate bf16; "
-                         "ACCEL_BF16_LINEAR=off keeps oneDNN).")
+        logger.info_once("bf16 Linear layers run the cpu_native float32-FMA kernel "
+                         "(ACCEL_BF16_LINEAR=%s; CPU bf16 units for oneDNN: %s; `off` keeps "
+                         "oneDNN).", envs.ACCEL_BF16_LINEAR, bf16_linear.cpu_has_bf16_units())
 
     dispatch_cpu_unquantized_gemm.__accel_patched__ = True  # type: ignore[attr-defined]
     utils.dispatch_cpu_unquantized_gemm = dispatch_cpu_unquantized_gemm

@@ -28,7 +28,7 @@ namespace {
 
 constexpr int kRowsW = 4;         // weight rows per block (outputs per tile)
 constexpr int kRowsX = 6;         // rows of x per tile: 24 accumulators
-constexpr int64_t kBlockM = 64;
+constexpr int64_t kBlockM = 64;   // rows of x in float32 at a time (64 x K x 4 bytes: L2)
 // Threads only from 2**18 weights: below that a pass is a few microseconds, about what
 // waking the OpenMP team costs.
 constexpr int64_t kParallelMinWork = int64_t(1) << 18;
