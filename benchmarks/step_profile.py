@@ -24,7 +24,7 @@ profile starts after the first generated token.
 Usage::
 
     python benchmarks/step_profile.py [--engine accel|stock] [--model DIR] [--compile]
-                                      [--output-len 128] [--json out.json]
+                                      [--output-len 128] [--top N] [--json out.json]
 """
 
 from __future__ import annotations
@@ -106,6 +106,17 @@ def _split(events) -> dict[str, float]:
     return out
 
 
+def _self_times(events, inside: str) -> dict[str, list[float]]:
+    """[self CPU microseconds, calls] by op name over the events inside ``inside``."""
+    out: dict[str, list[float]] = {}
+    for e in events:
+        if _inside(e, inside):
+            entry = out.setdefault(e.name, [0.0, 0])
+            entry[0] += e.self_cpu_time_total
+            entry[1] += 1
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--engine", choices=("accel", "stock"), default="accel")
@@ -114,6 +125,8 @@ def main() -> None:
     ap.add_argument("--input-len", type=int, default=32)
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument("--top", type=int, default=0,
+                    help="also print the N ops with the most self time inside the forward")
     args = ap.parse_args()
 
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
@@ -170,6 +183,15 @@ def main() -> None:
     print("profiled, ms per decode step:")
     for kind, ms in split.items():
         print(f"  {kind:32s} {ms:7.2f}")
+    if args.top:
+        whole_ops = _self_times(prof.events(), "step_profile::model_forward")
+        first_ops = _self_times(prof_one.events(), "step_profile::model_forward")
+        ops = {n: [(t - first_ops.get(n, [0.0, 0])[0]) / steps / 1e3,
+                   (c - first_ops.get(n, [0.0, 0])[1]) / steps]
+               for n, (t, c) in whole_ops.items()}
+        print(f"forward: top {args.top} ops by self time per decode step (ms, calls):")
+        for name, (ms, calls) in sorted(ops.items(), key=lambda kv: -kv[1][0])[:args.top]:
+            print(f"  {ms:7.3f} {calls:6.1f}  {name[:90]}")
     if args.json:
         args.json.write_text(json.dumps({"cpu": cpu, "flags": flags, "engine": args.engine,
                                          "compiled": args.compile, "model": model,

@@ -110,6 +110,22 @@ def count_native_calls(monkeypatch, symbol: str, rows_arg: int) -> list:
     return calls
 
 
+def count_torch_op_calls(op: str):
+    """A function returning how often the C++ kernel of ``vllm_accel::<op>``
+    (csrc/torch_ops.cpp) reached its C kernel so far; always 0 without that library."""
+    import ctypes
+
+    from vllm_accel.ops.cpu_native import build as native
+
+    path = native.torch_ops()
+    if path is None:
+        return lambda: 0
+    counter = ctypes.CDLL(str(path)).accel_torch_ops_kernel_calls
+    counter.argtypes, counter.restype = (ctypes.c_char_p,), ctypes.c_int64
+    start = counter(op.encode())
+    return lambda: counter(op.encode()) - start
+
+
 def run_engine(spec: dict, tmp_path: Path, env: dict | None = None, timeout: int = 600):
     """Run tests/engine_run.py with ``spec``; returns (results, combined log)."""
     spec_file = tmp_path / f"spec-{os.getpid()}-{len(list(tmp_path.iterdir()))}.json"

@@ -218,6 +218,12 @@ def test_sccl_options_reach_only_the_sccl_group_and_only_inside_the_block(monkey
     assert torch.distributed.init_process_group is original
 
 
+class _PythonParameter(torch.nn.Parameter):
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        return super().__torch_function__(func, types, args, kwargs or {})
+
+
 def test_patch_routes_only_bf16_weights_when_wanted(monkeypatch):
     """vLLM's CPU GEMM dispatch (as patched) gives a bf16 layer our op when
     ACCEL_BF16_LINEAR wants it and keeps vLLM's kernel otherwise; both compute the
@@ -232,9 +238,15 @@ def test_patch_routes_only_bf16_weights_when_wanted(monkeypatch):
     for mode, dtype in (("on", torch.bfloat16), ("off", torch.bfloat16), ("on", torch.float32)):
         monkeypatch.setenv("ACCEL_BF16_LINEAR", mode)
         layer = torch.nn.Linear(64, 32, bias=True).to(dtype)
+        # vLLM's weights are Parameter subclasses that run Python on every op
+        layer.weight = _PythonParameter(layer.weight.data, requires_grad=False)
+        storage = layer.weight.data_ptr()
         expected = torch.nn.functional.linear(x.to(dtype), layer.weight, layer.bias)
         utils.dispatch_cpu_unquantized_gemm(layer, remove_weight=True)
         ours = layer.cpu_linear is bf16_linear.cpu_linear
         assert ours == (mode == "on" and dtype == torch.bfloat16 and bf16_linear.available())
+        if ours:  # a plain Parameter on the same storage
+            assert type(layer.weight) is torch.nn.Parameter
+            assert layer.weight.data_ptr() == storage
         got = layer.cpu_linear(x.to(dtype), layer.weight, layer.bias)
         torch.testing.assert_close(got.float(), expected.float(), rtol=2**-7, atol=2e-3)

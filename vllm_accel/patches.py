@@ -249,6 +249,8 @@ def _bf16_linear_dispatch() -> None:
         return
 
     def dispatch_cpu_unquantized_gemm(layer, remove_weight: bool) -> None:
+        import torch
+
         from vllm_accel import envs
         from vllm_accel.backends import get_backend
         from vllm_accel.ops.cpu_native import bf16_linear
@@ -258,6 +260,9 @@ def _bf16_linear_dispatch() -> None:
                 or not bf16_linear.takes_weight(weight) or not bf16_linear.wanted()):
             return original(layer, remove_weight)
         layer.cpu_linear = bf16_linear.cpu_linear
+        # A plain Parameter on the same storage, as vLLM's own dispatch leaves: vLLM's
+        # parameter classes run Python (__torch_function__) on every op they enter.
+        layer.weight = torch.nn.Parameter(weight.data, requires_grad=False)
         logger.info_once("bf16 Linear layers run the cpu_native float32-FMA kernel "
                          "(ACCEL_BF16_LINEAR=%s; CPU bf16 units for oneDNN: %s; `off` keeps "
                          "oneDNN).", envs.ACCEL_BF16_LINEAR, bf16_linear.cpu_has_bf16_units())
@@ -390,8 +395,10 @@ PATCHES: tuple[Patch, ...] = (
         how=(
             "Wrap utils.dispatch_cpu_unquantized_gemm (UnquantizedLinearMethod imports it "
             "by module attribute when weights finish loading): on the simulator, when "
-            "ACCEL_BF16_LINEAR wants it, a 2-D bf16 CPU weight keeps its layer.weight and "
-            "gets layer.cpu_linear = vllm_accel::bf16_linear (cpu_native/bf16_linear.py); "
+            "ACCEL_BF16_LINEAR wants it, a 2-D bf16 CPU weight gets layer.cpu_linear = "
+            "vllm_accel::bf16_linear (cpu_native/bf16_linear.py) and its layer.weight "
+            "becomes a plain Parameter on the same storage (as vLLM's own dispatch "
+            "leaves its weights; vLLM's parameter classes run Python on every op); "
             "every other layer, backend or CPU goes to vLLM's function unchanged. "
             "Applied from the general plugin, before any model loads."
         ),

@@ -18,20 +18,12 @@ import torch
 
 from vllm_accel import envs
 from vllm_accel.logger import init_logger
-from vllm_accel.ops.cpu_native.build import compiler
+from vllm_accel.ops.cpu_native.build import compiler, torch_flags
 
 logger = init_logger(__name__)
 
 SOURCE = Path(__file__).parent / "csrc" / "virtual_device.cpp"
 FLAGS = ("-O2", "-std=c++17", "-fPIC", "-shared", "-w")
-
-
-def _torch_flags() -> list[str]:
-    root = Path(torch.__file__).parent
-    abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
-    return [f"-I{root / 'include'}", f"-I{root / 'include' / 'torch' / 'csrc' / 'api' / 'include'}",
-            f"-D_GLIBCXX_USE_CXX11_ABI={abi}", f"-L{root / 'lib'}", "-lc10", "-ltorch_cpu",
-            f"-Wl,-rpath,{root / 'lib'}"]
 
 
 def _build(cxx: str) -> Path:
@@ -47,7 +39,7 @@ def _build(cxx: str) -> Path:
                 torch.__version__)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         built = Path(tmp) / target.name
-        result = subprocess.run([cxx, *FLAGS, str(SOURCE), "-o", str(built), *_torch_flags()],
+        result = subprocess.run([cxx, *FLAGS, str(SOURCE), "-o", str(built), *torch_flags()],
                                 capture_output=True, text=True)
         if result.returncode:
             raise RuntimeError(f"building the virtual card with {cxx} failed:\n"

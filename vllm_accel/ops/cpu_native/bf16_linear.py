@@ -84,7 +84,11 @@ def bf16_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
 # cost (as vllm_accel::int4pack_linear, wint_gemv.py).
 _LIB = torch.library.Library("vllm_accel", "FRAGMENT")
 _LIB.define("bf16_linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor")
-_LIB.impl("bf16_linear", bf16_linear, "CPU")
+#: whether the op's CPU kernel is the C++ one (csrc/torch_ops.cpp: no Python per
+#: call) or, where that library cannot be built, ``bf16_linear`` above
+NATIVE_DISPATCH = native.torch_ops() is not None
+if not NATIVE_DISPATCH:
+    _LIB.impl("bf16_linear", bf16_linear, "CPU")
 
 
 @torch.library.register_fake("vllm_accel::bf16_linear", lib=_LIB)

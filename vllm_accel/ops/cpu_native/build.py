@@ -35,6 +35,9 @@ CSRC = Path(__file__).parent / "csrc"
 SOURCES = (CSRC / "paged_attention.cpp", CSRC / "elementwise.cpp", CSRC / "int4_gemv.cpp",
            CSRC / "bf16_linear.cpp")
 HEADERS = (CSRC / "dtypes.h",)
+#: the dispatcher kernels of vllm_accel's torch.library ops (built against torch)
+TORCH_OPS_SOURCE = CSRC / "torch_ops.cpp"
+TORCH_OPS_FLAGS = ("-O2", "-std=c++17", "-fPIC", "-shared", "-w")
 # -ffast-math: vectorized expf (glibc's libmvec) and reassociated sums in the
 # readers, which never see inf/NaN from valid inputs (no -inf masking, finite
 # scales); the cache writers opt out to stay bit-exact with the torch writers.
@@ -125,6 +128,54 @@ def _build(cxx: str) -> Path:
         os.replace(built, target)
     logger.info("Built the cpu_native kernels: %s", target)
     return target
+
+
+def torch_flags() -> list[str]:
+    """Compile and link flags for code built against the installed torch."""
+    root = Path(torch.__file__).parent
+    abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
+    return [f"-I{root / 'include'}", f"-I{root / 'include' / 'torch' / 'csrc' / 'api' / 'include'}",
+            f"-D_GLIBCXX_USE_CXX11_ABI={abi}", f"-L{root / 'lib'}", "-lc10", "-ltorch_cpu",
+            f"-Wl,-rpath,{root / 'lib'}"]
+
+
+def _build_torch_ops(cxx: str, kernels: Path) -> Path:
+    version = subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout
+    key = hashlib.sha256("\0".join(
+        [TORCH_OPS_SOURCE.read_text(), kernels.name, cxx, version, " ".join(TORCH_OPS_FLAGS),
+         torch.__version__, str(Path(torch.__file__).parent)]).encode()).hexdigest()[:16]
+    target = kernels.parent / f"cpu_native_ops-{key}.so"
+    if target.exists():
+        return target
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+        built = Path(tmp) / target.name
+        result = subprocess.run(
+            [cxx, *TORCH_OPS_FLAGS, str(TORCH_OPS_SOURCE), "-o", str(built), *torch_flags(),
+             f"-L{kernels.parent}", f"-l:{kernels.name}", f"-Wl,-rpath,{kernels.parent}"],
+            capture_output=True, text=True)
+        if result.returncode:
+            raise RuntimeError(f"{cxx} failed:\n{result.stderr[-4000:]}")
+        os.replace(built, target)
+    logger.info("Built the cpu_native torch ops: %s", target)
+    return target
+
+
+@functools.cache
+def torch_ops() -> Path | None:
+    """Build (once) and load the dispatcher kernels of vllm_accel's ops
+    (``csrc/torch_ops.cpp``); their path, or ``None`` (warned once) when the kernel
+    library is off or this cannot be built: the ops' Python kernels then run."""
+    lib = library()
+    if lib is None:
+        return None
+    try:
+        path = _build_torch_ops(compiler(), Path(lib._name))
+        torch.ops.load_library(str(path))
+    except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
+        logger.warning("Could not build the cpu_native torch ops (%s); their Python "
+                       "kernels run instead (~10 us more a call).", exc)
+        return None
+    return path
 
 
 @functools.cache
