@@ -110,20 +110,27 @@ def count_native_calls(monkeypatch, symbol: str, rows_arg: int) -> list:
     return calls
 
 
-def count_torch_op_calls(op: str):
-    """A function returning how often the C++ kernel of ``vllm_accel::<op>``
-    (csrc/torch_ops.cpp) reached its C kernel so far; always 0 without that library."""
+def kernel_calls(monkeypatch, op: str, symbol: str, rows_arg: int):
+    """A function returning ``(calls, rows summed)`` of the C kernel behind
+    ``vllm_accel::<op>`` since this call (the ops fall back to torch silently):
+    counted by the op's C++ kernel (csrc/torch_ops.cpp) or, where that library is
+    not built, at the Python kernel's ctypes call of ``symbol``."""
     import ctypes
 
     from vllm_accel.ops.cpu_native import build as native
 
-    path = native.torch_ops()
-    if path is None:
-        return lambda: 0
-    counter = ctypes.CDLL(str(path)).accel_torch_ops_kernel_calls
-    counter.argtypes, counter.restype = (ctypes.c_char_p,), ctypes.c_int64
-    start = counter(op.encode())
-    return lambda: counter(op.encode()) - start
+    ops = native.torch_ops()
+    if ops is None:
+        rows = count_native_calls(monkeypatch, symbol, rows_arg)
+        return lambda: (len(rows), sum(rows))
+
+    def counted():
+        rows = ctypes.c_int64()
+        calls = ops.accel_torch_ops_kernel_calls(op.encode(), ctypes.byref(rows))
+        return calls, rows.value
+
+    start = counted()
+    return lambda: tuple(now - then for now, then in zip(counted(), start))
 
 
 def run_engine(spec: dict, tmp_path: Path, env: dict | None = None, timeout: int = 600):

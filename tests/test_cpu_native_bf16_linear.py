@@ -9,8 +9,7 @@ import re
 import pytest
 import torch
 
-from conftest import (build_tiny_model, count_native_calls, count_torch_op_calls, cpu_has,
-                      run_engine)
+from conftest import build_tiny_model, count_native_calls, cpu_has, kernel_calls, run_engine
 from vllm_accel.ops.cpu_native import bf16_linear
 from vllm_accel.ops.cpu_native import build as native
 
@@ -35,14 +34,9 @@ def test_wanted_follows_the_variable_and_the_cpu(mode, monkeypatch):
 
 
 @pytest.fixture
-def kernel_calls(monkeypatch):
-    """How often the op reached the C++ kernel so far (it falls back to F.linear
-    silently): counted in the op's dispatcher kernel (csrc/torch_ops.cpp), or at the
-    Python kernel's ctypes call where that library is not built."""
-    if bf16_linear.NATIVE_DISPATCH:
-        return count_torch_op_calls("bf16_linear")
-    rows = count_native_calls(monkeypatch, "accel_bf16_linear", 8)
-    return lambda: len(rows)
+def linear_calls(monkeypatch):
+    """(calls, rows) of the C++ kernel so far (the op falls back to F.linear silently)."""
+    return kernel_calls(monkeypatch, "bf16_linear", "accel_bf16_linear", 8)
 
 
 def test_op_dispatches_to_cpp_wherever_the_kernels_build():
@@ -76,7 +70,7 @@ SHAPES = [(1, 9, 37), (5, 130, 100), (7, 64, 576), (13, 9, 100), (70, 130, 37)]
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32],
                          ids=["bf16", "fp16", "fp32"])
 @pytest.mark.parametrize("m,n,k", SHAPES)
-def test_op_matches_float64(m, n, k, dtype, kernel_calls):
+def test_op_matches_float64(m, n, k, dtype, linear_calls):
     gen = torch.Generator().manual_seed(m * 1000 + n + k)
     w = torch.randn(n, k, generator=gen).to(torch.bfloat16)
     # x as a slice of a wider tensor (row stride > k), with a bias on every other case
@@ -88,20 +82,20 @@ def test_op_matches_float64(m, n, k, dtype, kernel_calls):
     tol = UNIT_ROUNDOFF[dtype] * ref.abs() + k * 2.0**-23 * (x.double().abs() @ w.double().abs().T)
     assert got.dtype == dtype and got.shape == (m, n)
     assert ((got.double() - ref).abs() <= tol + 1e-30).all(), (got.double() - ref).abs().max()
-    assert kernel_calls() == (1 if bf16_linear.available() else 0)
+    assert linear_calls() == ((1, m) if bf16_linear.available() else (0, 0))
 
 
-def test_op_takes_batched_x_and_empty_batches(kernel_calls):
+def test_op_takes_batched_x_and_empty_batches(linear_calls):
     w = torch.randn(24, 40).to(torch.bfloat16)
     x = torch.randn(2, 3, 40).to(torch.bfloat16)
     got = torch.ops.vllm_accel.bf16_linear(x, w, None)
     assert got.shape == (2, 3, 24)
     torch.testing.assert_close(got.float(), x.float() @ w.float().T, rtol=2**-7, atol=1e-3)
     assert torch.ops.vllm_accel.bf16_linear(x[:, :0], w, None).shape == (2, 0, 24)
-    assert kernel_calls() == (1 if bf16_linear.available() else 0)  # the empty batch: none
+    assert linear_calls() == ((1, 6) if bf16_linear.available() else (0, 0))  # empty: none
 
 
-def test_op_falls_back_to_torch_for_what_the_kernel_does_not_take(kernel_calls):
+def test_op_falls_back_to_torch_for_what_the_kernel_does_not_take(linear_calls):
     """A bias that is not ``[N]``, an empty K, a non-bf16 or column-strided weight:
     ``F.linear``'s answer (or its error), never the kernel."""
     x = torch.randn(3, 40).to(torch.bfloat16)
@@ -114,7 +108,7 @@ def test_op_falls_back_to_torch_for_what_the_kernel_does_not_take(kernel_calls):
     for weight in (w.float(), torch.randn(40, 24).to(torch.bfloat16).T):
         got = torch.ops.vllm_accel.bf16_linear(x, weight, None)
         torch.testing.assert_close(got.float(), x.float() @ weight.float().T, rtol=2**-7, atol=1e-3)
-    assert kernel_calls() == 0
+    assert linear_calls() == (0, 0)
 
 
 def test_op_traces_into_one_call_under_compile():

@@ -5,7 +5,7 @@ points (independent of both kernels' unpacking)."""
 import pytest
 import torch
 
-from conftest import count_native_calls, cpu_has
+from conftest import count_native_calls, cpu_has, kernel_calls
 from vllm_accel.ops.cpu_native import build as native
 from vllm_accel.ops.cpu_native import wint_gemv
 from vllm_accel.ops.registry import get_kernel
@@ -17,8 +17,29 @@ linear = get_kernel("wint_prepared_linear", "cpu_native")
 
 @pytest.fixture
 def gemv_calls(monkeypatch):
-    """Counts the C++ GEMV's calls (the op falls back to torch's kernel silently)."""
-    return count_native_calls(monkeypatch, "accel_int4pack_gemv", 6)
+    """(calls, rows) of the C++ GEMV so far (the op falls back to torch's kernel
+    silently)."""
+    return kernel_calls(monkeypatch, "int4pack_linear", "accel_int4pack_gemv", 6)
+
+
+def test_op_dispatches_to_cpp_wherever_the_kernels_build():
+    """The op's CPU kernel is the C++ one (no Python per call) whenever the kernel
+    library builds; the Python kernel is only the fallback for a failed torch build."""
+    assert wint_gemv.NATIVE_DISPATCH == (native.library() is not None)
+
+
+@pytest.mark.parametrize("tokens", [1, 5])
+def test_python_kernel_matches_the_cpp_kernel(tokens, monkeypatch):
+    """``wint_gemv.int4pack_linear`` (the op's kernel where csrc/torch_ops.cpp cannot
+    be built) calls the same C kernel: the same bits, one call with the same rows."""
+    rows = count_native_calls(monkeypatch, "accel_int4pack_gemv", 6)
+    res, _ = make_resident(128, 256, 4, 64, False, False, seed=tokens)
+    prepared = prepare(res, torch.bfloat16)
+    x = torch.randn(tokens, 256, generator=torch.Generator().manual_seed(tokens)).bfloat16()
+    args = (x, prepared["int4_weight"], 64, prepared["int4_scales_zeros"])
+    assert torch.equal(wint_gemv.int4pack_linear(*args),
+                       torch.ops.vllm_accel.int4pack_linear(*args))
+    assert rows == ([tokens] if wint_gemv.gemv_available() else [])
 
 
 def test_gemv_is_available_exactly_on_avx512_and_vbmi():
@@ -59,7 +80,7 @@ def test_matches_float64(group_size, sym, act_order, k, tokens, gemv_calls):
     assert y.dtype == torch.bfloat16 and y.shape == (tokens, n)
     assert bool((err <= REL * magnitude + 1e-6).all()), (err / magnitude).max()
     native_rows = tokens <= wint_gemv.NATIVE_MAX_ROWS and wint_gemv.gemv_available()
-    assert gemv_calls == ([tokens] if native_rows else [])
+    assert gemv_calls() == ((1, tokens) if native_rows else (0, 0))
 
 
 @pytest.mark.parametrize("variant", [wint_gemv.FP32_FMA, wint_gemv.BF16_DOT],
@@ -97,7 +118,7 @@ def test_threaded_gemv_matches_float64(gemv_calls):
     y = linear(x, prepared)
     err = (y.double() - x.double() @ w.t()).abs()
     assert bool((err <= REL * (x.double().abs() @ w.abs().t()) + 1e-6).all())
-    assert gemv_calls == ([1] if wint_gemv.gemv_available() else [])
+    assert gemv_calls() == ((1, 1) if wint_gemv.gemv_available() else (0, 0))
 
 
 def test_bad_shapes_go_to_torch_which_names_them():
@@ -123,7 +144,7 @@ def test_strided_rows_and_the_torch_kernel_agree(gemv_calls):
     got = torch.ops.vllm_accel.int4pack_linear(x, *args)
     want = torch.ops.aten._weight_int4pack_mm_for_cpu(x.contiguous(), *args)
     torch.testing.assert_close(got, want, rtol=2 ** -7, atol=1e-3)
-    assert gemv_calls == ([3] if wint_gemv.gemv_available() else [])
+    assert gemv_calls() == ((1, 3) if wint_gemv.gemv_available() else (0, 0))
 
 
 @pytest.mark.parametrize("n,dtype", [(96, torch.bfloat16), (128, torch.float32)])
@@ -135,7 +156,7 @@ def test_shapes_and_dtypes_it_does_not_take_use_torch(n, dtype, gemv_calls):
     y = linear(x, prepared)
     err = (y.double() - x.double() @ w.t()).abs()
     assert bool((err <= REL * (x.double().abs() @ w.abs().t()) + 1e-6).all())
-    assert gemv_calls == []
+    assert gemv_calls() == (0, 0)
 
 
 def test_traces_as_one_op():

@@ -6,6 +6,7 @@ test_attention_kernels/test_attention_int8 cover 64 and 128),
 and its RMSNorm / SiluAndMul against the reference kernels and float64.
 """
 
+import functools
 import logging
 import math
 import re
@@ -142,10 +143,20 @@ def _write_case(dtype, layout, bs=16, d=64, seed=0):
     return key, value, slots, num_blocks
 
 
+@pytest.fixture(params=["dispatcher", "ctypes"])
+def call_path(request, monkeypatch):
+    """The kernels through csrc/torch_ops.cpp's ops (wherever that library builds) or
+    through ctypes (where it cannot)."""
+    assert native.torch_ops() is not None
+    if request.param == "ctypes":
+        monkeypatch.setattr(attention_native, "_dispatched", lambda: False)
+    return request.param
+
+
 @pytest.mark.parametrize("layout", ["LBHNC", "LHBNC"])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("int8", [False, True], ids=["float", "int8"])
-def test_cache_write_bit_exact(int8, dtype, layout, monkeypatch):
+def test_cache_write_bit_exact(int8, dtype, layout, monkeypatch, call_path):
     key, value, slots, num_blocks = _write_case(dtype, layout)
     width = 2 * 64 + (8 if int8 else 0)
     cache_dtype = torch.int8 if int8 else dtype
@@ -172,7 +183,7 @@ def _no_fallback(name, provider):
     raise AssertionError(f"{provider} {name} fell back to the next provider")
 
 
-def test_cache_write_rejects_slots_outside_the_cache():
+def test_cache_write_rejects_slots_outside_the_cache(call_path):
     key, value, slots, num_blocks = _write_case(torch.float32, "LBHNC")
     cache = torch.zeros(num_blocks, HKV, 16, 2 * 64)
     slots[3] = num_blocks * 16
@@ -191,6 +202,41 @@ def test_cache_write_int8_static_scales_bit_exact(dtype):
 
 
 # ------------------------------------------------------------------ readers
+
+
+@pytest.mark.parametrize("int8", [False, True], ids=["float", "int8"])
+@pytest.mark.parametrize("mix", ["decode", "mixed"])
+def test_dispatcher_ops_equal_the_ctypes_path(mix, int8, monkeypatch):
+    """The readers through csrc/torch_ops.cpp's op and through ctypes call the same
+    kernel: the same bits, and the same error for a block id outside the cache."""
+    assert native.torch_ops() is not None
+    reqs = batch_mix(mix, 32)
+    if int8:
+        qs, _, _, block_table, cache, _ = build(reqs, 32, 3, 64, torch.bfloat16, "LHBNC", seed=5)
+    else:
+        qs, _, _, block_table, cache = make_case(reqs, 32, 3 * HKV, HKV, 64, torch.bfloat16,
+                                                 seed=5)
+    query = torch.cat(qs)
+    query_start_loc, seq_lens = kernel_args(reqs)
+    suffix = "_int8" if int8 else ""
+    if mix == "decode":
+        run = functools.partial(getattr(attention_native, "paged_decode" + suffix), query,
+                                cache, block_table, seq_lens, 0.125)
+    else:
+        run = functools.partial(getattr(attention_native, "paged_prefill" + suffix), query,
+                                cache, block_table, query_start_loc, seq_lens, 0.125)
+    monkeypatch.setattr(attention_native, "fallback_kernel", _no_fallback)
+    outs, errors = [], []
+    for dispatched in (True, False):
+        monkeypatch.setattr(attention_native, "_dispatched", lambda d=dispatched: d)
+        outs.append(run())
+        block_table[1, 0] += cache.shape[0]
+        with pytest.raises(ValueError, match="ids outside the cache") as error:
+            run()
+        block_table[1, 0] -= cache.shape[0]
+        errors.append(str(error.value))
+    assert torch.equal(outs[0], outs[1]) and outs[0].abs().sum() > 0
+    assert errors[0] == errors[1]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])

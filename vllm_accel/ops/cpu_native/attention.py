@@ -11,7 +11,10 @@ end. Decode and short prefills use it; a prefill whose causal work is large
 Each kernel takes the same arguments as the other providers and falls back to
 the next provider (``fallback_kernel``) for inputs the C ABI does not take
 (non-CPU tensors, a cache dtype other than the query's) or when the library
-could not be built (see ``native``).
+could not be built (see ``native``). The C entry points are reached through the
+dispatcher ops ``vllm_accel::cpu_paged_attention`` / ``cpu_cache_write``
+(``csrc/torch_ops.cpp``, which check the inputs in C++) wherever that library
+builds, else through ctypes with the checks in Python.
 """
 
 import ctypes
@@ -115,14 +118,35 @@ def _attention(query, kv_cache, block_table, query_start_loc, seq_lens, scale, p
     return out
 
 
+@functools.cache
+def _dispatched() -> bool:
+    """Whether the C++ ops (``csrc/torch_ops.cpp``) check the inputs and call the
+    kernels: no Python per call beyond the op's (~20 us less a layer than ctypes)."""
+    return native.torch_ops() is not None
+
+
+def _run(query, kv_cache, block_table, query_start_loc, seq_lens, scale, padded):
+    """The kernel's ``[T, H, D]`` output, or ``None`` where it does not take these inputs."""
+    if _dispatched():
+        out = torch.ops.vllm_accel.cpu_paged_attention(query, kv_cache, block_table,
+                                                       query_start_loc, seq_lens, scale, padded)
+        return out if out.dim() == 3 else None
+    if (not _native_ok(query, kv_cache, block_table, seq_lens, query_start_loc)
+            or query_start_loc.shape[0] != seq_lens.shape[0] + 1
+            or int(query_start_loc[-1]) > query.shape[0]):
+        return None
+    return _attention(query, kv_cache, block_table, query_start_loc, seq_lens, scale, padded)
+
+
 def _decode(name):
     def paged_decode(query, kv_cache, block_table, seq_lens, scale):
         """One query token per request ``[B, H, D]``."""
-        if (not _native_ok(query, kv_cache, block_table, seq_lens)
-                or seq_lens.shape[0] != query.shape[0]):
-            return fallback_kernel(name, NATIVE)(query, kv_cache, block_table, seq_lens, scale)
-        return _attention(query, kv_cache, block_table, _iota(query.shape[0]), seq_lens,
-                          scale, padded=False)
+        if seq_lens.shape[0] == query.shape[0]:
+            out = _run(query, kv_cache, block_table, _iota(query.shape[0]), seq_lens, scale,
+                       padded=False)
+            if out is not None:
+                return out
+        return fallback_kernel(name, NATIVE)(query, kv_cache, block_table, seq_lens, scale)
 
     paged_decode.__name__ = name
     return register_kernel(name, NATIVE)(paged_decode)
@@ -138,16 +162,41 @@ def _prefill_pairs(query_start_loc: torch.Tensor, seq_lens: torch.Tensor) -> int
 def _prefill(name):
     def paged_prefill(query, kv_cache, block_table, query_start_loc, seq_lens, scale):
         """Causal attention for the newest ``q_len`` tokens of each request."""
-        if (not _native_ok(query, kv_cache, block_table, seq_lens, query_start_loc)
-                or query_start_loc.shape[0] != seq_lens.shape[0] + 1
-                or int(query_start_loc[-1]) > query.shape[0]
-                or _prefill_pairs(query_start_loc, seq_lens) > PREFILL_NATIVE_MAX_PAIRS):
-            return fallback_kernel(name, NATIVE)(query, kv_cache, block_table,
-                                                 query_start_loc, seq_lens, scale)
-        return _attention(query, kv_cache, block_table, query_start_loc, seq_lens, scale)
+        if (query_start_loc.shape[0] == seq_lens.shape[0] + 1
+                and _prefill_pairs(query_start_loc, seq_lens) <= PREFILL_NATIVE_MAX_PAIRS):
+            out = _run(query, kv_cache, block_table, query_start_loc, seq_lens, scale,
+                       padded=True)
+            if out is not None:
+                return out
+        return fallback_kernel(name, NATIVE)(query, kv_cache, block_table, query_start_loc,
+                                             seq_lens, scale)
 
     paged_prefill.__name__ = name
     return register_kernel(name, NATIVE)(paged_prefill)
+
+
+def _ctypes_cache_write(key, value, kv_cache, slot_mapping, int8, k_scale, v_scale) -> bool:
+    """``accel_cache_write`` through ctypes; False where it does not take these inputs."""
+    n = slot_mapping.shape[0]
+    if (native.library() is None or key.device.type != "cpu"
+            or kv_cache.device.type != "cpu" or native.dtype_code(key.dtype) is None
+            or (not int8 and kv_cache.dtype != key.dtype) or value.dtype != key.dtype
+            or key.stride(-1) != 1 or value.stride(-1) != 1
+            or key.shape[1:] != (kv_cache.shape[1], _head_size(kv_cache))
+            or _pages(kv_cache) is None):
+        return False
+    slots = slot_mapping.to(torch.int64).contiguous()
+    block_stride, head_stride = _pages(kv_cache)
+    rc = native.library().accel_cache_write(
+        native.dtype_code(key.dtype), _ptr(key), _ptr(value), key.stride(0), key.stride(1),
+        value.stride(0), value.stride(1),
+        _ptr(kv_cache), int(int8), block_stride, head_stride, _ptr(slots), n,
+        kv_cache.shape[1], kv_cache.shape[2], _head_size(kv_cache), kv_cache.shape[0],
+        ctypes.c_float(k_scale or 0.0), ctypes.c_float(v_scale or 0.0),
+    )
+    if rc:
+        _raise_for(rc, "accel_cache_write")
+    return True
 
 
 def _cache_write(name, int8):
@@ -155,25 +204,14 @@ def _cache_write(name, int8):
         """Scatter (quantizing, for an INT8 cache) new K/V ``[T, Hkv, D]`` into their slots."""
         n = slot_mapping.shape[0]
         key, value = key[:n], value[:n]
+        if _dispatched():
+            if torch.ops.vllm_accel.cpu_cache_write(key, value, kv_cache, slot_mapping,
+                                                    k_scale or 0.0, v_scale or 0.0):
+                return
+        elif _ctypes_cache_write(key, value, kv_cache, slot_mapping, int8, k_scale, v_scale):
+            return
         static = (k_scale, v_scale) if int8 else ()
-        if (native.library() is None or key.device.type != "cpu"
-                or kv_cache.device.type != "cpu" or native.dtype_code(key.dtype) is None
-                or (not int8 and kv_cache.dtype != key.dtype) or value.dtype != key.dtype
-                or key.stride(-1) != 1 or value.stride(-1) != 1
-                or key.shape[1:] != (kv_cache.shape[1], _head_size(kv_cache))
-                or _pages(kv_cache) is None):
-            return fallback_kernel(name, NATIVE)(key, value, kv_cache, slot_mapping, *static)
-        slots = slot_mapping.to(torch.int64).contiguous()
-        block_stride, head_stride = _pages(kv_cache)
-        rc = native.library().accel_cache_write(
-            native.dtype_code(key.dtype), _ptr(key), _ptr(value), key.stride(0), key.stride(1),
-            value.stride(0), value.stride(1),
-            _ptr(kv_cache), int(int8), block_stride, head_stride, _ptr(slots), n,
-            kv_cache.shape[1], kv_cache.shape[2], _head_size(kv_cache), kv_cache.shape[0],
-            ctypes.c_float(k_scale or 0.0), ctypes.c_float(v_scale or 0.0),
-        )
-        if rc:
-            _raise_for(rc, "accel_cache_write")
+        fallback_kernel(name, NATIVE)(key, value, kv_cache, slot_mapping, *static)
 
     cache_write.__name__ = name
     return register_kernel(name, NATIVE)(cache_write)

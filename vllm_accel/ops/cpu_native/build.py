@@ -34,7 +34,7 @@ logger = init_logger(__name__)
 CSRC = Path(__file__).parent / "csrc"
 SOURCES = (CSRC / "paged_attention.cpp", CSRC / "elementwise.cpp", CSRC / "int4_gemv.cpp",
            CSRC / "bf16_linear.cpp")
-HEADERS = (CSRC / "dtypes.h",)
+HEADERS = (CSRC / "dtypes.h", CSRC / "entry_points.h")
 #: the dispatcher kernels of vllm_accel's torch.library ops (built against torch)
 TORCH_OPS_SOURCE = CSRC / "torch_ops.cpp"
 TORCH_OPS_FLAGS = ("-O2", "-std=c++17", "-fPIC", "-shared", "-w")
@@ -142,7 +142,8 @@ def torch_flags() -> list[str]:
 def _build_torch_ops(cxx: str, kernels: Path) -> Path:
     version = subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout
     key = hashlib.sha256("\0".join(
-        [TORCH_OPS_SOURCE.read_text(), kernels.name, cxx, version, " ".join(TORCH_OPS_FLAGS),
+        [TORCH_OPS_SOURCE.read_text(), (CSRC / "entry_points.h").read_text(), kernels.name,
+         cxx, version, " ".join(TORCH_OPS_FLAGS),
          torch.__version__, str(Path(torch.__file__).parent)]).encode()).hexdigest()[:16]
     target = kernels.parent / f"cpu_native_ops-{key}.so"
     if target.exists():
@@ -161,21 +162,27 @@ def _build_torch_ops(cxx: str, kernels: Path) -> Path:
 
 
 @functools.cache
-def torch_ops() -> Path | None:
+def torch_ops() -> ctypes.CDLL | None:
     """Build (once) and load the dispatcher kernels of vllm_accel's ops
-    (``csrc/torch_ops.cpp``); their path, or ``None`` (warned once) when the kernel
-    library is off or this cannot be built: the ops' Python kernels then run."""
+    (``csrc/torch_ops.cpp``); the library (for its C entry points), or ``None``
+    (warned once) when the kernel library is off or this cannot be built: the ops'
+    Python kernels then run."""
     lib = library()
     if lib is None:
         return None
     try:
         path = _build_torch_ops(compiler(), Path(lib._name))
         torch.ops.load_library(str(path))
+        ops = ctypes.CDLL(str(path))
     except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
         logger.warning("Could not build the cpu_native torch ops (%s); their Python "
                        "kernels run instead (~10 us more a call).", exc)
         return None
-    return path
+    ops.accel_torch_ops_kernel_calls.argtypes = (ctypes.c_char_p, ctypes.POINTER(_i64))
+    ops.accel_torch_ops_kernel_calls.restype = _i64
+    ops.accel_torch_ops_set_int4pack_layout.argtypes = (_i32,)
+    ops.accel_torch_ops_set_int4pack_layout.restype = None
+    return ops
 
 
 @functools.cache

@@ -88,11 +88,18 @@ def int4pack_linear(x: torch.Tensor, weight: torch.Tensor, group_size: int,
 
 # Registered with torch.library.Library rather than @custom_op: a decode step makes
 # 4 calls per layer, and the dispatcher reaches a plain CPU kernel in ~2 us where
-# custom_op's wrappers take ~7 us (torch 2.13, measured).
+# custom_op's wrappers take ~7 us (torch 2.13, measured); a C++ kernel behind it
+# saves the Python kernel's ~10 us more.
 _LIB = torch.library.Library("vllm_accel", "FRAGMENT")
 _LIB.define("int4pack_linear(Tensor x, Tensor weight, int group_size, Tensor scales_zeros)"
             " -> Tensor")
-_LIB.impl("int4pack_linear", int4pack_linear, "CPU")
+#: whether the op's CPU kernel is the C++ one (csrc/torch_ops.cpp: no Python per
+#: call) or, where that library cannot be built, ``int4pack_linear`` above
+NATIVE_DISPATCH = native.torch_ops() is not None
+if NATIVE_DISPATCH:
+    native.torch_ops().accel_torch_ops_set_int4pack_layout(int(gemv_available()))
+else:
+    _LIB.impl("int4pack_linear", int4pack_linear, "CPU")
 
 
 @torch.library.register_fake("vllm_accel::int4pack_linear", lib=_LIB)

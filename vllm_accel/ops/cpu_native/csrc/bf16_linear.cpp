@@ -21,6 +21,7 @@
 #include <vector>
 
 #include "dtypes.h"
+#include "entry_points.h"
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #define ACCEL_BF16_LINEAR 1

@@ -31,6 +31,7 @@
 #include <vector>
 
 #include "dtypes.h"
+#include "entry_points.h"
 
 #if defined(__AVX512F__) && defined(__AVX512VBMI__)
 #define ACCEL_INT4_GEMV 1

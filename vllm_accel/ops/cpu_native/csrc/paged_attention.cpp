@@ -21,6 +21,7 @@
 #include <vector>
 
 #include "dtypes.h"
+#include "entry_points.h"
 
 #ifdef __AVX512F__
 #include <immintrin.h>

@@ -1,14 +1,16 @@
 // The CPU kernels of vllm_accel's torch.library ops, registered with torch's
-// dispatcher, so that a call from a compiled graph reaches the C kernel without
-// Python in between (a Python kernel behind the dispatcher costs ~10 us a call: at
-// ~210 linears a decode step of the default model, ~2-3 ms).
+// dispatcher, so that a call reaches the C kernel without Python in between (a
+// Python kernel behind the dispatcher, its checks and a ctypes call cost 10-20 us
+// a call on a 2-core Xeon: the default model's decode step makes 120 linear and 60
+// attention calls).
 //
 // Built against torch's headers into its own library (build.py: torch_ops), which
-// links the plain kernel library for the C entry points; the schemas are defined
-// in Python (bf16_linear.py) before this library is loaded.
+// links the plain kernel library for the C entry points (entry_points.h).
 
 #include <ATen/core/Tensor.h>
+#include <ATen/ops/_weight_int4pack_mm_for_cpu.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
 #include <ATen/ops/linear.h>
 #include <torch/library.h>
 
@@ -17,18 +19,29 @@
 #include <optional>
 #include <string_view>
 
-extern "C" {
-int accel_bf16_linear_available();
-int accel_bf16_linear(const void* x, int64_t x_stride, int32_t x_dtype, const void* w,
-                      int64_t w_stride, const float* bias, void* y, int64_t y_stride, int64_t m,
-                      int64_t n, int64_t k);
-}
+#include "entry_points.h"
 
 namespace {
 
-// How often each op reached its C kernel (the ops fall back to torch silently;
-// the tests read these through accel_torch_ops_kernel_calls).
-std::atomic<int64_t> bf16_linear_calls{0};
+// How often each op reached its C kernel and for how many rows in all (the ops fall
+// back to torch silently; the tests read these through accel_torch_ops_kernel_calls).
+struct KernelCalls {
+  std::atomic<int64_t> calls{0}, rows{0};
+  void add(int64_t m) {
+    calls.fetch_add(1, std::memory_order_relaxed);
+    rows.fetch_add(m, std::memory_order_relaxed);
+  }
+};
+KernelCalls bf16_linear_calls, int4pack_linear_calls;
+
+// Whether torch packs int4 weights the way accel_int4pack_gemv reads them: torch picks
+// its layout by the CPU capability it runs with, so Python checks it once
+// (wint_gemv.py) and says so here; until then the op runs torch's kernel.
+std::atomic<bool> int4pack_layout_ok{false};
+// accel_int4pack_gemv's variant: the best this build has
+constexpr int32_t kInt4Best = 0;
+// largest batch the int4 GEMV takes (wint_gemv.NATIVE_MAX_ROWS), outputs per block
+constexpr int64_t kInt4MaxRows = 64, kInt4BlockN = 64;
 
 // The C ABI's dtype codes (dtypes.h); -1 for a dtype the kernels lack.
 int dtype_code(at::ScalarType type) {
@@ -73,15 +86,172 @@ at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& weight,
                                      y.data_ptr(), y.stride(0), m, n, k);
     TORCH_CHECK(rc == 0, "accel_bf16_linear failed (", rc, ") for x ", x.sizes(), " ",
                 x.scalar_type(), ", weight ", weight.sizes());
-    bf16_linear_calls.fetch_add(1, std::memory_order_relaxed);
+    bf16_linear_calls.add(m);
   }
   return y.view(out_sizes);
 }
 
-}  // namespace
-
-extern "C" int64_t accel_torch_ops_kernel_calls(const char* op) {
-  return std::string_view(op) == "bf16_linear" ? bf16_linear_calls.load() : -1;
+// vllm_accel::int4pack_linear: torch's _weight_int4pack_mm_for_cpu contract; bf16 batches
+// of up to 64 rows run the C++ GEMV, everything else torch's kernel (as
+// wint_gemv.int4pack_linear, the Python kernel, decides).
+at::Tensor int4pack_linear(const at::Tensor& x, const at::Tensor& weight, int64_t group_size,
+                           const at::Tensor& scales_zeros) {
+  static const bool built = accel_int4pack_gemv_available() != 0;
+  const bool two_d = x.dim() == 2;
+  const int64_t m = two_d ? x.size(0) : 0, k = two_d ? x.size(1) : 0;
+  const int64_t n = scales_zeros.dim() == 3 ? scales_zeros.size(1) : -1;
+  const bool takes =
+      built && int4pack_layout_ok.load(std::memory_order_relaxed) && two_d && m > 0 &&
+      m <= kInt4MaxRows && x.scalar_type() == at::kBFloat16 && x.stride(1) == 1 &&
+      x.device().is_cpu() && scales_zeros.scalar_type() == at::kBFloat16 &&
+      scales_zeros.is_contiguous() && scales_zeros.device().is_cpu() && n > 0 &&
+      n % kInt4BlockN == 0 && group_size > 0 && group_size % 2 == 0 && k % group_size == 0 &&
+      scales_zeros.size(0) == k / group_size && scales_zeros.size(2) == 2 &&
+      weight.scalar_type() == at::kByte && weight.dim() == 2 && weight.size(0) == n &&
+      weight.size(1) == k / 2 && weight.is_contiguous() && weight.device().is_cpu();
+  if (!takes) {
+    return at::_weight_int4pack_mm_for_cpu(x.contiguous(), weight, group_size, scales_zeros);
+  }
+  at::Tensor y = at::empty({m, n}, x.options());
+  const int rc = accel_int4pack_gemv(x.data_ptr(), x.stride(0), weight.data_ptr(),
+                                     scales_zeros.data_ptr(), y.data_ptr(), y.stride(0),
+                                     static_cast<int32_t>(m), n, k, group_size, kInt4Best);
+  TORCH_CHECK(rc == 0, "accel_int4pack_gemv failed (", rc, ") for x ", x.sizes(), ", weight ",
+              weight.sizes(), ", group ", group_size);
+  int4pack_linear_calls.add(m);
+  return y;
 }
 
-TORCH_LIBRARY_IMPL(vllm_accel, CPU, m) { m.impl("bf16_linear", &bf16_linear); }
+// Bytes of float32 (k_scale, v_scale) after each token's codes in an INT8 page
+// (ops/paged_layout.py: INT8_SCALE_BYTES).
+constexpr int64_t kInt8ScaleBytes = 8;
+
+// The paged cache [blocks, kv heads, block size, width] with every (block, head)
+// page's rows contiguous, and its head size; false if the kernels cannot read it.
+bool pages_ok(const at::Tensor& kv_cache, int64_t* head_size) {
+  if (kv_cache.dim() != 4 || !kv_cache.device().is_cpu()) return false;
+  const int64_t width = kv_cache.size(3);
+  const bool int8 = kv_cache.scalar_type() == at::kChar;
+  *head_size = int8 ? (width - kInt8ScaleBytes) / 2 : width / 2;
+  return kv_cache.stride(3) == 1 && kv_cache.stride(2) == width;
+}
+
+bool int32_cpu(const at::Tensor& t) {
+  return t.scalar_type() == at::kInt && t.device().is_cpu();
+}
+
+// The C entry points' errors (csrc/paged_attention.cpp): they check every block id
+// and slot before touching the cache, since a bad one would read or write outside it.
+void check_rc(int rc, const char* entry) {
+  TORCH_CHECK_VALUE(rc != -2, entry, ": a seq_len needs more blocks than the block table has "
+                    "columns");
+  TORCH_CHECK_VALUE(rc != -3, entry, ": the block table holds ids outside the cache in the "
+                    "blocks a request reads");
+  TORCH_CHECK_VALUE(rc != -4, entry, ": a slot is outside the cache");
+  TORCH_CHECK(rc == 0, entry, " failed (", rc, ")");
+}
+
+// vllm_accel::cpu_paged_attention: causal attention over the paged cache for the
+// query rows of each request (query_start_loc), as attention.py's ctypes path. Returns
+// the output [T, H, D], or an empty 1-D tensor when the kernel does not take these
+// inputs (the caller then falls back to the next provider).
+at::Tensor cpu_paged_attention(const at::Tensor& query, const at::Tensor& kv_cache,
+                               const at::Tensor& block_table,
+                               const at::Tensor& query_start_loc, const at::Tensor& seq_lens,
+                               double scale, bool zero_tail) {
+  int64_t head_size = 0;
+  const int code = dtype_code(query.scalar_type());
+  const bool int8 = kv_cache.scalar_type() == at::kChar;
+  if (!pages_ok(kv_cache, &head_size) || code < 0 || query.dim() != 3 ||
+      !query.device().is_cpu() || (!int8 && kv_cache.scalar_type() != query.scalar_type()) ||
+      query.stride(2) != 1 || kv_cache.size(2) % 16 != 0 || query.size(2) != head_size ||
+      query.size(1) % kv_cache.size(1) != 0 || block_table.dim() != 2 ||
+      !int32_cpu(block_table) || !int32_cpu(seq_lens) || !int32_cpu(query_start_loc) ||
+      seq_lens.dim() != 1 || block_table.size(0) < seq_lens.size(0) ||
+      query_start_loc.dim() != 1 || query_start_loc.size(0) != seq_lens.size(0) + 1) {
+    return at::empty({0}, query.options());
+  }
+  const at::Tensor table = block_table.stride(1) == 1 ? block_table : block_table.contiguous();
+  const at::Tensor starts = query_start_loc.contiguous(), lens = seq_lens.contiguous();
+  const int64_t rows = starts.data_ptr<int32_t>()[starts.size(0) - 1];
+  if (rows > query.size(0)) return at::empty({0}, query.options());
+  at::Tensor out = at::empty_like(query);
+  const int rc = accel_paged_attention(
+      code, query.data_ptr(), query.stride(0), query.stride(1), out.data_ptr(), out.stride(0),
+      out.stride(1), kv_cache.data_ptr(), int8, kv_cache.stride(0), kv_cache.stride(1),
+      static_cast<int>(kv_cache.size(2)), static_cast<int>(head_size), kv_cache.size(0),
+      table.data_ptr<int32_t>(), table.stride(0), table.size(1), starts.data_ptr<int32_t>(),
+      lens.data_ptr<int32_t>(), static_cast<int>(lens.size(0)),
+      static_cast<int>(query.size(1)), static_cast<int>(kv_cache.size(1)),
+      static_cast<float>(scale));
+  check_rc(rc, "accel_paged_attention");
+  if (zero_tail && rows < out.size(0)) out.narrow(0, rows, out.size(0) - rows).zero_();
+  return out;
+}
+
+// vllm_accel::cpu_cache_write: scatter (quantizing, for an INT8 cache) new K/V
+// [T, Hkv, D] into the slots of slot_mapping; false when the kernel does not take
+// these inputs (the caller then falls back to the next provider).
+bool cpu_cache_write(const at::Tensor& key, const at::Tensor& value, const at::Tensor& kv_cache,
+                     const at::Tensor& slot_mapping, double k_scale, double v_scale) {
+  int64_t head_size = 0;
+  const int code = dtype_code(key.scalar_type());
+  const bool int8 = kv_cache.scalar_type() == at::kChar;
+  const int64_t n = slot_mapping.dim() == 1 ? slot_mapping.size(0) : -1;
+  if (!pages_ok(kv_cache, &head_size) || code < 0 || n < 0 || key.dim() != 3 ||
+      value.dim() != 3 || key.size(0) < n || value.size(0) < n || !key.device().is_cpu() ||
+      !value.device().is_cpu() || !slot_mapping.device().is_cpu() ||
+      (!int8 && kv_cache.scalar_type() != key.scalar_type()) ||
+      value.scalar_type() != key.scalar_type() || key.stride(2) != 1 || value.stride(2) != 1 ||
+      key.size(1) != kv_cache.size(1) || key.size(2) != head_size ||
+      value.size(1) != key.size(1) || value.size(2) != head_size) {
+    return false;
+  }
+  const at::Tensor slots = slot_mapping.to(at::kLong).contiguous();
+  const int rc = accel_cache_write(
+      code, key.data_ptr(), value.data_ptr(), key.stride(0), key.stride(1), value.stride(0),
+      value.stride(1), kv_cache.data_ptr(), int8, kv_cache.stride(0), kv_cache.stride(1),
+      slots.data_ptr<int64_t>(), n, static_cast<int>(kv_cache.size(1)),
+      static_cast<int>(kv_cache.size(2)), static_cast<int>(head_size), kv_cache.size(0),
+      static_cast<float>(k_scale), static_cast<float>(v_scale));
+  check_rc(rc, "accel_cache_write");
+  return true;
+}
+
+}  // namespace
+
+extern "C" {
+
+// Calls of `op`'s C kernel so far, and their rows summed into *rows; -1 for an
+// unknown op.
+int64_t accel_torch_ops_kernel_calls(const char* op, int64_t* rows) {
+  const std::string_view name(op);
+  KernelCalls* counter = name == "bf16_linear"       ? &bf16_linear_calls
+                         : name == "int4pack_linear" ? &int4pack_linear_calls
+                                                     : nullptr;
+  if (counter == nullptr) return -1;
+  *rows = counter->rows.load();
+  return counter->calls.load();
+}
+
+void accel_torch_ops_set_int4pack_layout(int matches) { int4pack_layout_ok = matches != 0; }
+
+}  // extern "C"
+
+// The attention ops exist only with this library (attention.py calls them when it
+// loaded, else its ctypes path); called inside vLLM's attention op, never traced.
+TORCH_LIBRARY_FRAGMENT(vllm_accel, m) {
+  m.def("cpu_paged_attention(Tensor query, Tensor kv_cache, Tensor block_table, "
+        "Tensor query_start_loc, Tensor seq_lens, float scale, bool zero_tail) -> Tensor");
+  m.def("cpu_cache_write(Tensor key, Tensor value, Tensor(a!) kv_cache, Tensor slot_mapping, "
+        "float k_scale, float v_scale) -> bool");
+}
+
+// Impls for ops whose schemas Python defines (bf16_linear.py, wint_gemv.py); the
+// dispatcher takes an impl before its schema.
+TORCH_LIBRARY_IMPL(vllm_accel, CPU, m) {
+  m.impl("bf16_linear", &bf16_linear);
+  m.impl("int4pack_linear", &int4pack_linear);
+  m.impl("cpu_paged_attention", &cpu_paged_attention);
+  m.impl("cpu_cache_write", &cpu_cache_write);
+}

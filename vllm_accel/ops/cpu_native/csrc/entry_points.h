@@ -1,0 +1,38 @@
+// The C entry points of the cpu_native kernel library that csrc/torch_ops.cpp calls
+// (Python reaches them through ctypes: build.py's _SIGNATURES). Included by their
+// definitions too, so a changed signature fails to compile instead of mismatching.
+#pragma once
+
+#include <cstdint>
+
+extern "C" {
+
+// paged_attention.cpp
+int accel_paged_attention(int dtype, const void* query, int64_t q_tok_stride,
+                          int64_t q_head_stride, void* out, int64_t o_tok_stride,
+                          int64_t o_head_stride, const void* cache, int cache_int8,
+                          int64_t block_stride, int64_t head_stride, int block_size, int head_size,
+                          int64_t num_blocks, const int32_t* block_table, int64_t bt_stride,
+                          int64_t bt_cols, const int32_t* query_start_loc,
+                          const int32_t* seq_lens, int num_reqs, int num_heads,
+                          int num_kv_heads, float scale);
+int accel_cache_write(int dtype, const void* key, const void* value, int64_t k_tok_stride,
+                      int64_t k_head_stride, int64_t v_tok_stride, int64_t v_head_stride,
+                      void* cache, int cache_int8, int64_t block_stride,
+                      int64_t cache_head_stride, const int64_t* slots, int64_t num_tokens,
+                      int num_kv_heads, int block_size, int head_size, int64_t num_blocks,
+                      float k_scale, float v_scale);
+
+// bf16_linear.cpp
+int accel_bf16_linear_available();
+int accel_bf16_linear(const void* x, int64_t x_stride, int32_t x_dtype, const void* w,
+                      int64_t w_stride, const float* bias, void* y, int64_t y_stride, int64_t m,
+                      int64_t n, int64_t k);
+
+// int4_gemv.cpp
+int accel_int4pack_gemv_available();
+int accel_int4pack_gemv(const void* x, int64_t x_stride, const void* packed,
+                        const void* scales_zeros, void* y, int64_t y_stride, int32_t m,
+                        int64_t n, int64_t k, int64_t group, int32_t variant);
+
+}  // extern "C"
