@@ -198,6 +198,7 @@ def run_worker(spec_path: str) -> None:
         "enable_prefix_caching": cache.enable_prefix_caching,
         "max_num_seqs": sched.max_num_seqs,
         "max_num_batched_tokens": sched.max_num_batched_tokens,
+        "async_scheduling": bool(sched.async_scheduling),
         "enforce_eager": vcfg.model_config.enforce_eager,
         "compilation_mode": getattr(vcfg.compilation_config.mode, "name",
                                     str(vcfg.compilation_config.mode)),
