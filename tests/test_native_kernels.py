@@ -128,6 +128,26 @@ def test_failed_build_warns_and_falls_back(monkeypatch, tmp_path, caplog):
         native.library.cache_clear()
 
 
+def test_failed_torch_ops_build_warns_and_keeps_the_python_kernels(monkeypatch, caplog):
+    """Where the dispatcher kernels (csrc/torch_ops.cpp) cannot be built against
+    torch, torch_ops() is None with a warning: the ops keep their Python kernels and
+    the attention wrappers call the kernel library through ctypes."""
+    def fail(cxx, kernels):
+        raise RuntimeError("c++ failed: torch/library.h: No such file or directory")
+
+    monkeypatch.setattr(native, "_build_torch_ops", fail)
+    native.torch_ops.cache_clear()
+    try:
+        with caplog.at_level(logging.WARNING):
+            assert native.torch_ops() is None
+        assert "Could not build the cpu_native torch ops" in caplog.text
+        assert "No such file" in caplog.text
+    finally:
+        monkeypatch.undo()
+        native.torch_ops.cache_clear()
+    assert native.torch_ops() is not None
+
+
 # ------------------------------------------------------------------ cache writers
 
 

@@ -1,8 +1,11 @@
 """Compiles and loads the C++ kernels in ``csrc/`` (the ``cpu_native`` provider).
 
-Why not a torch C++ extension: including torch's headers makes every build take
-a minute or more; these kernels only need raw pointers, so they are a plain C ABI
-built by the host's C++ compiler in a few seconds and called through ctypes.
+Why not one torch C++ extension: the kernels only need raw pointers, so they are a
+plain C ABI built by the host's C++ compiler without torch's headers and callable
+through ctypes. Only the thin layer that registers them with torch's dispatcher
+(``csrc/torch_ops.cpp``: input checks and calls, so that no Python runs per call)
+is built against torch, into its own library that links the kernel library
+(:func:`torch_ops`, ~6 s once); where that fails, the ctypes paths run.
 
 The library is built on first use, for this CPU (``-march=native``), into
 ``ACCEL_NATIVE_CACHE`` under a key of the source, compiler, flags, the CPU's
