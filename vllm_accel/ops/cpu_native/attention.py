@@ -176,9 +176,11 @@ def _prefill(name):
 
 
 def _ctypes_cache_write(key, value, kv_cache, slot_mapping, int8, k_scale, v_scale) -> bool:
-    """``accel_cache_write`` through ctypes; False where it does not take these inputs."""
+    """``accel_cache_write`` through ctypes (the first ``len(slot_mapping)`` rows of K/V);
+    False where it does not take these inputs."""
     n = slot_mapping.shape[0]
-    if (native.library() is None or key.device.type != "cpu"
+    if (native.library() is None or key.shape[0] < n or value.shape[0] < n
+            or key.device.type != "cpu"
             or kv_cache.device.type != "cpu" or native.dtype_code(key.dtype) is None
             or (not int8 and kv_cache.dtype != key.dtype) or value.dtype != key.dtype
             or key.stride(-1) != 1 or value.stride(-1) != 1
@@ -202,16 +204,16 @@ def _ctypes_cache_write(key, value, kv_cache, slot_mapping, int8, k_scale, v_sca
 def _cache_write(name, int8):
     def cache_write(key, value, kv_cache, slot_mapping, k_scale=None, v_scale=None):
         """Scatter (quantizing, for an INT8 cache) new K/V ``[T, Hkv, D]`` into their slots."""
-        n = slot_mapping.shape[0]
-        key, value = key[:n], value[:n]
-        if _dispatched():
-            if torch.ops.vllm_accel.cpu_cache_write(key, value, kv_cache, slot_mapping,
-                                                    k_scale or 0.0, v_scale or 0.0):
-                return
-        elif _ctypes_cache_write(key, value, kv_cache, slot_mapping, int8, k_scale, v_scale):
-            return
-        static = (k_scale, v_scale) if int8 else ()
-        fallback_kernel(name, NATIVE)(key, value, kv_cache, slot_mapping, *static)
+        if _dispatched():  # both C paths write the first len(slot_mapping) rows
+            written = torch.ops.vllm_accel.cpu_cache_write(key, value, kv_cache, slot_mapping,
+                                                           k_scale or 0.0, v_scale or 0.0)
+        else:
+            written = _ctypes_cache_write(key, value, kv_cache, slot_mapping, int8, k_scale,
+                                          v_scale)
+        if not written:
+            n = slot_mapping.shape[0]
+            static = (k_scale, v_scale) if int8 else ()
+            fallback_kernel(name, NATIVE)(key[:n], value[:n], kv_cache, slot_mapping, *static)
 
     cache_write.__name__ = name
     return register_kernel(name, NATIVE)(cache_write)
