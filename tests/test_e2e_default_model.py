@@ -109,6 +109,7 @@ def test_default_model_matches_hf_answers_paris_and_keeps_constraints(default_mo
             "vllm_accel.worker.sim_model_runner.AccelSimModelRunner") in log
     # Our kernels and memory accounting ran in the worker.
     assert "ACCEL_ATTN attention kernels: vllm_accel.ops.cpu_native.attention" in log
+    assert "cpu_native.attention.attention_step runs the layer in one call" in log
     capacity = re.search(r"Device gcu:0 \(sim\) memory: capacity ([\d.]+) GiB", log)
     assert capacity and float(capacity.group(1)) == pytest.approx(4.0)
     weights = re.search(r"weights ([\d.]+) GiB", log)

@@ -57,6 +57,7 @@ def test_int8_kv_predicts_bf16_tokens_and_holds_more(default_model, tmp_path):
                                     + [prompts[0] + answer],
                                     max_tokens=1, prompt_logprobs=1)
     assert "paged_decode_int8" in log  # the INT8 kernels ran
+    assert "attention_step_int8 runs the layer in one call" in log
     assert int8_tokens >= 1.8 * bf16_tokens, (int8_tokens, bf16_tokens)
     agree = sum(
         top == token

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 from paged_cases import assert_within_int8_bound, build, kernel_args
+from conftest import kernel_calls
 from paged_cases import HKV, batch_mix, make_case, reference
 
 from vllm_accel.ops import custom_ops  # noqa: F401  (registers the reference ops)
@@ -52,20 +53,33 @@ def test_loading_keeps_denormals():
     assert (tiny * 1.0).item() != 0.0
 
 
-def test_build_is_cached_and_keyed(tmp_path, monkeypatch):
-    monkeypatch.setenv("ACCEL_NATIVE_CACHE", str(tmp_path))
+@pytest.fixture
+def small_build(tmp_path, monkeypatch):
+    """_build of one small source into an empty cache: the cache key and reuse are
+    what these tests check (the real sources' build is the library fixture's)."""
+    source = tmp_path / "src" / "small.cpp"
+    source.parent.mkdir()
+    source.write_text('extern "C" int accel_small() { return 1; }\n')
+    monkeypatch.setattr(native, "SOURCES", (source,))
+    monkeypatch.setenv("ACCEL_NATIVE_CACHE", str(tmp_path / "cache"))
+    return source
+
+
+def test_build_is_cached_and_keyed(small_build, monkeypatch):
     cxx = native.compiler()
     first = native._build(cxx)
     mtime = first.stat().st_mtime_ns
     assert native._build(cxx) == first and first.stat().st_mtime_ns == mtime
     monkeypatch.setattr(native, "FLAGS", native.FLAGS + ("-DACCEL_TEST_KEY",))
-    assert native._build(cxx) != first  # other flags, other library
+    other_flags = native._build(cxx)
+    assert other_flags != first  # other flags, other library
+    small_build.write_text('extern "C" int accel_small() { return 2; }\n')
+    assert native._build(cxx) not in (first, other_flags)  # other source, other library
 
 
-def test_build_key_changes_with_the_cpu(tmp_path, monkeypatch):
+def test_build_key_changes_with_the_cpu(small_build, monkeypatch):
     """A checkout's cache may meet another CPU next session: a library built for
     one CPU (-march=native) must never be loaded on another."""
-    monkeypatch.setenv("ACCEL_NATIVE_CACHE", str(tmp_path))
     cxx = native.compiler()
     here = native._build(cxx)
     monkeypatch.setattr(native, "_cpu_signature", lambda: "x86_64 other cpu avx2")
@@ -257,6 +271,109 @@ def test_dispatcher_ops_equal_the_ctypes_path(mix, int8, monkeypatch):
         errors.append(str(error.value))
     assert torch.equal(outs[0], outs[1]) and outs[0].abs().sum() > 0
     assert errors[0] == errors[1]
+
+
+def _layer_case(mix, kv, seed=11):
+    """An attention layer's inputs for ``mix`` (decodes first, as vLLM orders them):
+    metadata, new K/V for each request's newest q_len positions, query and output."""
+    from vllm_accel.ops.attention import AccelAttentionMetadata
+
+    reqs = sorted(batch_mix(mix, 32), key=lambda r: r[0] != 1)
+    if kv == "auto":
+        qs, _, _, block_table, cache = make_case(reqs, 32, 3 * HKV, HKV, 64, torch.bfloat16,
+                                                 seed=seed)
+    else:
+        qs, _, _, block_table, cache, _ = build(reqs, 32, 3, 64, torch.bfloat16, "LHBNC",
+                                                seed=seed)
+    g = torch.Generator().manual_seed(seed + 2)
+    query = torch.cat(qs)
+    slots = torch.cat([block_table[i, pos // 32].long() * 32 + pos % 32
+                       for i, (q, s) in enumerate(reqs) for pos in [torch.arange(s - q, s)]])
+    qkv = torch.randn(len(query), (3 + 2) * HKV, 64, generator=g).to(torch.bfloat16)
+    key, value = qkv[:, 3 * HKV:4 * HKV], qkv[:, 4 * HKV:]  # slices of a fused qkv
+    query_start_loc, seq_lens = kernel_args(reqs)
+    decodes = sum(q == 1 for q, _ in reqs)
+    md = AccelAttentionMetadata(
+        num_actual_tokens=len(query), num_decodes=decodes, num_decode_tokens=decodes,
+        max_seq_len=max(s for _, s in reqs), query_start_loc_cpu=query_start_loc,
+        seq_lens=seq_lens, block_table=block_table, slot_mapping=slots)
+    output = torch.full((len(query) + 2, 3 * HKV, 64), 7.0, dtype=torch.bfloat16)  # padded
+    query = torch.cat([query, torch.randn(2, 3 * HKV, 64, generator=g).to(torch.bfloat16)])
+    return query, key, value, cache, md, output
+
+
+def _impl(kv, monkeypatch):
+    """The backend's impl with the simulator's providers (cpu_native, then torch_fast)."""
+    from vllm_accel.ops import registry
+    from vllm_accel.ops.attention import AccelAttentionImpl
+
+    monkeypatch.setattr(registry, "_preferred_providers", ("cpu_native", "torch_fast",
+                                                           registry.REFERENCE))
+    monkeypatch.setattr(registry, "_resolved", {})
+    monkeypatch.delenv("ACCEL_KERNEL_PROVIDER", raising=False)
+    return AccelAttentionImpl(3 * HKV, 64, 0.125, HKV, None, None, kv)
+
+
+@pytest.mark.parametrize("kv", ["auto", "int8", "int8-static"])
+@pytest.mark.parametrize("mix", ["decode", "mixed", "prefill_ctx"])
+def test_attention_step_equals_the_kernels_one_by_one(mix, kv, monkeypatch):
+    """The backend runs a layer as one C++ op (cache write + attention into the output):
+    the same cache bytes and output bits as the writer and readers called one by one
+    (INT8: dynamic scales, or the layer's static ones, which clip here), padded output
+    rows untouched, one kernel call for the whole batch."""
+    from types import SimpleNamespace
+
+    assert native.torch_ops() is not None
+    layer = SimpleNamespace(layer_name="model.layers.1.self_attn.attn")
+    query, key, value, cache, md, output = _layer_case(mix, kv.split("-")[0])
+    fused, split = (_impl(kv.split("-")[0], monkeypatch) for _ in range(2))
+    assert fused._attention_step is not None
+    split._attention_step = None
+    if kv == "int8-static":
+        for impl in (fused, split):
+            impl._static_kv_scales = {0: (1.0, 1.0), 1: (0.01, 0.02)}  # layer 1's
+    outs, caches = [], []
+    calls = kernel_calls(monkeypatch, "cpu_attention_step", "", 0)
+    for impl in (fused, split):
+        out, kv_cache = output.clone(), cache.clone()
+        impl.forward(layer, query, key, value, kv_cache, md, out)
+        outs.append(out), caches.append(kv_cache)
+    assert calls() == (1, md.num_actual_tokens)
+    assert torch.equal(caches[0].view(torch.uint8), caches[1].view(torch.uint8))
+    assert not torch.equal(caches[0].view(torch.uint8), cache.view(torch.uint8))
+    assert torch.equal(outs[0], outs[1])
+    assert (outs[0][md.num_actual_tokens:] == 7.0).all()
+    if kv == "int8-static":  # the scales reached the op: dynamic ones write other bytes
+        dynamic = _impl("int8", monkeypatch)
+        kv_cache = cache.clone()
+        dynamic.forward(layer, query, key, value, kv_cache, md, output.clone())
+        assert not torch.equal(kv_cache.view(torch.uint8), caches[0].view(torch.uint8))
+
+
+def test_attention_step_declines_without_side_effects(monkeypatch):
+    """What the op does not take (a prefill whose causal work the torch matmuls win,
+    a 2-D output, no dispatcher library) it leaves alone: False, the cache untouched."""
+    query, key, value, cache, md, output = _layer_case("mixed", "auto")
+    args = lambda out: (query, key, value, cache, md.slot_mapping, md.block_table,  # noqa: E731
+                        md.query_start_loc_cpu, md.seq_lens, out, 0.125)
+    before = cache.clone()
+    monkeypatch.setattr(attention_native, "PREFILL_NATIVE_MAX_PAIRS", 100)
+    assert not attention_native.attention_step(*args(output))
+    monkeypatch.undo()
+    assert not attention_native.attention_step(*args(output.flatten(1)))
+    monkeypatch.setattr(attention_native, "_dispatched", lambda: False)
+    assert not attention_native.attention_step(*args(output))
+    assert torch.equal(cache, before)
+
+
+def test_attention_step_rejects_block_ids_outside_the_cache():
+    query, key, value, cache, md, output = _layer_case("decode", "auto")
+    md.block_table[1, 0] += cache.shape[0]
+    with pytest.raises(ValueError, match="accel_paged_attention: the block table holds ids "
+                                         "outside the cache"):
+        attention_native.attention_step(query, key, value, cache, md.slot_mapping,
+                                        md.block_table, md.query_start_loc_cpu, md.seq_lens,
+                                        output, 0.125)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])

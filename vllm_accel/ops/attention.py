@@ -35,7 +35,7 @@ from vllm_accel.ops.reference import attention as _reference  # noqa: F401  (reg
 from vllm_accel.ops.reference import cache_write as _writers  # noqa: F401  (registers)
 from vllm_accel.ops.torch_fast import attention as _torch_fast  # noqa: F401  (registers)
 from vllm_accel.ops.kv_scales import load_kv_scales
-from vllm_accel.ops.registry import get_kernel
+from vllm_accel.ops.registry import get_kernel, providers_of, resolve_provider
 
 logger = init_logger(__name__)
 
@@ -187,6 +187,18 @@ class AccelAttentionMetadataBuilder(AttentionMetadataBuilder[AccelAttentionMetad
         )
 
 
+def _fused_attention_step(suffix: str):
+    """The provider's one-call layer (``attention_step``: cache write and attention
+    into the output), where the provider serving the kernels it fuses offers one."""
+    name = "attention_step" + suffix
+    provider = resolve_provider(name) if providers_of(name) else None
+    if provider not in providers_of(name) or any(
+            resolve_provider(kernel + suffix) != provider
+            for kernel in ("cache_write", "paged_decode", "paged_prefill")):
+        return None
+    return get_kernel(name)
+
+
 class AccelAttentionImpl(AttentionImpl):
     def __init__(
         self,
@@ -223,12 +235,25 @@ class AccelAttentionImpl(AttentionImpl):
         self._cache_write = get_kernel("cache_write" + suffix)
         self._paged_decode = get_kernel("paged_decode" + suffix)
         self._paged_prefill = get_kernel("paged_prefill" + suffix)
+        self._attention_step = _fused_attention_step(suffix)
+        self._step_kv_scales: tuple[float | None, float | None] | None = None
         logger.info_once(
-            "%s attention kernels: %s",
+            "%s attention kernels: %s%s",
             BACKEND_NAME,
             ", ".join(f"{k.__module__}.{k.__name__}" for k in
                       (self._cache_write, self._paged_decode, self._paged_prefill)),
+            f"; {self._attention_step.__module__}.{self._attention_step.__name__} runs "
+            "the layer in one call where it takes the batch"
+            if self._attention_step is not None else "",
         )
+
+    def _layer_kv_scales(self, layer: torch.nn.Module) -> tuple[float | None, float | None]:
+        """This layer's static INT8 (k_scale, v_scale), or ``(None, None)``."""
+        if self._step_kv_scales is None:
+            self._step_kv_scales = (
+                (None, None) if self._static_kv_scales is None
+                else self._static_kv_scales[extract_layer_index(layer.layer_name)])
+        return self._step_kv_scales
 
     def do_kv_cache_update(
         self,
@@ -268,8 +293,14 @@ class AccelAttentionImpl(AttentionImpl):
         if attn_metadata is None:  # profiling / warm-up run: no cache yet
             return output
         md = attn_metadata
-        if (self.kv_sharing_target_layer_name is None and key is not None
-                and value is not None):
+        writes = (self.kv_sharing_target_layer_name is None and key is not None
+                  and value is not None)
+        if (writes and self._attention_step is not None and self._attention_step(
+                query, key, value, kv_cache, md.slot_mapping, md.block_table,
+                md.query_start_loc_cpu, md.seq_lens, output, self.scale,
+                *self._layer_kv_scales(layer))):
+            return output
+        if writes:
             self.do_kv_cache_update(layer, key, value, kv_cache, md.slot_mapping)
         n = md.num_actual_tokens
         out = output[:n].view(n, self.num_heads, self.head_size)

@@ -8,7 +8,9 @@ that registered the kernel wins, so a real card can plug its own kernel in per o
 and fall back to ours for the rest. The one exception to "every kernel has a
 reference": a kernel that runs on a provider's own weight layout
 (``wint_prepared_linear``) exists only for providers whose ``wint_prepare``
-makes that layout; callers pair the two with :func:`resolve_provider`.
+makes that layout, and a kernel that fuses a provider's own kernels
+(``attention_step``) only for providers that offer it; callers pair them with
+:func:`resolve_provider`.
 """
 
 import os

@@ -14,7 +14,10 @@ the next provider (``fallback_kernel``) for inputs the C ABI does not take
 could not be built (see ``native``). The C entry points are reached through the
 dispatcher ops ``vllm_accel::cpu_paged_attention`` / ``cpu_cache_write``
 (``csrc/torch_ops.cpp``, which check the inputs in C++) wherever that library
-builds, else through ctypes with the checks in Python.
+builds, else through ctypes with the checks in Python. Where it builds, the
+attention backend runs a layer through one of them, ``cpu_attention_step``
+(``attention_step``: both kernels, the output written in place), and uses the
+kernels one by one only for what that op declines.
 """
 
 import ctypes
@@ -219,9 +222,26 @@ def _cache_write(name, int8):
     return register_kernel(name, NATIVE)(cache_write)
 
 
+def _attention_step(name):
+    def attention_step(query, key, value, kv_cache, slot_mapping, block_table, query_start_loc,
+                       seq_lens, output, scale, k_scale=None, v_scale=None) -> bool:
+        """A layer's cache write and attention over the whole batch in one C++ call,
+        into ``output`` ``[T, H, D]``: True, or False with nothing done where the
+        kernels must run one by one (inputs they do not take, a long prefill, or no
+        dispatcher library)."""
+        return _dispatched() and torch.ops.vllm_accel.cpu_attention_step(
+            query, key, value, kv_cache, slot_mapping, block_table, query_start_loc, seq_lens,
+            output, scale, k_scale or 0.0, v_scale or 0.0, PREFILL_NATIVE_MAX_PAIRS)
+
+    attention_step.__name__ = name
+    return register_kernel(name, NATIVE)(attention_step)
+
+
 paged_decode = _decode("paged_decode")
 paged_decode_int8 = _decode("paged_decode_int8")
 paged_prefill = _prefill("paged_prefill")
 paged_prefill_int8 = _prefill("paged_prefill_int8")
 cache_write = _cache_write("cache_write", int8=False)
 cache_write_int8 = _cache_write("cache_write_int8", int8=True)
+attention_step = _attention_step("attention_step")
+attention_step_int8 = _attention_step("attention_step_int8")

@@ -32,7 +32,7 @@ struct KernelCalls {
     rows.fetch_add(m, std::memory_order_relaxed);
   }
 };
-KernelCalls bf16_linear_calls, int4pack_linear_calls;
+KernelCalls bf16_linear_calls, int4pack_linear_calls, attention_step_calls;
 
 // Whether torch packs int4 weights the way accel_int4pack_gemv reads them: torch picks
 // its layout by the CPU capability it runs with, so Python checks it once
@@ -71,9 +71,9 @@ at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& weight,
       x.size(-1) != k || k == 0 || !bias_ok) {
     return at::linear(x, weight.to(x.scalar_type()), bias);
   }
-  std::vector<int64_t> out_sizes = x.sizes().vec();
-  out_sizes.back() = n;
-  at::Tensor x2 = x.reshape({-1, k});
+  // (a 2-D x, what the compiled graph passes, needs no reshape and no view back)
+  const bool flat = x.dim() == 2;
+  at::Tensor x2 = flat ? x : x.reshape({-1, k});
   if (x2.stride(1) != 1) x2 = x2.contiguous();
   const int64_t m = x2.size(0);
   at::Tensor y = at::empty({m, n}, x.options());
@@ -88,6 +88,9 @@ at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& weight,
                 x.scalar_type(), ", weight ", weight.sizes());
     bf16_linear_calls.add(m);
   }
+  if (flat) return y;
+  std::vector<int64_t> out_sizes = x.sizes().vec();
+  out_sizes.back() = n;
   return y.view(out_sizes);
 }
 
@@ -151,6 +154,79 @@ void check_rc(int rc, const char* entry) {
   TORCH_CHECK(rc == 0, entry, " failed (", rc, ")");
 }
 
+// Whether the reader takes these inputs: query [T, H, D] (head dim contiguous) in a
+// dtype the kernels have, a cache it can read in that dtype (or INT8), block sizes of
+// 16k (its AVX-512 paths read 16 rows of a page at a time) and int32 CPU tables.
+bool read_ok(const at::Tensor& query, const at::Tensor& kv_cache, const at::Tensor& block_table,
+             const at::Tensor& query_start_loc, const at::Tensor& seq_lens) {
+  int64_t head_size = 0;
+  const bool int8 = kv_cache.scalar_type() == at::kChar;
+  return pages_ok(kv_cache, &head_size) && dtype_code(query.scalar_type()) >= 0 &&
+         query.dim() == 3 && query.device().is_cpu() &&
+         (int8 || kv_cache.scalar_type() == query.scalar_type()) && query.stride(2) == 1 &&
+         kv_cache.size(2) % 16 == 0 && query.size(2) == head_size &&
+         query.size(1) % kv_cache.size(1) == 0 && block_table.dim() == 2 &&
+         int32_cpu(block_table) && int32_cpu(seq_lens) && int32_cpu(query_start_loc) &&
+         seq_lens.dim() == 1 && block_table.size(0) >= seq_lens.size(0) &&
+         query_start_loc.dim() == 1 && query_start_loc.size(0) == seq_lens.size(0) + 1;
+}
+
+// Whether the writer takes these inputs: K/V [>= T, Hkv, D] for the T slots of
+// slot_mapping, in a dtype the kernels have, into a cache of that dtype (or INT8).
+bool write_ok(const at::Tensor& key, const at::Tensor& value, const at::Tensor& kv_cache,
+              const at::Tensor& slot_mapping) {
+  int64_t head_size = 0;
+  const bool int8 = kv_cache.scalar_type() == at::kChar;
+  const int64_t n = slot_mapping.dim() == 1 ? slot_mapping.size(0) : -1;
+  return pages_ok(kv_cache, &head_size) && dtype_code(key.scalar_type()) >= 0 && n >= 0 &&
+         key.dim() == 3 && value.dim() == 3 && key.size(0) >= n && value.size(0) >= n &&
+         key.device().is_cpu() && value.device().is_cpu() && slot_mapping.device().is_cpu() &&
+         (int8 || kv_cache.scalar_type() == key.scalar_type()) &&
+         value.scalar_type() == key.scalar_type() && key.stride(2) == 1 &&
+         value.stride(2) == 1 && key.size(1) == kv_cache.size(1) && key.size(2) == head_size &&
+         value.size(1) == key.size(1) && value.size(2) == head_size;
+}
+
+// Attention for the query rows of each request (query_start_loc) into `out` (same
+// shape as query, head dim contiguous), the rows [0, rows) of the last request's end.
+void attend(const at::Tensor& query, const at::Tensor& kv_cache, const at::Tensor& table,
+            const at::Tensor& starts, const at::Tensor& lens, const at::Tensor& out,
+            double scale) {
+  int64_t head_size = 0;
+  pages_ok(kv_cache, &head_size);
+  const int rc = accel_paged_attention(
+      dtype_code(query.scalar_type()), query.data_ptr(), query.stride(0), query.stride(1),
+      out.data_ptr(), out.stride(0), out.stride(1), kv_cache.data_ptr(),
+      kv_cache.scalar_type() == at::kChar, kv_cache.stride(0), kv_cache.stride(1),
+      static_cast<int>(kv_cache.size(2)), static_cast<int>(head_size), kv_cache.size(0),
+      table.data_ptr<int32_t>(), table.stride(0), table.size(1), starts.data_ptr<int32_t>(),
+      lens.data_ptr<int32_t>(), static_cast<int>(lens.size(0)),
+      static_cast<int>(query.size(1)), static_cast<int>(kv_cache.size(1)),
+      static_cast<float>(scale));
+  check_rc(rc, "accel_paged_attention");
+}
+
+// Scatter the first len(slot_mapping) rows of K/V into their slots (quantizing, for
+// an INT8 cache: k_scale/v_scale 0 for dynamic per-token scales).
+void write(const at::Tensor& key, const at::Tensor& value, const at::Tensor& kv_cache,
+           const at::Tensor& slot_mapping, double k_scale, double v_scale) {
+  int64_t head_size = 0;
+  pages_ok(kv_cache, &head_size);
+  const at::Tensor slots = slot_mapping.to(at::kLong).contiguous();
+  const int rc = accel_cache_write(
+      dtype_code(key.scalar_type()), key.data_ptr(), value.data_ptr(), key.stride(0),
+      key.stride(1), value.stride(0), value.stride(1), kv_cache.data_ptr(),
+      kv_cache.scalar_type() == at::kChar, kv_cache.stride(0), kv_cache.stride(1),
+      slots.data_ptr<int64_t>(), slot_mapping.size(0), static_cast<int>(kv_cache.size(1)),
+      static_cast<int>(kv_cache.size(2)), static_cast<int>(head_size), kv_cache.size(0),
+      static_cast<float>(k_scale), static_cast<float>(v_scale));
+  check_rc(rc, "accel_cache_write");
+}
+
+at::Tensor contiguous_rows(const at::Tensor& t) {
+  return t.stride(-1) == 1 ? t : t.contiguous();
+}
+
 // vllm_accel::cpu_paged_attention: causal attention over the paged cache for the
 // query rows of each request (query_start_loc), as attention.py's ctypes path. Returns
 // the output [T, H, D], or an empty 1-D tensor when the kernel does not take these
@@ -159,32 +235,14 @@ at::Tensor cpu_paged_attention(const at::Tensor& query, const at::Tensor& kv_cac
                                const at::Tensor& block_table,
                                const at::Tensor& query_start_loc, const at::Tensor& seq_lens,
                                double scale, bool zero_tail) {
-  int64_t head_size = 0;
-  const int code = dtype_code(query.scalar_type());
-  const bool int8 = kv_cache.scalar_type() == at::kChar;
-  if (!pages_ok(kv_cache, &head_size) || code < 0 || query.dim() != 3 ||
-      !query.device().is_cpu() || (!int8 && kv_cache.scalar_type() != query.scalar_type()) ||
-      query.stride(2) != 1 || kv_cache.size(2) % 16 != 0 || query.size(2) != head_size ||
-      query.size(1) % kv_cache.size(1) != 0 || block_table.dim() != 2 ||
-      !int32_cpu(block_table) || !int32_cpu(seq_lens) || !int32_cpu(query_start_loc) ||
-      seq_lens.dim() != 1 || block_table.size(0) < seq_lens.size(0) ||
-      query_start_loc.dim() != 1 || query_start_loc.size(0) != seq_lens.size(0) + 1) {
+  if (!read_ok(query, kv_cache, block_table, query_start_loc, seq_lens)) {
     return at::empty({0}, query.options());
   }
-  const at::Tensor table = block_table.stride(1) == 1 ? block_table : block_table.contiguous();
   const at::Tensor starts = query_start_loc.contiguous(), lens = seq_lens.contiguous();
   const int64_t rows = starts.data_ptr<int32_t>()[starts.size(0) - 1];
   if (rows > query.size(0)) return at::empty({0}, query.options());
   at::Tensor out = at::empty_like(query);
-  const int rc = accel_paged_attention(
-      code, query.data_ptr(), query.stride(0), query.stride(1), out.data_ptr(), out.stride(0),
-      out.stride(1), kv_cache.data_ptr(), int8, kv_cache.stride(0), kv_cache.stride(1),
-      static_cast<int>(kv_cache.size(2)), static_cast<int>(head_size), kv_cache.size(0),
-      table.data_ptr<int32_t>(), table.stride(0), table.size(1), starts.data_ptr<int32_t>(),
-      lens.data_ptr<int32_t>(), static_cast<int>(lens.size(0)),
-      static_cast<int>(query.size(1)), static_cast<int>(kv_cache.size(1)),
-      static_cast<float>(scale));
-  check_rc(rc, "accel_paged_attention");
+  attend(query, kv_cache, contiguous_rows(block_table), starts, lens, out, scale);
   if (zero_tail && rows < out.size(0)) out.narrow(0, rows, out.size(0) - rows).zero_();
   return out;
 }
@@ -194,27 +252,45 @@ at::Tensor cpu_paged_attention(const at::Tensor& query, const at::Tensor& kv_cac
 // these inputs (the caller then falls back to the next provider).
 bool cpu_cache_write(const at::Tensor& key, const at::Tensor& value, const at::Tensor& kv_cache,
                      const at::Tensor& slot_mapping, double k_scale, double v_scale) {
-  int64_t head_size = 0;
-  const int code = dtype_code(key.scalar_type());
-  const bool int8 = kv_cache.scalar_type() == at::kChar;
-  const int64_t n = slot_mapping.dim() == 1 ? slot_mapping.size(0) : -1;
-  if (!pages_ok(kv_cache, &head_size) || code < 0 || n < 0 || key.dim() != 3 ||
-      value.dim() != 3 || key.size(0) < n || value.size(0) < n || !key.device().is_cpu() ||
-      !value.device().is_cpu() || !slot_mapping.device().is_cpu() ||
-      (!int8 && kv_cache.scalar_type() != key.scalar_type()) ||
-      value.scalar_type() != key.scalar_type() || key.stride(2) != 1 || value.stride(2) != 1 ||
-      key.size(1) != kv_cache.size(1) || key.size(2) != head_size ||
-      value.size(1) != key.size(1) || value.size(2) != head_size) {
+  if (!write_ok(key, value, kv_cache, slot_mapping)) return false;
+  write(key, value, kv_cache, slot_mapping, k_scale, v_scale);
+  return true;
+}
+
+// vllm_accel::cpu_attention_step: an attention layer's whole forward in one call: the
+// new K/V into their slots, then attention for every query row of the batch
+// (decodes and prefills alike) written into `output`'s rows. The same kernels as
+// cpu_cache_write then cpu_paged_attention, without Python between them, the
+// batch's decode/prefill slices and the copy of the result (~25 us a layer on a
+// 2-core Xeon, a tenth of a small model's decode step). False, with nothing done,
+// when either kernel does not take these inputs or the prefill rows' causal work
+// (query rows x keys they see) is above max_prefill_pairs, where the torch
+// matmuls win: the caller then runs the kernels one by one.
+bool cpu_attention_step(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
+                        const at::Tensor& kv_cache, const at::Tensor& slot_mapping,
+                        const at::Tensor& block_table, const at::Tensor& query_start_loc,
+                        const at::Tensor& seq_lens, const at::Tensor& output, double scale,
+                        double k_scale, double v_scale, int64_t max_prefill_pairs) {
+  if (!write_ok(key, value, kv_cache, slot_mapping) ||
+      !read_ok(query, kv_cache, block_table, query_start_loc, seq_lens) ||
+      output.sizes() != query.sizes() || output.scalar_type() != query.scalar_type() ||
+      !output.device().is_cpu() || output.stride(2) != 1) {
     return false;
   }
-  const at::Tensor slots = slot_mapping.to(at::kLong).contiguous();
-  const int rc = accel_cache_write(
-      code, key.data_ptr(), value.data_ptr(), key.stride(0), key.stride(1), value.stride(0),
-      value.stride(1), kv_cache.data_ptr(), int8, kv_cache.stride(0), kv_cache.stride(1),
-      slots.data_ptr<int64_t>(), n, static_cast<int>(kv_cache.size(1)),
-      static_cast<int>(kv_cache.size(2)), static_cast<int>(head_size), kv_cache.size(0),
-      static_cast<float>(k_scale), static_cast<float>(v_scale));
-  check_rc(rc, "accel_cache_write");
+  const at::Tensor starts = query_start_loc.contiguous(), lens = seq_lens.contiguous();
+  const int32_t* start = starts.data_ptr<int32_t>();
+  const int32_t* len = lens.data_ptr<int32_t>();
+  const int64_t reqs = lens.size(0);
+  if (start[reqs] > query.size(0)) return false;
+  int64_t prefill_pairs = 0;
+  for (int64_t i = 0; i < reqs; ++i) {
+    const int64_t q = start[i + 1] - start[i];
+    if (q > 1) prefill_pairs += q * (len[i] - q) + q * (q + 1) / 2;
+  }
+  if (prefill_pairs > max_prefill_pairs) return false;
+  write(key, value, kv_cache, slot_mapping, k_scale, v_scale);
+  attend(query, kv_cache, contiguous_rows(block_table), starts, lens, output, scale);
+  attention_step_calls.add(start[reqs]);
   return true;
 }
 
@@ -228,7 +304,8 @@ int64_t accel_torch_ops_kernel_calls(const char* op, int64_t* rows) {
   const std::string_view name(op);
   KernelCalls* counter = name == "bf16_linear"       ? &bf16_linear_calls
                          : name == "int4pack_linear" ? &int4pack_linear_calls
-                                                     : nullptr;
+                         : name == "cpu_attention_step" ? &attention_step_calls
+                                                        : nullptr;
   if (counter == nullptr) return -1;
   *rows = counter->rows.load();
   return counter->calls.load();
@@ -245,6 +322,10 @@ TORCH_LIBRARY_FRAGMENT(vllm_accel, m) {
         "Tensor query_start_loc, Tensor seq_lens, float scale, bool zero_tail) -> Tensor");
   m.def("cpu_cache_write(Tensor key, Tensor value, Tensor(a!) kv_cache, Tensor slot_mapping, "
         "float k_scale, float v_scale) -> bool");
+  m.def("cpu_attention_step(Tensor query, Tensor key, Tensor value, Tensor(a!) kv_cache, "
+        "Tensor slot_mapping, Tensor block_table, Tensor query_start_loc, Tensor seq_lens, "
+        "Tensor(b!) output, float scale, float k_scale, float v_scale, "
+        "int max_prefill_pairs) -> bool");
 }
 
 // Impls for ops whose schemas Python defines (bf16_linear.py, wint_gemv.py); the
@@ -254,4 +335,5 @@ TORCH_LIBRARY_IMPL(vllm_accel, CPU, m) {
   m.impl("int4pack_linear", &int4pack_linear);
   m.impl("cpu_paged_attention", &cpu_paged_attention);
   m.impl("cpu_cache_write", &cpu_cache_write);
+  m.impl("cpu_attention_step", &cpu_attention_step);
 }
