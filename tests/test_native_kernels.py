@@ -17,7 +17,7 @@ import pytest
 import torch
 from paged_cases import assert_within_int8_bound, build, kernel_args
 from conftest import kernel_calls
-from paged_cases import HKV, batch_mix, make_case, reference
+from paged_cases import HKV, TOL, batch_mix, make_case, reference
 
 from vllm_accel.ops import custom_ops  # noqa: F401  (registers the reference ops)
 from vllm_accel.ops.reference import attention as _reference  # noqa: F401  (fallbacks)
@@ -275,16 +275,18 @@ def test_dispatcher_ops_equal_the_ctypes_path(mix, int8, monkeypatch):
 
 def _layer_case(mix, kv, seed=11):
     """An attention layer's inputs for ``mix`` (decodes first, as vLLM orders them):
-    metadata, new K/V for each request's newest q_len positions, query and output."""
+    metadata, new K/V for each request's newest q_len positions, query and output; and
+    the float64 attention of the real rows over each request's K/V with the new rows
+    in place, with each row's max|V| (the INT8 bound's scale)."""
     from vllm_accel.ops.attention import AccelAttentionMetadata
 
     reqs = sorted(batch_mix(mix, 32), key=lambda r: r[0] != 1)
     if kv == "auto":
-        qs, _, _, block_table, cache = make_case(reqs, 32, 3 * HKV, HKV, 64, torch.bfloat16,
-                                                 seed=seed)
+        qs, ks, vs, block_table, cache = make_case(reqs, 32, 3 * HKV, HKV, 64, torch.bfloat16,
+                                                   seed=seed)
     else:
-        qs, _, _, block_table, cache, _ = build(reqs, 32, 3, 64, torch.bfloat16, "LHBNC",
-                                                seed=seed)
+        qs, ks, vs, block_table, cache, _ = build(reqs, 32, 3, 64, torch.bfloat16, "LHBNC",
+                                                  seed=seed)
     g = torch.Generator().manual_seed(seed + 2)
     query = torch.cat(qs)
     slots = torch.cat([block_table[i, pos // 32].long() * 32 + pos % 32
@@ -297,9 +299,15 @@ def _layer_case(mix, kv, seed=11):
         num_actual_tokens=len(query), num_decodes=decodes, num_decode_tokens=decodes,
         max_seq_len=max(s for _, s in reqs), query_start_loc_cpu=query_start_loc,
         seq_lens=seq_lens, block_table=block_table, slot_mapping=slots)
+    expected, vmax = [], []
+    for q_rows, k, v, (q, s), start in zip(qs, ks, vs, reqs, query_start_loc.tolist()):
+        k, v = k.clone(), v.clone()
+        k[s - q:], v[s - q:] = key[start:start + q], value[start:start + q]
+        expected.append(reference(q_rows, k, v, 0.125))
+        vmax.append(v.abs().max().double().expand(q, 1, 1))
     output = torch.full((len(query) + 2, 3 * HKV, 64), 7.0, dtype=torch.bfloat16)  # padded
     query = torch.cat([query, torch.randn(2, 3 * HKV, 64, generator=g).to(torch.bfloat16)])
-    return query, key, value, cache, md, output
+    return query, key, value, cache, md, output, (torch.cat(expected), torch.cat(vmax))
 
 
 def _impl(kv, monkeypatch):
@@ -318,14 +326,16 @@ def _impl(kv, monkeypatch):
 @pytest.mark.parametrize("mix", ["decode", "mixed", "prefill_ctx"])
 def test_attention_step_equals_the_kernels_one_by_one(mix, kv, monkeypatch):
     """The backend runs a layer as one C++ op (cache write + attention into the output):
-    the same cache bytes and output bits as the writer and readers called one by one
-    (INT8: dynamic scales, or the layer's static ones, which clip here), padded output
-    rows untouched, one kernel call for the whole batch."""
+    the float64 attention over the new K/V within the kernels' bounds, the same cache
+    bytes and output bits as the writer and readers called one by one (INT8: dynamic
+    scales, or the layer's static ones, which clip here), padded output rows
+    untouched, one kernel call for the whole batch."""
     from types import SimpleNamespace
 
     assert native.torch_ops() is not None
     layer = SimpleNamespace(layer_name="model.layers.1.self_attn.attn")
-    query, key, value, cache, md, output = _layer_case(mix, kv.split("-")[0])
+    query, key, value, cache, md, output, (expected, vmax) = _layer_case(mix,
+                                                                         kv.split("-")[0])
     fused, split = (_impl(kv.split("-")[0], monkeypatch) for _ in range(2))
     assert fused._attention_step is not None
     split._attention_step = None
@@ -339,6 +349,11 @@ def test_attention_step_equals_the_kernels_one_by_one(mix, kv, monkeypatch):
         impl.forward(layer, query, key, value, kv_cache, md, out)
         outs.append(out), caches.append(kv_cache)
     assert calls() == (1, md.num_actual_tokens)
+    rows = outs[0][:md.num_actual_tokens]
+    if kv == "auto":
+        torch.testing.assert_close(rows.double(), expected, **TOL[torch.bfloat16])
+    elif kv == "int8":
+        assert_within_int8_bound(rows, expected, vmax, torch.bfloat16)
     assert torch.equal(caches[0].view(torch.uint8), caches[1].view(torch.uint8))
     assert not torch.equal(caches[0].view(torch.uint8), cache.view(torch.uint8))
     assert torch.equal(outs[0], outs[1])
@@ -353,7 +368,7 @@ def test_attention_step_equals_the_kernels_one_by_one(mix, kv, monkeypatch):
 def test_attention_step_declines_without_side_effects(monkeypatch):
     """What the op does not take (a prefill whose causal work the torch matmuls win,
     a 2-D output, no dispatcher library) it leaves alone: False, the cache untouched."""
-    query, key, value, cache, md, output = _layer_case("mixed", "auto")
+    query, key, value, cache, md, output, _ = _layer_case("mixed", "auto")
     args = lambda out: (query, key, value, cache, md.slot_mapping, md.block_table,  # noqa: E731
                         md.query_start_loc_cpu, md.seq_lens, out, 0.125)
     before = cache.clone()
@@ -367,7 +382,7 @@ def test_attention_step_declines_without_side_effects(monkeypatch):
 
 
 def test_attention_step_rejects_block_ids_outside_the_cache():
-    query, key, value, cache, md, output = _layer_case("decode", "auto")
+    query, key, value, cache, md, output, _ = _layer_case("decode", "auto")
     md.block_table[1, 0] += cache.shape[0]
     with pytest.raises(ValueError, match="accel_paged_attention: the block table holds ids "
                                          "outside the cache"):

@@ -191,10 +191,11 @@ def _fused_attention_step(suffix: str):
     """The provider's one-call layer (``attention_step``: cache write and attention
     into the output), where the provider serving the kernels it fuses offers one."""
     name = "attention_step" + suffix
-    provider = resolve_provider(name) if providers_of(name) else None
-    if provider not in providers_of(name) or any(
-            resolve_provider(kernel + suffix) != provider
-            for kernel in ("cache_write", "paged_decode", "paged_prefill")):
+    offered = providers_of(name)
+    provider = resolve_provider(name) if offered else None
+    if provider not in offered or any(resolve_provider(kernel + suffix) != provider
+                                      for kernel in ("cache_write", "paged_decode",
+                                                     "paged_prefill")):
         return None
     return get_kernel(name)
 
@@ -236,7 +237,7 @@ class AccelAttentionImpl(AttentionImpl):
         self._paged_decode = get_kernel("paged_decode" + suffix)
         self._paged_prefill = get_kernel("paged_prefill" + suffix)
         self._attention_step = _fused_attention_step(suffix)
-        self._step_kv_scales: tuple[float | None, float | None] | None = None
+        self._layer_scales: tuple[float | None, float | None] | None = None  # on first use
         logger.info_once(
             "%s attention kernels: %s%s",
             BACKEND_NAME,
@@ -248,12 +249,13 @@ class AccelAttentionImpl(AttentionImpl):
         )
 
     def _layer_kv_scales(self, layer: torch.nn.Module) -> tuple[float | None, float | None]:
-        """This layer's static INT8 (k_scale, v_scale), or ``(None, None)``."""
-        if self._step_kv_scales is None:
-            self._step_kv_scales = (
+        """This layer's static INT8 (k_scale, v_scale), or ``(None, None)`` (looked up
+        once: the impl learns its layer's name only from the forward's ``layer``)."""
+        if self._layer_scales is None:
+            self._layer_scales = (
                 (None, None) if self._static_kv_scales is None
                 else self._static_kv_scales[extract_layer_index(layer.layer_name)])
-        return self._step_kv_scales
+        return self._layer_scales
 
     def do_kv_cache_update(
         self,
@@ -271,8 +273,8 @@ class AccelAttentionImpl(AttentionImpl):
         if self._static_kv_scales is None:
             self._cache_write(key[:n], value[:n], kv_cache, slot_mapping)
             return
-        k_scale, v_scale = self._static_kv_scales[extract_layer_index(layer.layer_name)]
-        self._cache_write(key[:n], value[:n], kv_cache, slot_mapping, k_scale, v_scale)
+        self._cache_write(key[:n], value[:n], kv_cache, slot_mapping,
+                          *self._layer_kv_scales(layer))
 
     def forward(
         self,

@@ -129,14 +129,18 @@ at::Tensor int4pack_linear(const at::Tensor& x, const at::Tensor& weight, int64_
 // (ops/paged_layout.py: INT8_SCALE_BYTES).
 constexpr int64_t kInt8ScaleBytes = 8;
 
-// The paged cache [blocks, kv heads, block size, width] with every (block, head)
-// page's rows contiguous, and its head size; false if the kernels cannot read it.
-bool pages_ok(const at::Tensor& kv_cache, int64_t* head_size) {
-  if (kv_cache.dim() != 4 || !kv_cache.device().is_cpu()) return false;
+// Whether the kernels can read the paged cache: [blocks, kv heads, block size, width]
+// on the CPU with every (block, head) page's rows contiguous.
+bool pages_ok(const at::Tensor& kv_cache) {
+  return kv_cache.dim() == 4 && kv_cache.device().is_cpu() && kv_cache.stride(3) == 1 &&
+         kv_cache.stride(2) == kv_cache.size(3);
+}
+
+// The head size of a cache pages_ok takes: a page row holds K then V (then, INT8,
+// their scales).
+int64_t head_size(const at::Tensor& kv_cache) {
   const int64_t width = kv_cache.size(3);
-  const bool int8 = kv_cache.scalar_type() == at::kChar;
-  *head_size = int8 ? (width - kInt8ScaleBytes) / 2 : width / 2;
-  return kv_cache.stride(3) == 1 && kv_cache.stride(2) == width;
+  return kv_cache.scalar_type() == at::kChar ? (width - kInt8ScaleBytes) / 2 : width / 2;
 }
 
 bool int32_cpu(const at::Tensor& t) {
@@ -159,12 +163,11 @@ void check_rc(int rc, const char* entry) {
 // 16k (its AVX-512 paths read 16 rows of a page at a time) and int32 CPU tables.
 bool read_ok(const at::Tensor& query, const at::Tensor& kv_cache, const at::Tensor& block_table,
              const at::Tensor& query_start_loc, const at::Tensor& seq_lens) {
-  int64_t head_size = 0;
   const bool int8 = kv_cache.scalar_type() == at::kChar;
-  return pages_ok(kv_cache, &head_size) && dtype_code(query.scalar_type()) >= 0 &&
+  return pages_ok(kv_cache) && dtype_code(query.scalar_type()) >= 0 &&
          query.dim() == 3 && query.device().is_cpu() &&
          (int8 || kv_cache.scalar_type() == query.scalar_type()) && query.stride(2) == 1 &&
-         kv_cache.size(2) % 16 == 0 && query.size(2) == head_size &&
+         kv_cache.size(2) % 16 == 0 && query.size(2) == head_size(kv_cache) &&
          query.size(1) % kv_cache.size(1) == 0 && block_table.dim() == 2 &&
          int32_cpu(block_table) && int32_cpu(seq_lens) && int32_cpu(query_start_loc) &&
          seq_lens.dim() == 1 && block_table.size(0) >= seq_lens.size(0) &&
@@ -175,32 +178,30 @@ bool read_ok(const at::Tensor& query, const at::Tensor& kv_cache, const at::Tens
 // slot_mapping, in a dtype the kernels have, into a cache of that dtype (or INT8).
 bool write_ok(const at::Tensor& key, const at::Tensor& value, const at::Tensor& kv_cache,
               const at::Tensor& slot_mapping) {
-  int64_t head_size = 0;
   const bool int8 = kv_cache.scalar_type() == at::kChar;
   const int64_t n = slot_mapping.dim() == 1 ? slot_mapping.size(0) : -1;
-  return pages_ok(kv_cache, &head_size) && dtype_code(key.scalar_type()) >= 0 && n >= 0 &&
+  return pages_ok(kv_cache) && dtype_code(key.scalar_type()) >= 0 && n >= 0 &&
          key.dim() == 3 && value.dim() == 3 && key.size(0) >= n && value.size(0) >= n &&
          key.device().is_cpu() && value.device().is_cpu() && slot_mapping.device().is_cpu() &&
          (int8 || kv_cache.scalar_type() == key.scalar_type()) &&
          value.scalar_type() == key.scalar_type() && key.stride(2) == 1 &&
-         value.stride(2) == 1 && key.size(1) == kv_cache.size(1) && key.size(2) == head_size &&
-         value.size(1) == key.size(1) && value.size(2) == head_size;
+         value.stride(2) == 1 && key.size(1) == kv_cache.size(1) &&
+         key.size(2) == head_size(kv_cache) && value.size(1) == key.size(1) &&
+         value.size(2) == key.size(2);
 }
 
 // Attention for the query rows of each request (query_start_loc) into `out` (same
-// shape as query, head dim contiguous), the rows [0, rows) of the last request's end.
+// shape as query, head dim contiguous): rows [0, query_start_loc[-1]), the rest untouched.
 void attend(const at::Tensor& query, const at::Tensor& kv_cache, const at::Tensor& table,
             const at::Tensor& starts, const at::Tensor& lens, const at::Tensor& out,
             double scale) {
-  int64_t head_size = 0;
-  pages_ok(kv_cache, &head_size);
   const int rc = accel_paged_attention(
       dtype_code(query.scalar_type()), query.data_ptr(), query.stride(0), query.stride(1),
       out.data_ptr(), out.stride(0), out.stride(1), kv_cache.data_ptr(),
       kv_cache.scalar_type() == at::kChar, kv_cache.stride(0), kv_cache.stride(1),
-      static_cast<int>(kv_cache.size(2)), static_cast<int>(head_size), kv_cache.size(0),
-      table.data_ptr<int32_t>(), table.stride(0), table.size(1), starts.data_ptr<int32_t>(),
-      lens.data_ptr<int32_t>(), static_cast<int>(lens.size(0)),
+      static_cast<int>(kv_cache.size(2)), static_cast<int>(head_size(kv_cache)),
+      kv_cache.size(0), table.data_ptr<int32_t>(), table.stride(0), table.size(1),
+      starts.data_ptr<int32_t>(), lens.data_ptr<int32_t>(), static_cast<int>(lens.size(0)),
       static_cast<int>(query.size(1)), static_cast<int>(kv_cache.size(1)),
       static_cast<float>(scale));
   check_rc(rc, "accel_paged_attention");
@@ -210,16 +211,14 @@ void attend(const at::Tensor& query, const at::Tensor& kv_cache, const at::Tenso
 // an INT8 cache: k_scale/v_scale 0 for dynamic per-token scales).
 void write(const at::Tensor& key, const at::Tensor& value, const at::Tensor& kv_cache,
            const at::Tensor& slot_mapping, double k_scale, double v_scale) {
-  int64_t head_size = 0;
-  pages_ok(kv_cache, &head_size);
   const at::Tensor slots = slot_mapping.to(at::kLong).contiguous();
   const int rc = accel_cache_write(
       dtype_code(key.scalar_type()), key.data_ptr(), value.data_ptr(), key.stride(0),
       key.stride(1), value.stride(0), value.stride(1), kv_cache.data_ptr(),
       kv_cache.scalar_type() == at::kChar, kv_cache.stride(0), kv_cache.stride(1),
       slots.data_ptr<int64_t>(), slot_mapping.size(0), static_cast<int>(kv_cache.size(1)),
-      static_cast<int>(kv_cache.size(2)), static_cast<int>(head_size), kv_cache.size(0),
-      static_cast<float>(k_scale), static_cast<float>(v_scale));
+      static_cast<int>(kv_cache.size(2)), static_cast<int>(head_size(kv_cache)),
+      kv_cache.size(0), static_cast<float>(k_scale), static_cast<float>(v_scale));
   check_rc(rc, "accel_cache_write");
 }
 
@@ -282,6 +281,8 @@ bool cpu_attention_step(const at::Tensor& query, const at::Tensor& key, const at
   const int32_t* len = lens.data_ptr<int32_t>();
   const int64_t reqs = lens.size(0);
   if (start[reqs] > query.size(0)) return false;
+  // the prefill rows' causal work, as attention.py's _prefill_pairs (decodes always
+  // run here, as they do one by one)
   int64_t prefill_pairs = 0;
   for (int64_t i = 0; i < reqs; ++i) {
     const int64_t q = start[i + 1] - start[i];
