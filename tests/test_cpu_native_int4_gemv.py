@@ -44,16 +44,18 @@ def test_python_kernel_matches_the_cpp_kernel(tokens, monkeypatch):
 
 def test_gemv_is_available_exactly_on_avx512_and_vbmi():
     """Dispatch follows what the CPU reports: the kernel is built in with AVX-512F and
-    AVX512-VBMI (float32 FMAs), its BF16 variant only with AVX512-BF16 as well, and it
-    is used only where torch packs the layout it reads; other CPUs keep torch's
-    kernel (the portable path)."""
+    AVX512-VBMI (float32 FMAs), its BF16 variant only with AVX512-BF16 as well, its
+    int16 variant only with AVX512-VNNI as well, and it is used only where torch packs
+    the layout it reads; other CPUs keep torch's kernel (the portable path)."""
     lib = native.library()
     vbmi = cpu_has("avx512f", "avx512vbmi")
     assert wint_gemv.gemv_available() == (lib is not None and vbmi and wint_gemv._layout_matches())
     if lib is not None:
         bf16 = vbmi and cpu_has("avx512_bf16")
+        vnni = vbmi and cpu_has("avx512_vnni")
         assert lib.accel_int4pack_gemv_available() == (
-            (wint_gemv.FP32_FMA if vbmi else 0) | (wint_gemv.BF16_DOT if bf16 else 0))
+            (wint_gemv.FP32_FMA if vbmi else 0) | (wint_gemv.BF16_DOT if bf16 else 0)
+            | (wint_gemv.I16_DOT if vnni else 0))
 
 
 # bf16 activations: scales and 4-bit's folded zero term rounded to bf16 once, plus
@@ -83,11 +85,27 @@ def test_matches_float64(group_size, sym, act_order, k, tokens, gemv_calls):
     assert gemv_calls() == ((1, tokens) if native_rows else (0, 0))
 
 
-@pytest.mark.parametrize("variant", [wint_gemv.FP32_FMA, wint_gemv.BF16_DOT],
-                         ids=["fp32_fma", "bf16_dot"])
+def _run_variant(lib, variant, x, prepared, group):
+    """The C kernel called directly with one variant: (return code, y)."""
+    tokens, k = x.shape
+    n = prepared["int4_scales_zeros"].shape[1]
+    y = torch.zeros(tokens, n, dtype=torch.bfloat16)
+    rc = lib.accel_int4pack_gemv(
+        x.data_ptr(), x.stride(0), prepared["int4_weight"].data_ptr(),
+        prepared["int4_scales_zeros"].data_ptr(), y.data_ptr(), y.stride(0), tokens, n, k,
+        group, variant)
+    return rc, y
+
+
+VARIANTS = pytest.mark.parametrize(
+    "variant", [wint_gemv.FP32_FMA, wint_gemv.BF16_DOT, wint_gemv.I16_DOT],
+    ids=["fp32_fma", "bf16_dot", "i16_dot"])
+
+
+@VARIANTS
 @pytest.mark.parametrize("tokens", [1, 4, 5, 64])  # streamed GEMV, then slabs
 def test_each_variant_matches_float64(variant, tokens):
-    """Both ways of multiplying (the op takes the best one built), called directly, vs
+    """Each way of multiplying (the op takes the best one built), called directly, vs
     float64; a variant this CPU lacks is refused (-5), never run."""
     lib = native.library()
     if lib is None:  # no compiler: nothing to call, and the op keeps torch's kernel
@@ -97,17 +115,49 @@ def test_each_variant_matches_float64(variant, tokens):
     res, w = make_resident(n, k, 4, group, False, False, seed=tokens + 31 * variant)
     prepared = prepare(res, torch.bfloat16)
     x = torch.randn(tokens, k, generator=torch.Generator().manual_seed(tokens)).bfloat16()
-    y = torch.zeros(tokens, n, dtype=torch.bfloat16)
-    rc = lib.accel_int4pack_gemv(
-        x.data_ptr(), x.stride(0), prepared["int4_weight"].data_ptr(),
-        prepared["int4_scales_zeros"].data_ptr(), y.data_ptr(), y.stride(0), tokens, n, k,
-        group, variant)
+    rc, y = _run_variant(lib, variant, x, prepared, group)
     if not lib.accel_int4pack_gemv_available() & variant:
         assert rc == -5 and not y.any()
         return
     assert rc == 0
     err = (y.double() - x.double() @ w.t()).abs()
     assert bool((err <= REL * (x.double().abs() @ w.abs().t()) + 1e-6).all()), err.max()
+
+
+@pytest.mark.parametrize("group", [64, 256])  # one x block per group; two per group
+@pytest.mark.parametrize("tokens", [1, 5])
+def test_int16_variant_error_is_its_fixed_point_bound(group, tokens):
+    """The int16 variant rounds ``x`` to 16-bit fixed point per block of up to 128
+    columns: against float64, its error stays within that rounding (2**-16 of each
+    block's largest |x| per unit of |W|) plus the bf16 scales and output, with one
+    outlier 2**10 times the rest in every block (activations' massive channels)."""
+    lib = native.library()
+    if lib is None or not lib.accel_int4pack_gemv_available() & wint_gemv.I16_DOT:
+        assert not (native.library() and cpu_has("avx512f", "avx512vbmi", "avx512_vnni"))
+        return
+    k, n = 512, 128
+    res, w = make_resident(n, k, 4, group, False, False, seed=group + tokens)
+    prepared = prepare(res, torch.bfloat16)
+    gen = torch.Generator().manual_seed(tokens)
+    x = torch.randn(tokens, k, generator=gen)
+    x[:, ::64] *= 1024.0
+    x = x.bfloat16()
+    rc, y = _run_variant(lib, wint_gemv.I16_DOT, x, prepared, group)
+    assert rc == 0
+    xd = x.double()
+    block = min(group, 128)
+    peaks = xd.abs().reshape(tokens, k // block, block).amax(-1)  # [tokens, blocks]
+    w_mass = w.abs().reshape(n, k // block, block).sum(-1)  # [n, blocks]
+    fixed_point = 2.0 ** -16 * peaks @ w_mass.t()
+    ref = xd @ w.t()
+    err = (y.double() - ref).abs()
+    assert bool((err <= REL * (xd.abs() @ w.abs().t()) + fixed_point + 1e-6).all())
+    # apart from what both share (bf16 scales): within the fixed point and the two
+    # outputs' bf16 roundings of the exact products (float32 FMAs)
+    rc, exact = _run_variant(lib, wint_gemv.FP32_FMA, x, prepared, group)
+    assert rc == 0
+    gap = (y.double() - exact.double()).abs()
+    assert bool((gap <= fixed_point + 2.0 ** -7 * exact.double().abs() + 1e-6).all())
 
 
 def test_threaded_gemv_matches_float64(gemv_calls):
@@ -213,3 +263,28 @@ def test_compiled_bf16_engine_runs_the_gemv_and_matches_hf(tmp_path):
     gap = logprob_gap(tmp_path / "dequant", prompts, results)
     print(f"bf16 compiled GPTQ engine: max logprob gap vs HF fp32 {gap:.3e}")
     assert gap <= BF16_LOGPROB_BOUND
+
+
+@VARIANTS
+def test_non_finite_x_gives_non_finite_rows_only(variant):
+    """A NaN or inf in a row of ``x`` makes that row's outputs NaN/inf (the int16
+    variant's fixed point would otherwise round it to a finite code), and only that
+    row's: the other rows of the batch stay exact."""
+    lib = native.library()
+    if lib is None:  # no compiler: nothing to call, and the op keeps torch's kernel
+        assert not wint_gemv.gemv_available()
+        return
+    k, n, group = 256, 128, 64
+    res, w = make_resident(n, k, 4, group, False, False, seed=3)
+    prepared = prepare(res, torch.bfloat16)
+    x = torch.randn(3, k, generator=torch.Generator().manual_seed(3)).bfloat16()
+    x[0, 70] = float("nan")
+    x[1, 200] = float("inf")
+    rc, y = _run_variant(lib, variant, x, prepared, group)
+    if not lib.accel_int4pack_gemv_available() & variant:
+        assert rc == -5
+        return
+    assert rc == 0
+    assert not y[0].isfinite().any() and not y[1].isfinite().any()
+    err = (y[2].double() - x[2].double() @ w.t()).abs()
+    assert bool((err <= REL * (x[2].double().abs() @ w.abs().t()) + 1e-6).all())

@@ -8,8 +8,10 @@ once, by ``torch_fast``, and torch's kernel keeps prefill-sized batches): a
 streaming GEMV up to 4 rows, 16-output slabs of the weight against chunks of 8 rows
 up to 64 (1.3-2.1x torch's kernel from 1 to 64 rows, measured per layer of the
 default model with AVX512-BF16). It multiplies with AVX512-BF16 dot products where
-the CPU has them, else with float32 FMAs (AVX-512F: Ice Lake, or a VM that hides
-BF16); both need AVX512-VBMI. Other CPUs keep torch's kernel.
+the CPU has them (exact products), else with AVX512-VNNI int16 dot products on ``x``
+in 16-bit fixed point per block of up to 128 columns (Ice Lake, or a VM that hides
+BF16: half the instructions of float32 FMAs, which the rest keep); all need
+AVX512-VBMI. Other CPUs keep torch's kernel.
 
 The GEMV is the ``torch.library`` op ``vllm_accel::int4pack_linear``, so
 torch.compile keeps it as one call (a ctypes call would break the graph); larger
@@ -31,8 +33,9 @@ NATIVE_MAX_ROWS = 64
 #: output features per block of the int4 layout on AVX-512
 BLOCK_N = 64
 #: ``accel_int4pack_gemv``'s variants (bits of ``accel_int4pack_gemv_available()``):
-#: the best this build has, float32 FMAs, AVX512-BF16 dot products
-BEST, FP32_FMA, BF16_DOT = 0, 1, 2
+#: the best this build has, float32 FMAs, AVX512-BF16 dot products, AVX512-VNNI int16
+#: dot products
+BEST, FP32_FMA, BF16_DOT, I16_DOT = 0, 1, 2, 4
 
 
 def _layout_matches() -> bool:

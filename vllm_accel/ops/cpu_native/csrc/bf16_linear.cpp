@@ -59,9 +59,12 @@ void tile(const float* xf, int64_t kp, const accel::bf16* w, int64_t w_stride,
     } else {
       const __mmask16 mask = tail_mask(k, kk);
       for (int j = 0; j < NB; ++j) {
-        // the next block's rows (right after this one's in memory), one pass ahead: the
-        // hardware prefetcher alone kept one core at 9-11 GB/s of its 13
+        // the next block's rows (right after this one's in memory) into L1 one pass
+        // ahead, and the block after into L2: the hardware prefetcher alone kept one
+        // core at 9-11 GB/s of its 13, the L1 level alone at ~13 of the ~14 it reads
+        // (the L2 level: 5-7% faster over a decode step's GEMVs, Intel Xeon, measured)
         _mm_prefetch((const char*)(w + (j + NB) * w_stride + kk), _MM_HINT_T0);
+        _mm_prefetch((const char*)(w + (j + 2 * NB) * w_stride + kk), _MM_HINT_T1);
         wv[j] = widen(w + j * w_stride + kk, mask);
       }
     }
