@@ -596,6 +596,72 @@ def test_elementwise_fall_back_under_torch_compile():
     torch.testing.assert_close(norm_act_rope(x), expected)
 
 
+ELEMENTWISE_OPS = {"cpu_rms_norm": "accel_rms_norm", "cpu_silu_and_mul": "accel_silu_and_mul",
+                   "cpu_rotary_embedding": "accel_rotary"}
+
+
+def _elementwise_counters(monkeypatch):
+    """Per elementwise C++ op, a function giving its (calls, rows) since now."""
+    return {op: kernel_calls(monkeypatch, op, symbol, 0) for op, symbol in ELEMENTWISE_OPS.items()}
+
+
+def test_elementwise_ops_give_the_ctypes_bits_in_one_dispatcher_call(monkeypatch):
+    """The eager kernels' C++ ops (csrc/torch_ops.cpp: checks, allocation and the C
+    kernel without Python per call) give the bits of the ctypes path they replace,
+    and reach the C kernel once a call: RMSNorm with and without residual and weight,
+    SiluAndMul, rotary with and without key (partial rotary too)."""
+    if not custom_ops_native.NATIVE_DISPATCH:  # torch_ops not built: the ctypes path runs
+        assert native.torch_ops() is None
+        return
+    counters = _elementwise_counters(monkeypatch)
+    g = torch.Generator().manual_seed(11)
+    x, r = (torch.randn(5, 96, generator=g).bfloat16() for _ in range(2))
+    w = torch.randn(96, generator=g).bfloat16()
+    q, k = torch.randn(5, 4 * 32, generator=g).bfloat16(), torch.randn(5, 2 * 32, generator=g).bfloat16()
+    cache32, cache16 = torch.randn(16, 32).bfloat16(), torch.randn(16, 16).bfloat16()
+    positions = torch.tensor([3, 0, 15, 7, 7])
+    cases = [("rms_norm", (x, w, 1e-6)), ("rms_norm", (x, None, 1e-6, r)),
+             ("silu_and_mul", (x,)),
+             ("rotary_embedding", (positions, q, k, cache32, 32, 32, True)),
+             ("rotary_embedding", (positions, q, None, cache16, 32, 16, False))]
+    dispatched = [getattr(custom_ops_native, name)(*args) for name, args in cases]
+    assert {op: count() for op, count in counters.items()} == {
+        "cpu_rms_norm": (2, 10), "cpu_silu_and_mul": (1, 5), "cpu_rotary_embedding": (2, 10)}
+    monkeypatch.setattr(custom_ops_native, "NATIVE_DISPATCH", False)
+    for (name, args), ours in zip(cases, dispatched):
+        theirs = getattr(custom_ops_native, name)(*args)
+        ours, theirs = ((t,) if isinstance(t, torch.Tensor) else t for t in (ours, theirs))
+        assert len(ours) == len(theirs), name
+        for a, b in zip(ours, theirs):
+            assert (a is None and b is None) or torch.equal(a, b), name
+
+
+def test_elementwise_ops_decline_what_the_c_kernels_do_not_take(monkeypatch):
+    """Inputs the C kernels do not take: the op returns None with nothing done (no
+    kernel call), and the provider runs the next one (the reference)."""
+    if not custom_ops_native.NATIVE_DISPATCH:
+        assert native.torch_ops() is None
+        return
+    counters = _elementwise_counters(monkeypatch)
+    ops = torch.ops.vllm_accel
+    x = torch.randn(6, 96).bfloat16()
+    assert ops.cpu_rms_norm(x.t(), None, 1e-6, None) == (None, None)  # column stride
+    assert ops.cpu_rms_norm(x, torch.randn(96), 1e-6, None) == (None, None)  # weight dtype
+    assert ops.cpu_rms_norm(x, None, 1e-6, x[:3]) == (None, None)  # residual shape
+    assert ops.cpu_silu_and_mul(x[:, :95]) is None  # odd width
+    assert ops.cpu_silu_and_mul(torch.randn(3, 8, dtype=torch.float64)) is None
+    cache, q = torch.randn(16, 32).bfloat16(), torch.randn(4, 64).bfloat16()
+    positions = torch.tensor([0, 1, 2, 3])
+    assert ops.cpu_rotary_embedding(positions, q, q[:3], cache, 32, 32, True) == (None, None)
+    assert ops.cpu_rotary_embedding(positions.int(), q, None, cache, 32, 32, True) == (None, None)
+    assert ops.cpu_rotary_embedding(torch.tensor([0, 1, 2, 16]), q, None, cache, 32, 32,
+                                    True) == (None, None)  # outside the cache
+    assert all(count() == (0, 0) for count in counters.values())
+    w32 = torch.randn(96)
+    assert torch.equal(custom_ops_native.rms_norm(x, w32, 1e-6),
+                       get_kernel("rms_norm", "reference")(x, w32, 1e-6))
+
+
 def _rotary_float64(positions, x, cache, head_size, rot, neox, dtype=torch.float64):
     x = x.to(dtype).reshape(x.shape[0], -1, head_size)
     cos, sin = cache.to(dtype)[positions].chunk(2, dim=-1)

@@ -5,9 +5,13 @@ chain of torch ops, in float32 with one rounding to the model dtype per output
 (as vLLM's CPU kernels; the reference rounds after several steps like vLLM's
 forward_native, so the two may differ by one ulp). The same on every CPU.
 
-Eager mode only: under ``torch.compile`` (inductor fuses the reference's ops
-itself) and for inputs the C ABI does not take, each kernel hands over to the
-next provider (``fallback_kernel``).
+Each kernel is a C++ dispatcher op (``csrc/torch_ops.cpp``: ``cpu_rms_norm``,
+``cpu_silu_and_mul``, ``cpu_rotary_embedding``) that checks its inputs and calls the C
+kernel, where the Python checks, allocations and ctypes call below cost 10-20 us a
+call (the default model's eager decode step makes ~150); the ctypes path remains
+where that library cannot be built. Eager mode only: under ``torch.compile``
+(inductor fuses the reference's ops itself) and for inputs the C ABI does not take,
+each kernel hands over to the next provider (``fallback_kernel``).
 """
 
 import ctypes
@@ -18,6 +22,18 @@ from vllm_accel.ops.cpu_native import build as native
 from vllm_accel.ops.registry import fallback_kernel, register_kernel
 
 NATIVE = "cpu_native"
+#: whether the C++ ops are registered (csrc/torch_ops.cpp built); else the ctypes calls
+NATIVE_DISPATCH = native.torch_ops() is not None
+if NATIVE_DISPATCH:
+    _RMS_NORM = torch.ops.vllm_accel.cpu_rms_norm.default
+    _SILU_AND_MUL = torch.ops.vllm_accel.cpu_silu_and_mul.default
+    _ROTARY = torch.ops.vllm_accel.cpu_rotary_embedding.default
+
+
+def _dispatch_ok() -> bool:
+    """Whether to call the C++ ops: in eager mode, with the kernels not switched off
+    since (the library is looked up per call, as on the ctypes path)."""
+    return not torch.compiler.is_compiling() and native.library() is not None
 
 
 def _rows(t: torch.Tensor) -> torch.Tensor | None:
@@ -43,6 +59,12 @@ def _native_ok(*tensors: torch.Tensor) -> bool:
 @register_kernel("rms_norm", NATIVE)
 def rms_norm(x, weight, eps, residual=None, variance_size=None):
     """Same contract as the reference ``rms_norm`` (``custom_ops``)."""
+    if NATIVE_DISPATCH:
+        if variance_size is None and _dispatch_ok():
+            out, new_residual = _RMS_NORM(x, weight, eps, residual)
+            if out is not None:
+                return out if residual is None else (out, new_residual)
+        return fallback_kernel("rms_norm", NATIVE)(x, weight, eps, residual, variance_size)
     tensors = [t for t in (x, weight, residual) if t is not None]
     x2 = _rows(x)
     r2 = None if residual is None else _rows(residual)
@@ -69,6 +91,9 @@ def rms_norm(x, weight, eps, residual=None, variance_size=None):
 @register_kernel("silu_and_mul", NATIVE)
 def silu_and_mul(x):
     """Same contract as the reference ``silu_and_mul`` (``custom_ops``)."""
+    if NATIVE_DISPATCH:
+        out = _SILU_AND_MUL(x) if _dispatch_ok() else None
+        return fallback_kernel("silu_and_mul", NATIVE)(x) if out is None else out
     x2 = _rows(x)
     if not _native_ok(x) or x2 is None or x.shape[-1] % 2 or x2.shape[0] == 0:
         return fallback_kernel("silu_and_mul", NATIVE)(x)
@@ -116,6 +141,14 @@ def _rotary_rows_ok(x, num_tokens, head_size):
 def rotary_embedding(positions, query, key, cos_sin_cache, head_size, rotary_dim,
                      is_neox_style):
     """Same contract as the reference ``rotary_embedding`` (``custom_ops``)."""
+    if NATIVE_DISPATCH:
+        if _dispatch_ok():
+            query_out, key_out = _ROTARY(positions, query, key, cos_sin_cache, head_size,
+                                         rotary_dim, is_neox_style)
+            if query_out is not None:
+                return query_out, key_out
+        return fallback_kernel("rotary_embedding", NATIVE)(
+            positions, query, key, cos_sin_cache, head_size, rotary_dim, is_neox_style)
     positions = positions.flatten()
     num_tokens = positions.shape[0]
     tensors = [query, cos_sin_cache] + ([] if key is None else [key])

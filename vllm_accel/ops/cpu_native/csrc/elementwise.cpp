@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "dtypes.h"
+#include "entry_points.h"
 
 namespace {
 

@@ -35,4 +35,15 @@ int accel_int4pack_gemv(const void* x, int64_t x_stride, const void* packed,
                         const void* scales_zeros, void* y, int64_t y_stride, int32_t m,
                         int64_t n, int64_t k, int64_t group, int32_t variant);
 
+// elementwise.cpp
+int accel_rms_norm(int dtype, const void* x, int64_t x_stride, const void* residual,
+                   int64_t r_stride, const void* weight, void* out, int64_t o_stride,
+                   void* new_residual, int64_t nr_stride, int64_t rows, int n, float eps);
+int accel_silu_and_mul(int dtype, const void* x, int64_t x_stride, void* out, int64_t o_stride,
+                       int64_t rows, int d);
+int accel_rotary(int dtype, const int64_t* positions, int64_t num_tokens, const void* x,
+                 int64_t x_stride, void* out, int64_t o_stride, int num_heads, int head_size,
+                 int rot_dim, int neox, const void* cos_sin, int64_t cs_stride,
+                 int64_t num_positions);
+
 }  // extern "C"

@@ -12,12 +12,14 @@
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
 #include <ATen/ops/linear.h>
+#include <c10/util/Exception.h>
 #include <torch/library.h>
 
 #include <atomic>
 #include <cstdint>
 #include <optional>
 #include <string_view>
+#include <tuple>
 
 #include "entry_points.h"
 
@@ -32,7 +34,8 @@ struct KernelCalls {
     rows.fetch_add(m, std::memory_order_relaxed);
   }
 };
-KernelCalls bf16_linear_calls, int4pack_linear_calls, attention_step_calls;
+KernelCalls bf16_linear_calls, int4pack_linear_calls, attention_step_calls, rms_norm_calls,
+    silu_and_mul_calls, rotary_calls;
 
 // Whether torch packs int4 weights the way accel_int4pack_gemv reads them: torch picks
 // its layout by the CPU capability it runs with, so Python checks it once
@@ -295,6 +298,130 @@ bool cpu_attention_step(const at::Tensor& query, const at::Tensor& key, const at
   return true;
 }
 
+// The elementwise ops (elementwise.py's cpu_native kernels, eager mode only): the
+// Python kernels' checks and ctypes calls cost 10-20 us a call, and a decode step
+// makes ~150 of them. An undefined result (None in Python) means declined, nothing
+// done: Python then runs the next provider, as for every input the C ABI does not take.
+
+bool cpu_of(const at::Tensor& t, at::ScalarType type) {
+  return t.device().is_cpu() && t.scalar_type() == type;
+}
+
+// t as a [rows, last] view with unit element stride, or undefined.
+at::Tensor as_rows(const at::Tensor& t) {
+  if (t.dim() == 0 || t.stride(-1) != 1) return {};
+  try {
+    return t.view({-1, t.size(-1)});
+  } catch (const c10::Error&) {  // not viewable as rows
+    return {};
+  }
+}
+
+// vllm_accel::cpu_rms_norm: (out, new_residual or undefined) of RMSNorm over the last
+// dimension, with the residual added first where given.
+std::tuple<at::Tensor, at::Tensor> cpu_rms_norm(const at::Tensor& x,
+                                                const std::optional<at::Tensor>& weight,
+                                                double eps,
+                                                const std::optional<at::Tensor>& residual) {
+  const at::ScalarType type = x.scalar_type();
+  const int code = dtype_code(type);
+  const at::Tensor x2 = code < 0 || !x.device().is_cpu() ? at::Tensor() : as_rows(x);
+  if (!x2.defined() || x2.size(0) == 0) return {};
+  if (weight.has_value() && (!cpu_of(*weight, type) || weight->dim() != 1 ||
+                             weight->size(0) != x2.size(1) || weight->stride(0) != 1))
+    return {};
+  at::Tensor r2;
+  if (residual.has_value()) {
+    if (!cpu_of(*residual, type) || residual->sizes() != x.sizes()) return {};
+    r2 = as_rows(*residual);
+    if (!r2.defined()) return {};
+  }
+  const int64_t rows = x2.size(0), n = x2.size(1);
+  at::Tensor out = at::empty(x.sizes(), x.options());
+  at::Tensor new_residual = r2.defined() ? at::empty(x.sizes(), x.options()) : at::Tensor();
+  const int rc = accel_rms_norm(
+      code, x2.data_ptr(), x2.stride(0), r2.defined() ? r2.data_ptr() : nullptr,
+      r2.defined() ? r2.stride(0) : 0, weight.has_value() ? weight->data_ptr() : nullptr,
+      out.data_ptr(), n, new_residual.defined() ? new_residual.data_ptr() : nullptr, n, rows,
+      int(n), float(eps));
+  TORCH_CHECK(rc == 0, "accel_rms_norm failed (", rc, ")");
+  rms_norm_calls.add(rows);
+  return {out, new_residual};
+}
+
+// vllm_accel::cpu_silu_and_mul: silu(x[..., :d]) * x[..., d:].
+at::Tensor cpu_silu_and_mul(const at::Tensor& x) {
+  const int code = dtype_code(x.scalar_type());
+  const at::Tensor x2 = code < 0 || !x.device().is_cpu() ? at::Tensor() : as_rows(x);
+  if (!x2.defined() || x2.size(0) == 0 || x2.size(1) % 2) return {};
+  const int64_t d = x2.size(1) / 2;
+  std::vector<int64_t> sizes = x.sizes().vec();
+  sizes.back() = d;
+  at::Tensor out = at::empty(sizes, x.options());
+  const int rc = accel_silu_and_mul(code, x2.data_ptr(), x2.stride(0), out.data_ptr(), d,
+                                    x2.size(0), int(d));
+  TORCH_CHECK(rc == 0, "accel_silu_and_mul failed (", rc, ")");
+  silu_and_mul_calls.add(x2.size(0));
+  return out;
+}
+
+// t as [num_tokens, heads * head_size] rows, or undefined.
+at::Tensor rotary_rows(const at::Tensor& t, at::ScalarType type, int64_t num_tokens,
+                       int64_t head_size) {
+  if (!cpu_of(t, type) || t.dim() < 2 || t.size(0) != num_tokens || t.stride(-1) != 1) return {};
+  at::Tensor rows;
+  try {
+    rows = t.view({num_tokens, -1});
+  } catch (const c10::Error&) {
+    return {};
+  }
+  return rows.size(1) % head_size == 0 && rows.stride(1) == 1 ? rows : at::Tensor();
+}
+
+// One tensor's rotary embedding into a new tensor of its shape; undefined (nothing
+// written) if a position is outside the cos/sin cache.
+at::Tensor rotate(const at::Tensor& x, const at::Tensor& rows, int code,
+                  const at::Tensor& positions, const at::Tensor& cos_sin_cache,
+                  int64_t head_size, int64_t rotary_dim, bool is_neox) {
+  at::Tensor out = at::empty(x.sizes(), x.options());
+  const int64_t width = rows.size(1);
+  const int rc = accel_rotary(code, positions.data_ptr<int64_t>(), rows.size(0), rows.data_ptr(),
+                              rows.stride(0), out.data_ptr(), width, int(width / head_size),
+                              int(head_size), int(rotary_dim), int(is_neox),
+                              cos_sin_cache.data_ptr(), cos_sin_cache.stride(0),
+                              cos_sin_cache.size(0));
+  if (rc == -2) return {};
+  TORCH_CHECK(rc == 0, "accel_rotary failed (", rc, ")");
+  return out;
+}
+
+// vllm_accel::cpu_rotary_embedding: (query, key or undefined) rotated, as new tensors.
+std::tuple<at::Tensor, at::Tensor> cpu_rotary_embedding(
+    const at::Tensor& positions, const at::Tensor& query, const std::optional<at::Tensor>& key,
+    const at::Tensor& cos_sin_cache, int64_t head_size, int64_t rotary_dim, bool is_neox) {
+  const at::ScalarType type = query.scalar_type();
+  const int code = dtype_code(type);
+  const at::Tensor flat = positions.flatten();
+  const int64_t num_tokens = flat.size(0);
+  if (code < 0 || head_size <= 0 || rotary_dim > head_size || rotary_dim % 2 ||
+      flat.scalar_type() != at::kLong || !flat.device().is_cpu() || num_tokens == 0 ||
+      !cpu_of(cos_sin_cache, type) || cos_sin_cache.dim() != 2 ||
+      cos_sin_cache.size(1) != rotary_dim || cos_sin_cache.stride(1) != 1)
+    return {};
+  const at::Tensor q_rows = rotary_rows(query, type, num_tokens, head_size);
+  const at::Tensor k_rows =
+      key.has_value() ? rotary_rows(*key, type, num_tokens, head_size) : at::Tensor();
+  if (!q_rows.defined() || (key.has_value() && !k_rows.defined())) return {};
+  const at::Tensor pos = flat.contiguous();
+  at::Tensor q_out = rotate(query, q_rows, code, pos, cos_sin_cache, head_size, rotary_dim, is_neox);
+  if (!q_out.defined()) return {};  // a position outside the cache: the next provider raises
+  at::Tensor k_out = key.has_value() ? rotate(*key, k_rows, code, pos, cos_sin_cache, head_size,
+                                              rotary_dim, is_neox)
+                                     : at::Tensor();
+  rotary_calls.add(num_tokens);
+  return {q_out, k_out};
+}
+
 }  // namespace
 
 extern "C" {
@@ -306,7 +433,10 @@ int64_t accel_torch_ops_kernel_calls(const char* op, int64_t* rows) {
   KernelCalls* counter = name == "bf16_linear"       ? &bf16_linear_calls
                          : name == "int4pack_linear" ? &int4pack_linear_calls
                          : name == "cpu_attention_step" ? &attention_step_calls
-                                                        : nullptr;
+                         : name == "cpu_rms_norm" ? &rms_norm_calls
+                         : name == "cpu_silu_and_mul" ? &silu_and_mul_calls
+                         : name == "cpu_rotary_embedding" ? &rotary_calls
+                                                  : nullptr;
   if (counter == nullptr) return -1;
   *rows = counter->rows.load();
   return counter->calls.load();
@@ -316,8 +446,9 @@ void accel_torch_ops_set_int4pack_layout(int matches) { int4pack_layout_ok = mat
 
 }  // extern "C"
 
-// The attention ops exist only with this library (attention.py calls them when it
-// loaded, else its ctypes path); called inside vLLM's attention op, never traced.
+// The attention and elementwise ops exist only with this library (attention.py and
+// elementwise.py call them when it loaded, else their ctypes paths); called inside
+// vLLM's attention op or in eager mode, never traced.
 TORCH_LIBRARY_FRAGMENT(vllm_accel, m) {
   m.def("cpu_paged_attention(Tensor query, Tensor kv_cache, Tensor block_table, "
         "Tensor query_start_loc, Tensor seq_lens, float scale, bool zero_tail) -> Tensor");
@@ -327,6 +458,10 @@ TORCH_LIBRARY_FRAGMENT(vllm_accel, m) {
         "Tensor slot_mapping, Tensor block_table, Tensor query_start_loc, Tensor seq_lens, "
         "Tensor(b!) output, float scale, float k_scale, float v_scale, "
         "int max_prefill_pairs) -> bool");
+  m.def("cpu_rms_norm(Tensor x, Tensor? weight, float eps, Tensor? residual) -> (Tensor, Tensor)");
+  m.def("cpu_silu_and_mul(Tensor x) -> Tensor");
+  m.def("cpu_rotary_embedding(Tensor positions, Tensor query, Tensor? key, Tensor cos_sin_cache, "
+        "int head_size, int rotary_dim, bool is_neox) -> (Tensor, Tensor)");
 }
 
 // Impls for ops whose schemas Python defines (bf16_linear.py, wint_gemv.py); the
@@ -337,4 +472,7 @@ TORCH_LIBRARY_IMPL(vllm_accel, CPU, m) {
   m.impl("cpu_paged_attention", &cpu_paged_attention);
   m.impl("cpu_cache_write", &cpu_cache_write);
   m.impl("cpu_attention_step", &cpu_attention_step);
+  m.impl("cpu_rms_norm", &cpu_rms_norm);
+  m.impl("cpu_silu_and_mul", &cpu_silu_and_mul);
+  m.impl("cpu_rotary_embedding", &cpu_rotary_embedding);
 }
