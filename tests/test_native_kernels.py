@@ -606,10 +606,10 @@ def _elementwise_counters(monkeypatch):
 
 
 def test_elementwise_ops_give_the_ctypes_bits_in_one_dispatcher_call(monkeypatch):
-    """The eager kernels' C++ ops (csrc/torch_ops.cpp: checks, allocation and the C
-    kernel without Python per call) give the bits of the ctypes path they replace,
-    and reach the C kernel once a call: RMSNorm with and without residual and weight,
-    SiluAndMul, rotary with and without key (partial rotary too)."""
+    """The eager kernels' C++ ops (csrc/torch_ops.cpp: the checks and the C kernels
+    without Python checks or a ctypes call) give the bits of the ctypes path they
+    replace, each call counted as one completed op: RMSNorm with and without residual
+    and weight, SiluAndMul, rotary with and without key (partial rotary too)."""
     if not custom_ops_native.NATIVE_DISPATCH:  # torch_ops not built: the ctypes path runs
         assert native.torch_ops() is None
         return
@@ -637,8 +637,8 @@ def test_elementwise_ops_give_the_ctypes_bits_in_one_dispatcher_call(monkeypatch
 
 
 def test_elementwise_ops_decline_what_the_c_kernels_do_not_take(monkeypatch):
-    """Inputs the C kernels do not take: the op returns None with nothing done (no
-    kernel call), and the provider runs the next one (the reference)."""
+    """Inputs the C kernels do not take: the op returns None with nothing written (no
+    op counted), and the provider runs the next one (the reference)."""
     if not custom_ops_native.NATIVE_DISPATCH:
         assert native.torch_ops() is None
         return

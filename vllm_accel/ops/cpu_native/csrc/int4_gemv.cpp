@@ -23,7 +23,8 @@
 //   in int16 fixed point (one scale per block of up to 128 columns), the two codes of a
 //   row one lane of two int16 (one VPERMB for 16 rows), and one VPDPWSSD adds
 //   X[k]*q[k] + X[k+1]*q[k+1] into exact int32 sums (half Fp32Fma's instructions;
-//   |error| <= 2**-16 of the block's largest |x|, 128x below that element's bf16 ulp).
+//   rounding x costs at most 1/65534 of the block's largest |x| an element, ~128x below
+//   that element's own bf16 rounding).
 // - Fp32Fma (AVX-512F and VBMI only): each column's codes become float32 128+q
 //   (0x43000000 | q << 16: exact; one VPERMB for 16 rows), and one FMA per column adds
 //   x*(128+q) (exact products as well).
@@ -46,7 +47,8 @@ namespace {
 
 constexpr int kBlockN = 64;
 constexpr int kMaxBatch = 64;  // x rows the slab kernel takes
-// How far ahead of the loads the weight stream is prefetched (blocks are contiguous, so
+// How far ahead of the streaming GEMV's loads (1-4 rows of x; the slabs reread each
+// block from L1/L2) the weight stream is prefetched (blocks are contiguous, so
 // past a block's end this is the next block's first lines): into L1 a little ahead, and
 // into L2 further ahead. One level (4 KiB into L1) left a core at ~11 GB/s on weights
 // it reads at ~15; the L2 level adds requests in flight beyond L1's fill buffers (the
@@ -193,11 +195,18 @@ struct I16Dot {
         // float max under -ffast-math would not promise)
         uint16_t peak_bits = 0;
         for (int64_t i = 0; i < step; ++i) peak_bits = std::max<uint16_t>(peak_bits, src[i].bits & 0x7fff);
+        if (peak_bits >= 0x7f80) {  // NaN or inf: no codes, NaN out of the block's scale
+          std::fill(dst, dst + step, int16_t(0));
+          xr.blocks[r * blocks + b] = {kNaN, kNaN, 0};
+          continue;
+        }
         const float peak = accel::to_float(accel::bf16{peak_bits});
-        const float scale = peak_bits >= 0x7f80 ? kNaN : peak_bits ? peak / 32767.f : 1.f;
+        const float scale = peak_bits ? peak / 32767.f : 1.f;
         int32_t total = 0;
         for (int64_t i = 0; i < step; ++i) {
-          dst[i] = int16_t(std::lrintf(accel::to_float(src[i]) / scale));
+          // (clamped: a subnormal scale is inexact, and the peak could round to 32768)
+          const long code = std::lrintf(accel::to_float(src[i]) / scale);
+          dst[i] = int16_t(std::clamp(code, -32767L, 32767L));
           total += dst[i];
         }
         xr.blocks[r * blocks + b] = {scale, scale * float(total), 8 * total};
@@ -217,7 +226,9 @@ struct I16Dot {
     return {_mm512_set1_epi32(int(pair))};
   }
   static Acc madd(Acc acc, const Weights& w, const X& x) { return _mm512_dpwssd_epi32(acc, w.pairs, x.pair); }
-  static __m512 centered(Acc acc, const Block& b) {  // scale * sum X (q - 8), exact until the scale
+  // scale * sum X (q - 8): exact in int32, one rounding to float32 (|sum| < 2**26), one
+  // for the scale
+  static __m512 centered(Acc acc, const Block& b) {
     return _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(acc, _mm512_set1_epi32(b.offset))),
                          _mm512_set1_ps(b.scale));
   }

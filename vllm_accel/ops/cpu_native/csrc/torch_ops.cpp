@@ -418,6 +418,7 @@ std::tuple<at::Tensor, at::Tensor> cpu_rotary_embedding(
   at::Tensor k_out = key.has_value() ? rotate(*key, k_rows, code, pos, cos_sin_cache, head_size,
                                               rotary_dim, is_neox)
                                      : at::Tensor();
+  if (key.has_value() && !k_out.defined()) return {};  // declined for the key: for both
   rotary_calls.add(num_tokens);
   return {q_out, k_out};
 }
