@@ -84,37 +84,42 @@ struct XRows {
   std::vector<typename Policy::Block> blocks;  // [m][K / step]
 };
 
-// Float policies: a block is a whole group, summed into float32 lanes; finishing it
-// needs the sum of x over it (the code bias 128 + zero 8 = 136 times that comes off).
-struct FloatBlock { float sum; };
-
-template <class Policy>
-void float_blocks(XRows<Policy>& xr, const accel::bf16* x, int64_t x_stride, int m, int64_t k) {
-  const int64_t blocks = k / xr.step;
-  xr.blocks.resize(size_t(m) * blocks);
-  for (int r = 0; r < m; ++r)
-    for (int64_t b = 0; b < blocks; ++b) {
-      float s = 0.f;
-      for (int64_t i = b * xr.step; i < (b + 1) * xr.step; ++i) s += accel::to_float(x[r * x_stride + i]);
-      xr.blocks[r * blocks + b] = {s};
-    }
-}
+// What the float policies share: a block is a whole group, summed into float32 lanes
+// of 128+q codes; finishing it needs the sum of x over it (the code bias 128 + zero 8 =
+// 136 times that comes off).
+struct FloatPolicy {
+  using Acc = __m512;
+  struct Block { float sum; };
+  static Acc zero() { return _mm512_setzero_ps(); }
+  static __m512 centered(Acc acc, const Block& b) {
+    return _mm512_fnmadd_ps(_mm512_set1_ps(136.0f), _mm512_set1_ps(b.sum), acc);
+  }
+  template <class Policy>
+  static void sum_blocks(XRows<Policy>& xr, const accel::bf16* x, int64_t x_stride, int m,
+                         int64_t k) {
+    const int64_t blocks = k / xr.step;
+    xr.blocks.resize(size_t(m) * blocks);
+    for (int r = 0; r < m; ++r)
+      for (int64_t b = 0; b < blocks; ++b) {
+        float s = 0.f;
+        for (int64_t i = b * xr.step; i < (b + 1) * xr.step; ++i) s += accel::to_float(x[r * x_stride + i]);
+        xr.blocks[r * blocks + b] = {s};
+      }
+  }
+};
 
 #ifdef __AVX512BF16__
-struct Bf16Dot {
+struct Bf16Dot : FloatPolicy {
   using XElem = accel::bf16;  // x as the kernel reads it: bf16 pairs as they are
-  using Acc = __m512;
-  using Block = FloatBlock;
   struct Index { __m512i pairs; };
   struct Weights { __m512bh pairs; };
   struct X { __m512bh pair; };
   static XRows<Bf16Dot> prepare(const accel::bf16* x, int64_t x_stride, int m, int64_t k,
                                 int64_t group) {
     XRows<Bf16Dot> xr{x, x_stride, group, {}, {}};
-    float_blocks(xr, x, x_stride, m, k);
+    sum_blocks(xr, x, x_stride, m, k);
     return xr;
   }
-  static Acc zero() { return _mm512_setzero_ps(); }
   // row r's codes at bytes 4r and 4r+2; the masked-off odd bytes take 0x43
   static Index index(int first) { return {code_index(first, 0, 2)}; }
   static Weights weights(__m512i codes, const Index& index) {
@@ -127,16 +132,11 @@ struct Bf16Dot {
     return {(__m512bh)_mm512_set1_epi32(int(pair))};
   }
   static Acc madd(Acc acc, const Weights& w, const X& x) { return _mm512_dpbf16_ps(acc, w.pairs, x.pair); }
-  static __m512 centered(Acc acc, const Block& b) {
-    return _mm512_fnmadd_ps(_mm512_set1_ps(136.0f), _mm512_set1_ps(b.sum), acc);
-  }
 };
 #endif
 
-struct Fp32Fma {
+struct Fp32Fma : FloatPolicy {
   using XElem = float;  // x converted once per call: broadcasts straight from memory
-  using Acc = __m512;
-  using Block = FloatBlock;
   struct Index { __m512i k0, k1; };
   struct Weights { __m512 k0, k1; };
   struct X { __m512 k0, k1; };
@@ -146,10 +146,9 @@ struct Fp32Fma {
     for (int r = 0; r < m; ++r)
       for (int64_t i = 0; i < k; ++i) xr.storage[r * k + i] = accel::to_float(x[r * x_stride + i]);
     xr.rows = xr.storage.data();
-    float_blocks(xr, x, x_stride, m, k);
+    sum_blocks(xr, x, x_stride, m, k);
     return xr;
   }
-  static Acc zero() { return _mm512_setzero_ps(); }
   // row r's code at byte 4r+2 of its lane; the other bytes keep 0x43000000's
   static Index index(int first) { return {code_index(first, 2, -1), code_index(first, -1, 2)}; }
   static __m512 column(__m512i codes, __m512i index) {
@@ -162,9 +161,6 @@ struct Fp32Fma {
   static X x(const float* row, int64_t kk) { return {_mm512_set1_ps(row[kk]), _mm512_set1_ps(row[kk + 1])}; }
   static Acc madd(Acc acc, const Weights& w, const X& x) {
     return _mm512_fmadd_ps(w.k1, x.k1, _mm512_fmadd_ps(w.k0, x.k0, acc));
-  }
-  static __m512 centered(Acc acc, const Block& b) {
-    return _mm512_fnmadd_ps(_mm512_set1_ps(136.0f), _mm512_set1_ps(b.sum), acc);
   }
 };
 

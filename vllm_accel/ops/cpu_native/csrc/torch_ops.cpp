@@ -146,9 +146,11 @@ int64_t head_size(const at::Tensor& kv_cache) {
   return kv_cache.scalar_type() == at::kChar ? (width - kInt8ScaleBytes) / 2 : width / 2;
 }
 
-bool int32_cpu(const at::Tensor& t) {
-  return t.scalar_type() == at::kInt && t.device().is_cpu();
+bool cpu_of(const at::Tensor& t, at::ScalarType type) {
+  return t.device().is_cpu() && t.scalar_type() == type;
 }
+
+bool int32_cpu(const at::Tensor& t) { return cpu_of(t, at::kInt); }
 
 // The C entry points' errors (csrc/paged_attention.cpp): they check every block id
 // and slot before touching the cache, since a bad one would read or write outside it.
@@ -303,18 +305,19 @@ bool cpu_attention_step(const at::Tensor& query, const at::Tensor& key, const at
 // makes ~150 of them. An undefined result (None in Python) means declined, nothing
 // done: Python then runs the next provider, as for every input the C ABI does not take.
 
-bool cpu_of(const at::Tensor& t, at::ScalarType type) {
-  return t.device().is_cpu() && t.scalar_type() == type;
+// t viewed as `sizes`, or undefined where its strides do not allow that view.
+at::Tensor view_or_undefined(const at::Tensor& t, at::IntArrayRef sizes) {
+  try {
+    return t.view(sizes);
+  } catch (const c10::Error&) {
+    return {};
+  }
 }
 
 // t as a [rows, last] view with unit element stride, or undefined.
 at::Tensor as_rows(const at::Tensor& t) {
   if (t.dim() == 0 || t.stride(-1) != 1) return {};
-  try {
-    return t.view({-1, t.size(-1)});
-  } catch (const c10::Error&) {  // not viewable as rows
-    return {};
-  }
+  return view_or_undefined(t, {-1, t.size(-1)});
 }
 
 // vllm_accel::cpu_rms_norm: (out, new_residual or undefined) of RMSNorm over the last
@@ -369,13 +372,9 @@ at::Tensor cpu_silu_and_mul(const at::Tensor& x) {
 at::Tensor rotary_rows(const at::Tensor& t, at::ScalarType type, int64_t num_tokens,
                        int64_t head_size) {
   if (!cpu_of(t, type) || t.dim() < 2 || t.size(0) != num_tokens || t.stride(-1) != 1) return {};
-  at::Tensor rows;
-  try {
-    rows = t.view({num_tokens, -1});
-  } catch (const c10::Error&) {
-    return {};
-  }
-  return rows.size(1) % head_size == 0 && rows.stride(1) == 1 ? rows : at::Tensor();
+  const at::Tensor rows = view_or_undefined(t, {num_tokens, -1});
+  return rows.defined() && rows.size(1) % head_size == 0 && rows.stride(1) == 1 ? rows
+                                                                                 : at::Tensor();
 }
 
 // One tensor's rotary embedding into a new tensor of its shape; undefined (nothing
