@@ -10,7 +10,9 @@ generated one batch after another, e.g. to hit the prefix cache), ``requests``
 ``structured_outputs`` there is a StructuredOutputsParams dict). Output: one
 stdout line "ENGINE_RESULT <json>" (outputs, batch outputs, prefix-cache and
 preemption counters when ``disable_log_stats`` is False; with ``worker_threads``,
-each worker's cores and torch thread count).
+each worker's cores and torch thread count). With ``engine_until_exit`` the LLM
+stays referenced until the interpreter exits, as a script's top-level ``llm`` does,
+so the engine shuts down from the exit hooks.
 """
 
 import faulthandler
@@ -29,6 +31,10 @@ def _compute_threads(worker) -> dict:
     return {"cores": sorted(os.sched_getaffinity(0)), "threads": torch.get_num_threads()}
 
 
+#: engines that shut down only at interpreter exit (spec ``engine_until_exit``)
+_ENGINES_KEPT_UNTIL_EXIT: list = []
+
+
 def main() -> None:
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # stacks of a hung run
     spec = json.load(open(sys.argv[1]))
@@ -37,6 +43,8 @@ def main() -> None:
     from vllm.platforms import current_platform
 
     llm = LLM(**spec["llm"])
+    if spec.get("engine_until_exit"):
+        _ENGINES_KEPT_UNTIL_EXIT.append(llm)
     params = SamplingParams(**spec["sampling"])
     prompts = [
         TokensPrompt(prompt_token_ids=p) if isinstance(p, list) else p

@@ -192,10 +192,15 @@ def test_ray_tensor_parallel_matches_hf_with_one_core_per_rank(tmp_path):
     model = build_tiny_model(tmp_path / "tiny", head_dim=64, hidden_size=256)
     prompts = [[5, 6, 7, 8, 9], [40, 41, 42], [300, 7, 301, 8, 302, 9, 303]]
     expected = hf_greedy(model, prompts, NEW_TOKENS)
-    result, log = run_engine({**_ray_tp2_spec(model, prompts), "worker_threads": True},
+    result, log = run_engine({**_ray_tp2_spec(model, prompts), "worker_threads": True,
+                              "engine_until_exit": True},
                              tmp_path, env={"RAY_ADDRESS": ""})
     assert "starting a local Ray instance with this engine's 2 devices" in log, log[-3000:]
     assert [o["token_ids"] for o in result["outputs"]] == expected
+    # at exit the executor stops its actors before Ray's own atexit shutdown: else
+    # vLLM's ray.kill finds Ray gone, starts a second instance and may segfault
+    assert log.count("Started a local Ray instance") == 1, log[-3000:]
+    assert "Failed to kill actor" not in log, log[-3000:]
     workers = result["worker_threads"]
     assert sorted(w["cores"] for w in workers) == [[0], [1]], workers
     assert [w["threads"] for w in workers] == [1, 1], workers

@@ -8,7 +8,17 @@ alone, vLLM starts a local Ray instance with what Ray detected (no GPU) and its
 placement group waits 30 minutes for devices that never come. This executor starts
 that local instance with the engine's devices declared, and refuses a cluster with
 too few device slots at once, naming the fix.
+
+It also stops its actors before Ray's own exit hook. Ray registers ``ray.shutdown``
+with atexit when it is imported, which is after vLLM's engine finalizers registered
+theirs, so an engine still referenced at exit (a script's top-level ``llm`` with
+in-process EngineCore) found Ray gone: ``ray.kill`` started a second local Ray
+instance, and the executor's monitor thread, still inside ``ray.wait``, could crash
+the interpreter (SIGSEGV at exit).
 """
+
+import atexit
+import weakref
 
 from vllm.v1.executor.ray_executor_v2 import RayExecutorV2
 
@@ -46,3 +56,11 @@ class AccelRayExecutor(RayExecutorV2):
                 "starts a local one."
             )
         super()._init_executor()
+        # registered after `import ray`, so it runs before Ray's shutdown (atexit is LIFO)
+        atexit.register(_shutdown_if_alive, weakref.ref(self))
+
+
+def _shutdown_if_alive(executor_ref: "weakref.ref[AccelRayExecutor]") -> None:
+    executor = executor_ref()
+    if executor is not None:
+        executor.shutdown()  # idempotent: a no-op if the engine already shut it down
