@@ -10,7 +10,8 @@ generated one batch after another, e.g. to hit the prefix cache), ``requests``
 ``structured_outputs`` there is a StructuredOutputsParams dict). Output: one
 stdout line "ENGINE_RESULT <json>" (outputs, batch outputs, prefix-cache and
 preemption counters when ``disable_log_stats`` is False; with ``worker_threads``,
-each worker's cores and torch thread count). With ``engine_until_exit`` the LLM
+each worker's cores and torch thread count; with ``worker_huge_pages``, each
+worker's bytes in transparent huge pages). With ``engine_until_exit`` the LLM
 stays referenced until the interpreter exits, as a script's top-level ``llm`` does,
 so the engine shuts down from the exit hooks.
 """
@@ -29,6 +30,14 @@ def _compute_threads(worker) -> dict:
     import torch
 
     return {"cores": sorted(os.sched_getaffinity(0)), "threads": torch.get_num_threads()}
+
+
+def _huge_page_bytes(worker) -> int:
+    """In a worker: its anonymous memory in transparent huge pages (the kernel's count)."""
+    for line in open("/proc/self/smaps_rollup"):
+        if line.startswith("AnonHugePages:"):
+            return int(line.split()[1]) << 10
+    return 0
 
 
 #: engines that shut down only at interpreter exit (spec ``engine_until_exit``)
@@ -95,6 +104,8 @@ def main() -> None:
         results["chat"] = [o.outputs[0].text for o in outs]
     if spec.get("worker_threads"):
         results["worker_threads"] = llm.collective_rpc(_compute_threads)
+    if spec.get("worker_huge_pages"):
+        results["worker_huge_pages"] = llm.collective_rpc(_huge_page_bytes)
     print("ENGINE_RESULT " + json.dumps(results), flush=True)
 
 

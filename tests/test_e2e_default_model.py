@@ -100,8 +100,11 @@ def _spec(default_model, prompts, tok, **llm):
 
 @pytest.mark.engine
 def test_default_model_matches_hf_answers_paris_and_keeps_constraints(default_model, workload, tmp_path):
-    results, log = run_engine(_spec(default_model, workload[1], workload[0], enforce_eager=True), tmp_path,
-                              env={"VLLM_ENABLE_V1_MULTIPROCESSING": "1"})  # vLLM's default engine
+    results, log = run_engine({**_spec(default_model, workload[1], workload[0], enforce_eager=True),
+                               "worker_huge_pages": True}, tmp_path,
+                              # vLLM's default engine; pickle carries the probe function
+                              env={"VLLM_ENABLE_V1_MULTIPROCESSING": "1",
+                                   "VLLM_ALLOW_INSECURE_SERIALIZATION": "1"})
 
     assert results["platform"] == "AccelPlatform"
     assert "(EngineCore pid=" in log  # a separate EngineCore process, as users run it
@@ -115,6 +118,10 @@ def test_default_model_matches_hf_answers_paris_and_keeps_constraints(default_mo
     weights = re.search(r"weights ([\d.]+) GiB", log)
     assert weights and float(weights.group(1)) >= 0.25  # 135M params, >= 2 bytes each
     assert re.search(r"Device gcu:0 KV cache: \d+ blocks x 64 tokens", log)
+    # the weights sit in 2 MiB pages (ACCEL_SIM_HUGE_PAGES), as the kernel counts them
+    huge = re.search(r"Weights in 2 MiB pages: ([\d.]+) of ([\d.]+) MiB", log)
+    assert huge and float(huge.group(1)) >= 0.7 * float(huge.group(2)), huge and huge.group(0)
+    assert results["worker_huge_pages"][0] >= float(huge.group(1)) * 2**20
     _assert_matches_hf(results, workload)
     _assert_constraints_hold(results, workload[0])
 

@@ -1,5 +1,6 @@
 """Simulated device memory: capacity, host cap, and the worker's KV budget."""
 
+import os
 from types import SimpleNamespace
 
 import psutil
@@ -69,3 +70,68 @@ def test_kv_budget_errors_name_the_fix():
         AccelSimWorker.determine_available_memory(_fake_worker(2, 0.9, 0.5, 0.1, explicit=2 * GiB))
     assert AccelSimWorker.determine_available_memory(
         _fake_worker(2, 0.9, 0.5, 0.1, explicit=GiB)) == GiB
+
+
+def _anon_huge_bytes() -> int:
+    """The kernel's own count of this process's anonymous memory in huge pages."""
+    for line in open("/proc/self/smaps_rollup"):
+        if line.startswith("AnonHugePages:"):
+            return int(line.split()[1]) << 10
+    return 0
+
+
+def test_storage_ranges_merge_neighbours_and_skip_small_or_shared():
+    import torch
+
+    from vllm_accel.backends.cpu_sim.huge_pages import storage_ranges
+
+    block = torch.zeros(4 << 20, dtype=torch.uint8)
+    first, second = block[: 1 << 20], block[2 << 20:]  # two views of one storage
+    small = torch.zeros(1024, dtype=torch.uint8)
+    apart = torch.zeros(1 << 20, dtype=torch.uint8)
+    ranges = storage_ranges([first, second, small, apart, torch.empty(8 << 20, device="meta")])
+
+    def covering(t):
+        return [r for r in ranges if r[0] <= t.data_ptr() and t.data_ptr() + t.nbytes <= r[1]]
+
+    # the views' whole storage is one range; the 1 MiB tensor is covered; the
+    # 1 KiB one only if it lies between merged neighbours; the meta one is skipped
+    assert covering(block) and covering(apart) and len(ranges) <= 2
+    assert not covering(small) or covering(small) in (covering(block), covering(apart))
+    assert all(lo % 4096 == 0 and hi % 4096 == 0 and lo < hi for lo, hi in ranges)
+    assert all(a[1] < b[0] for a, b in zip(ranges, ranges[1:]))  # sorted, disjoint
+
+
+@pytest.mark.skipif(not os.path.exists("/sys/kernel/mm/transparent_hugepage/enabled"),
+                    reason="this kernel has no transparent huge pages")
+def test_weights_move_to_huge_pages_in_place():
+    """MADV_HUGEPAGE + MADV_COLLAPSE: the kernel's AnonHugePages count grows by the
+    whole 2 MiB pages inside the weights, and the tensors keep address and values."""
+    import torch
+
+    from vllm_accel.backends.cpu_sim.huge_pages import HUGE_PAGE, back_with_huge_pages
+
+    weights = [torch.randn(3072, 576).to(torch.bfloat16) for _ in range(4)]
+    weights.append(torch.randn(49152, 576).to(torch.bfloat16))  # a mmap'd allocation
+    before = [(w.data_ptr(), w.clone()) for w in weights]
+    counted_before = _anon_huge_bytes()
+    huge, problem = back_with_huge_pages(weights)
+    assert problem is None, problem
+    whole_pages = sum((w.data_ptr() + w.nbytes) // HUGE_PAGE - -(-w.data_ptr() // HUGE_PAGE)
+                      for w in weights) * HUGE_PAGE
+    assert huge >= whole_pages
+    assert _anon_huge_bytes() - counted_before >= whole_pages
+    for w, (ptr, values) in zip(weights, before):
+        assert w.data_ptr() == ptr and torch.equal(w, values)
+
+
+def test_huge_pages_switch_is_a_clear_setting(monkeypatch):
+    from vllm_accel import envs
+
+    monkeypatch.delenv("ACCEL_SIM_HUGE_PAGES", raising=False)
+    assert envs.ACCEL_SIM_HUGE_PAGES is True
+    monkeypatch.setenv("ACCEL_SIM_HUGE_PAGES", "off")
+    assert envs.ACCEL_SIM_HUGE_PAGES is False
+    monkeypatch.setenv("ACCEL_SIM_HUGE_PAGES", "maybe")
+    with pytest.raises(ValueError, match="use `on` or `off`"):
+        envs.ACCEL_SIM_HUGE_PAGES

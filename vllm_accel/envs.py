@@ -15,6 +15,7 @@ if TYPE_CHECKING:  # what ``envs.NAME`` returns, for readers and type checkers
     ACCEL_BACKEND: str = "auto"
     ACCEL_SIM_DEVICE_MEMORY_GB: float = 48.0
     ACCEL_SIM_HOST_MEMORY_FRACTION: float = 0.6
+    ACCEL_SIM_HUGE_PAGES: bool = True
     ACCEL_VIRTUAL_DEVICE_COUNT: int = 8
     ACCEL_KERNEL_PROVIDER: str = ""
     ACCEL_KV_SCALES: str = ""
@@ -35,6 +36,20 @@ def _float(name: str, default: float) -> Callable[[], float]:
             return float(raw)
         except ValueError:
             raise ValueError(f"{name}={raw!r} is not a number") from None
+
+    return read
+
+
+def _switch(name: str, default: bool) -> Callable[[], bool]:
+    def read() -> bool:
+        raw = os.environ.get(name, "").strip().lower()
+        if raw == "":
+            return default
+        if raw in ("1", "on", "true", "yes"):
+            return True
+        if raw in ("0", "off", "false", "no"):
+            return False
+        raise ValueError(f"{name}={raw!r}: use `on` or `off`")
 
     return read
 
@@ -73,6 +88,12 @@ environment_variables: dict[str, tuple[Callable[[], Any], str]] = {
         _float("ACCEL_SIM_HOST_MEMORY_FRACTION", 0.6),
         "Largest fraction of the host's available RAM (at worker start) that the "
         "simulated devices of one host may take together.",
+    ),
+    "ACCEL_SIM_HUGE_PAGES": (
+        _switch("ACCEL_SIM_HUGE_PAGES", True),
+        "`on` (default): the simulator backs its loaded weights with 2 MiB transparent "
+        "huge pages (`MADV_HUGEPAGE` + `MADV_COLLAPSE`, Linux >= 6.1), so decode's "
+        "weight stream does not stall on 4 KiB page walks; `off` keeps 4 KiB pages.",
     ),
     "ACCEL_VIRTUAL_DEVICE_COUNT": (
         lambda: int(os.environ.get("ACCEL_VIRTUAL_DEVICE_COUNT", "8")),

@@ -6,8 +6,13 @@ import psutil
 
 from vllm.v1.worker.cpu_model_runner import CPUModelRunner
 
+from vllm_accel import envs
 from vllm_accel.backends import get_backend
+from vllm_accel.backends.cpu_sim.huge_pages import back_with_huge_pages
+from vllm_accel.logger import init_logger
 from vllm_accel.quant.base import log_load_summaries
+
+logger = init_logger(__name__)
 
 
 class AccelSimModelRunner(CPUModelRunner):
@@ -24,6 +29,11 @@ class AccelSimModelRunner(CPUModelRunner):
         # the parameters, so resident growth is the truer size of the weights.
         self._weight_bytes = max(parameter_bytes, psutil.Process().memory_info().rss - rss_before)
         log_load_summaries()
+        if envs.ACCEL_SIM_HUGE_PAGES:
+            huge, problem = back_with_huge_pages(tensors.values())
+            logger.info("Weights in 2 MiB pages: %.1f of %.1f MiB%s (ACCEL_SIM_HUGE_PAGES=off "
+                        "keeps 4 KiB pages)", huge / 2**20, parameter_bytes / 2**20,
+                        f"; {problem}" if problem else "")
 
     def weight_bytes(self) -> int:
         """Device memory the loaded weights occupy."""
