@@ -85,19 +85,28 @@ def test_storage_ranges_merge_neighbours_and_skip_small_or_shared():
 
     from vllm_accel.backends.cpu_sim.huge_pages import storage_ranges
 
-    block = torch.zeros(4 << 20, dtype=torch.uint8)
-    first, second = block[: 1 << 20], block[2 << 20:]  # two views of one storage
-    small = torch.zeros(1024, dtype=torch.uint8)
-    apart = torch.zeros(1 << 20, dtype=torch.uint8)
-    ranges = storage_ranges([first, second, small, apart, torch.empty(8 << 20, device="meta")])
+    memory = bytearray(8 << 20)
 
-    def covering(t):
-        return [r for r in ranges if r[0] <= t.data_ptr() and t.data_ptr() + t.nbytes <= r[1]]
+    def at(offset: int, nbytes: int) -> torch.Tensor:  # its own storage over memory
+        return torch.frombuffer(memory, dtype=torch.uint8, count=nbytes, offset=offset)
 
-    # the views' whole storage is one range; the 1 MiB tensor is covered; the
-    # 1 KiB one only if it lies between merged neighbours; the meta one is skipped
-    assert covering(block) and covering(apart) and len(ranges) <= 2
-    assert not covering(small) or covering(small) in (covering(block), covering(apart))
+    mib = 1 << 20
+    first = at(0, mib)
+    near = at(mib + (32 << 10), mib)           # 32 KiB after first: merged with it
+    far = at(2 * mib + (160 << 10), mib)       # 128 KiB after near: a range of its own
+    small = at(6 * mib, 1024)                  # under 64 KiB, alone: skipped
+    views = torch.zeros(4 * mib, dtype=torch.uint8)
+    ranges = storage_ranges([first, near, far, small, views[:mib], views[2 * mib:],
+                             torch.empty(8 << 20, device="meta")])
+
+    def covering(t, nbytes):
+        return [r for r in ranges if r[0] <= t.data_ptr() and t.data_ptr() + nbytes <= r[1]]
+
+    assert covering(first, mib) and covering(first, mib) == covering(near, mib)
+    assert covering(far, mib) and covering(far, mib) != covering(near, mib)
+    assert not covering(small, 1024)
+    assert covering(views, 4 * mib)  # two views: their whole storage, once
+    assert len(ranges) <= 3  # the zeros may land next to memory and merge with it
     assert all(lo % 4096 == 0 and hi % 4096 == 0 and lo < hi for lo, hi in ranges)
     assert all(a[1] < b[0] for a, b in zip(ranges, ranges[1:]))  # sorted, disjoint
 
@@ -105,8 +114,9 @@ def test_storage_ranges_merge_neighbours_and_skip_small_or_shared():
 @pytest.mark.skipif(not os.path.exists("/sys/kernel/mm/transparent_hugepage/enabled"),
                     reason="this kernel has no transparent huge pages")
 def test_weights_move_to_huge_pages_in_place():
-    """MADV_HUGEPAGE + MADV_COLLAPSE: the kernel's AnonHugePages count grows by the
-    whole 2 MiB pages inside the weights, and the tensors keep address and values."""
+    """MADV_HUGEPAGE + MADV_COLLAPSE: every whole huge page inside the weights is one,
+    by our smaps reading and by the kernel's own total, and the tensors keep address
+    and values."""
     import torch
 
     from vllm_accel.backends.cpu_sim.huge_pages import HUGE_PAGE, back_with_huge_pages
@@ -114,13 +124,15 @@ def test_weights_move_to_huge_pages_in_place():
     weights = [torch.randn(3072, 576).to(torch.bfloat16) for _ in range(4)]
     weights.append(torch.randn(49152, 576).to(torch.bfloat16))  # a mmap'd allocation
     before = [(w.data_ptr(), w.clone()) for w in weights]
-    counted_before = _anon_huge_bytes()
     huge, problem = back_with_huge_pages(weights)
+    if problem and problem.startswith("MADV_COLLAPSE") and "EINVAL" in problem:
+        pytest.skip(f"this kernel cannot collapse pages (Linux < 6.1?): {problem}")
     assert problem is None, problem
     whole_pages = sum((w.data_ptr() + w.nbytes) // HUGE_PAGE - -(-w.data_ptr() // HUGE_PAGE)
                       for w in weights) * HUGE_PAGE
+    assert whole_pages >= 40 << 20
     assert huge >= whole_pages
-    assert _anon_huge_bytes() - counted_before >= whole_pages
+    assert _anon_huge_bytes() >= whole_pages
     for w, (ptr, values) in zip(weights, before):
         assert w.data_ptr() == ptr and torch.equal(w, values)
 

@@ -31,8 +31,9 @@ class AccelSimModelRunner(CPUModelRunner):
         log_load_summaries()
         if envs.ACCEL_SIM_HUGE_PAGES:
             huge, problem = back_with_huge_pages(tensors.values())
-            logger.info("Weights in 2 MiB pages: %.1f of %.1f MiB%s (ACCEL_SIM_HUGE_PAGES=off "
-                        "keeps 4 KiB pages)", huge / 2**20, parameter_bytes / 2**20,
+            logger.info("Weights in 2 MiB pages: %.1f of %.1f MiB of parameters%s "
+                        "(ACCEL_SIM_HUGE_PAGES=off keeps 4 KiB pages)", huge / 2**20,
+                        parameter_bytes / 2**20,
                         f"; {problem}" if problem else "")
 
     def weight_bytes(self) -> int:

@@ -4,12 +4,14 @@ A decode step streams every weight once, and with 4 KiB pages a single core's
 read stream stalls on a page walk every 4 KiB (the STLB reaches ~8 MiB): measured
 on an Intel Xeon (model 207), one core read 270 MB at 14.0-15.0 GB/s from 4 KiB
 pages and 16.6-16.8 GB/s from 2 MiB pages. A card's memory has no such cost, so
-the simulator asks Linux to back the loaded weights with transparent huge pages:
-``MADV_HUGEPAGE`` on their address ranges, then ``MADV_COLLAPSE`` (Linux >= 6.1)
-to rebuild the pages already there in place. Nothing moves: the tensors keep their
-addresses and contents, and whatever shares a 2 MiB page with a weight (glibc's
-heap) is collapsed with it unchanged. A kernel without THP or ``MADV_COLLAPSE``
-leaves the 4 KiB pages, which is only slower.
+the simulator asks Linux to back the model's parameters and buffers (what the
+plugin's kernels read in place; weights vLLM hands to oneDNN live in oneDNN's own
+buffers and are not covered) with transparent huge pages: ``MADV_HUGEPAGE`` on their
+address ranges, then ``MADV_COLLAPSE`` (Linux >= 6.1) to rebuild the pages already
+there in place. Nothing moves: the tensors keep their addresses and contents, and
+whatever shares a huge page with a weight (glibc's heap) is collapsed with it
+unchanged; the flagged heap ranges keep taking huge pages when reused. A kernel
+without THP or ``MADV_COLLAPSE`` leaves the 4 KiB pages, which is only slower.
 """
 
 import ctypes
@@ -19,7 +21,17 @@ from collections.abc import Iterable
 
 import torch
 
-HUGE_PAGE = 2 << 20
+
+
+def _pmd_huge_page() -> int:
+    """The size of a transparent huge page here (2 MiB on x86-64)."""
+    try:
+        return int(open("/sys/kernel/mm/transparent_hugepage/hpage_pmd_size").read())
+    except (OSError, ValueError):
+        return 2 << 20
+
+
+HUGE_PAGE = _pmd_huge_page()
 _PAGE = os.sysconf("SC_PAGE_SIZE")
 MADV_HUGEPAGE = 14
 MADV_COLLAPSE = 25  # linux/mman.h, Linux 6.1
@@ -59,28 +71,31 @@ def _madvise(libc, start: int, end: int, advice: int) -> int:
 
 
 def back_with_huge_pages(tensors: Iterable[torch.Tensor]) -> tuple[int, str | None]:
-    """Ask for 2 MiB pages under the storages of ``tensors`` (those of 64 KiB or
-    more, merged with their neighbours); returns (bytes of those ranges now in huge pages, why not all or None)."""
+    """Ask for huge pages under the storages of ``tensors`` (those of 64 KiB or
+    more, merged with their neighbours); returns (bytes of those ranges now in huge
+    pages, at most; the first madvise error or None)."""
     ranges = storage_ranges(tensors)
     if not ranges:
         return 0, None
     libc = ctypes.CDLL(None, use_errno=True)
     problem = None
     for start, end in ranges:
-        # collapse works on whole 2 MiB pages: the ones inside the range
+        # collapse works on whole huge pages: the ones inside the range. An unmapped
+        # gap in a merged range fails MADV_HUGEPAGE with ENOMEM after it flagged the
+        # mapped parts, so the collapse is tried regardless.
         inner = (start + -start % HUGE_PAGE, end - end % HUGE_PAGE)
         for (lo, hi), advice, name in (((start, end), MADV_HUGEPAGE, "MADV_HUGEPAGE"),
                                        (inner, MADV_COLLAPSE, "MADV_COLLAPSE")):
             err = _madvise(libc, lo, hi, advice) if lo < hi else 0
             if err:
                 problem = problem or f"{name}: {errno.errorcode.get(err, err)} ({os.strerror(err)})"
-                break
     return huge_page_bytes(ranges), problem
 
 
 def huge_page_bytes(ranges: list[tuple[int, int]]) -> int:
-    """Bytes of ``ranges`` that /proc/self/smaps counts as anonymous huge pages
-    (per mapping, in proportion to its overlap with the ranges)."""
+    """Bytes of ``ranges`` that /proc/self/smaps counts as anonymous huge pages: per
+    mapping, its huge pages up to its overlap with the ranges (an upper bound where a
+    mapping reaches past them; madvise splits mappings at the ranges' edges)."""
     total = 0
     try:
         smaps = open("/proc/self/smaps").read().splitlines()
@@ -88,6 +103,8 @@ def huge_page_bytes(ranges: list[tuple[int, int]]) -> int:
         return 0
     lo = hi = 0
     for line in smaps:
+        if not line.strip():
+            continue
         head = line.split(None, 1)[0]
         if "-" in head and not head.endswith(":"):
             lo, hi = (int(v, 16) for v in head.split("-"))
@@ -95,5 +112,5 @@ def huge_page_bytes(ranges: list[tuple[int, int]]) -> int:
             huge = int(line.split()[1]) << 10
             if huge:
                 overlap = sum(max(0, min(hi, end) - max(lo, start)) for start, end in ranges)
-                total += min(huge, overlap) if overlap < hi - lo else huge
+                total += min(huge, overlap)
     return total
