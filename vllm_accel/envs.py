@@ -91,9 +91,11 @@ environment_variables: dict[str, tuple[Callable[[], Any], str]] = {
     ),
     "ACCEL_SIM_HUGE_PAGES": (
         _switch("ACCEL_SIM_HUGE_PAGES", True),
-        "`on` (default): the simulator backs its loaded weights with 2 MiB transparent "
-        "huge pages (`MADV_HUGEPAGE` + `MADV_COLLAPSE`, Linux >= 6.1), so decode's "
-        "weight stream does not stall on 4 KiB page walks; `off` keeps 4 KiB pages.",
+        "`on` (default): the simulator backs the model's parameters (the weights its "
+        "kernels read in place; weights vLLM hands to oneDNN stay in oneDNN's buffers) "
+        "with 2 MiB transparent huge pages (`MADV_HUGEPAGE` + `MADV_COLLAPSE`, Linux >= "
+        "6.1, in place), so decode's weight stream does not stall on 4 KiB page walks; "
+        "`off` keeps 4 KiB pages.",
     ),
     "ACCEL_VIRTUAL_DEVICE_COUNT": (
         lambda: int(os.environ.get("ACCEL_VIRTUAL_DEVICE_COUNT", "8")),

@@ -8,7 +8,7 @@ from vllm.v1.worker.cpu_model_runner import CPUModelRunner
 
 from vllm_accel import envs
 from vllm_accel.backends import get_backend
-from vllm_accel.backends.cpu_sim.huge_pages import back_with_huge_pages
+from vllm_accel.backends.cpu_sim.huge_pages import HUGE_PAGE, back_with_huge_pages
 from vllm_accel.logger import init_logger
 from vllm_accel.quant.base import log_load_summaries
 
@@ -31,9 +31,9 @@ class AccelSimModelRunner(CPUModelRunner):
         log_load_summaries()
         if envs.ACCEL_SIM_HUGE_PAGES:
             huge, problem = back_with_huge_pages(tensors.values())
-            logger.info("Weights in 2 MiB pages: %.1f of %.1f MiB of parameters%s "
-                        "(ACCEL_SIM_HUGE_PAGES=off keeps 4 KiB pages)", huge / 2**20,
-                        parameter_bytes / 2**20,
+            logger.info("Weights in %d MiB pages: %.1f of %.1f MiB of parameters%s "
+                        "(ACCEL_SIM_HUGE_PAGES=off keeps 4 KiB pages)", HUGE_PAGE >> 20,
+                        huge / 2**20, parameter_bytes / 2**20,
                         f"; {problem}" if problem else "")
 
     def weight_bytes(self) -> int:

@@ -22,7 +22,6 @@ from collections.abc import Iterable
 import torch
 
 
-
 def _pmd_huge_page() -> int:
     """The size of a transparent huge page here (2 MiB on x86-64)."""
     try:
