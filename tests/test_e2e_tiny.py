@@ -3,7 +3,8 @@
 Exercises GQA, several block sizes, continuous batching (few sequence slots, so
 requests join and leave mid-flight) and chunked prefill (small token budget, so
 prefills are split and mixed with decodes). fp32 greedy must match HF exactly,
-eager and (one case) under torch.compile, vLLM's default.
+eager and (one case) under torch.compile, vLLM's default, there also after a
+restart that loads the compiled graph from vLLM's compile cache.
 """
 
 import random
@@ -37,7 +38,7 @@ def test_tiny_model_matches_hf(case, tmp_path):
     rng = random.Random(case)
     lengths = [3, 17, 40, 70, 129, 5, 64, 1]
     prompts = [[rng.randrange(3, 512) for _ in range(n)] for n in lengths]
-    results, log = run_engine({
+    spec = {
         "llm": {"model": str(model), "dtype": "float32", "enforce_eager": not compiled,
                 "skip_tokenizer_init": True, "block_size": block_size,
                 "max_model_len": 512, "max_num_seqs": 3, "max_num_batched_tokens": 48,
@@ -45,11 +46,21 @@ def test_tiny_model_matches_hf(case, tmp_path):
         "prompts": prompts,
         "sampling": {"temperature": 0.0, "max_tokens": 16, "ignore_eos": True,
                      "detokenize": False},
-    }, tmp_path, env={"ACCEL_KERNEL_PROVIDER": provider,
-                      **({"TRITON_INTERPRET": "1"} if provider == "triton" else {})})
+    }
+    env = {"ACCEL_KERNEL_PROVIDER": provider,
+           **({"TRITON_INTERPRET": "1"} if provider == "triton" else {})}
+    results, log = run_engine(spec, tmp_path, env=env)
     assert results["platform"] == "AccelPlatform"
     assert f"vllm_accel.ops.{KERNEL_MODULES[provider]}.paged_decode" in log
     assert ("Warming up model for the compilation" in log) == compiled
     expected = hf_greedy(model, prompts, 16)
     got = [o["token_ids"] for o in results["outputs"]]
     assert got == expected
+    if compiled:
+        # a restart loads the graph vLLM saved instead of compiling it again
+        # (patches.py: "compiled model never loads from vLLM's compile cache on CPU")
+        assert "saved AOT compiled function" in log
+        results, log = run_engine(spec, tmp_path, env=env)
+        assert "Directly load AOT compilation" in log, log[-4000:]
+        assert "Compiling model again" not in log
+        assert [o["token_ids"] for o in results["outputs"]] == expected

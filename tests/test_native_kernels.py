@@ -82,7 +82,7 @@ def test_build_key_changes_with_the_cpu(small_build, monkeypatch):
     one CPU (-march=native) must never be loaded on another."""
     cxx = native.compiler()
     here = native._build(cxx)
-    monkeypatch.setattr(native, "_cpu_signature", lambda: "x86_64 other cpu avx2")
+    monkeypatch.setattr(native, "cpu_signature", lambda: "x86_64 other cpu avx2")
     assert native._build(cxx) != here
 
 

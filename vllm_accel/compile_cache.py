@@ -1,0 +1,53 @@
+"""The plugin's part of vLLM's torch.compile cache key.
+
+vLLM saves the compiled model (``VLLM_CACHE_ROOT/torch_compile_cache``) under a hash
+of its own config and ``VLLM_*`` variables, and a later start with the same hash
+loads it without tracing. Which kernel each layer calls is decided by this plugin
+at load time (``ACCEL_*`` settings, the CPU's units, the plugin's own code) and is
+baked into the traced graph: a graph cached under another choice would call the
+wrong kernel or read a weight in the wrong layout. The platform puts this key into
+``additional_config``, which vLLM's hash includes, so any such change compiles
+afresh.
+"""
+
+import hashlib
+import os
+from pathlib import Path
+
+from vllm_accel.logger import init_logger
+
+logger = init_logger(__name__)
+
+PACKAGE = Path(__file__).resolve().parent
+#: the config entry the platform sets (``additional_config[CONFIG_KEY]``)
+CONFIG_KEY = "vllm_accel_compile_key"
+_SOURCE_SUFFIXES = (".py", ".cpp", ".h")
+
+
+def _sources_digest() -> str:
+    digest = hashlib.sha256()
+    for path in sorted(p for p in PACKAGE.rglob("*") if p.suffix in _SOURCE_SUFFIXES):
+        digest.update(str(path.relative_to(PACKAGE)).encode() + b"\0" + path.read_bytes())
+    return digest.hexdigest()
+
+
+def compile_key() -> str:
+    """Digest of what decides the plugin's kernels: its sources, every ``ACCEL_*``
+    variable of this process and the CPU's model and flags."""
+    from vllm_accel.ops.cpu_native.build import cpu_signature
+
+    settings = sorted((k, v) for k, v in os.environ.items() if k.startswith("ACCEL_"))
+    parts = [_sources_digest(), repr(settings), cpu_signature()]
+    return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:16]
+
+
+def add_to_config(vllm_config) -> None:
+    """Put the key into ``vllm_config.additional_config`` (a dict, vLLM's default)."""
+    extra = vllm_config.additional_config
+    if isinstance(extra, dict):
+        extra[CONFIG_KEY] = compile_key()
+    else:
+        logger.warning_once("additional_config is a %s, not a dict: vLLM's compile cache "
+                            "is not keyed on vllm_accel's kernel choices; set "
+                            "VLLM_DISABLE_COMPILE_CACHE=1 after changing ACCEL_* settings.",
+                            type(extra).__name__)
