@@ -256,6 +256,11 @@ def run_one(spec: dict[str, Any], env_update: dict[str, str | None], timeout: fl
     return result
 
 
+#: (what the compiled engine did, vLLM's log line saying so): a warm start loads
+COMPILE_CACHE_MARKERS = (("loaded", "Directly load AOT compilation"),
+                         ("compiled", "saved AOT compiled function"))
+
+
 def run_worker_process(spec: dict[str, Any], env_update: dict[str, str | None], timeout: float,
                        verbose: bool, script: str = __file__) -> list[dict[str, Any]]:
     """Run ``script --worker SPEC`` with ``env_update`` applied; every result line it
@@ -274,12 +279,14 @@ def run_worker_process(spec: dict[str, Any], env_update: dict[str, str | None], 
     cmd = [sys.executable, os.path.abspath(script), "--worker", spec_path]
     tail: collections.deque[str] = collections.deque(maxlen=60)
     found: list[dict[str, Any]] = []
+    compile_cache: list[str] = []  # what vLLM's compile cache did, in log order
 
     def reader(stream: Any) -> None:
         for line in stream:
             if line.startswith(RESULT_TAG):
                 found.append(json.loads(line[len(RESULT_TAG):]))
                 continue
+            compile_cache.extend(what for what, marker in COMPILE_CACHE_MARKERS if marker in line)
             tail.append(line.rstrip("\n"))
             if verbose:
                 print(f"    | {line}", end="", file=sys.stderr, flush=True)
@@ -312,6 +319,8 @@ def run_worker_process(spec: dict[str, Any], env_update: dict[str, str | None], 
         print("\n".join(f"    | {ln}" for ln in tail), file=sys.stderr)
         raise RuntimeError(f"{spec['workload']}/{spec['engine']} worker failed "
                            f"(exit {rc}{', no ' + RESULT_TAG.strip() if not found else ''})")
+    for result in found:
+        result["compile_cache"] = "+".join(compile_cache) or "-"
     return found
 
 
@@ -323,10 +332,11 @@ def fmt_threads(r: dict[str, Any]) -> str:
 
 
 def print_table(results: list[dict[str, Any]]) -> None:
-    headers = ["workload", "engine", "platform", "start s", "generate s", "out tok/s",
-               "total tok/s", "blk", "thr/cpu"]
+    headers = ["workload", "engine", "platform", "start s", "compile", "generate s",
+               "out tok/s", "total tok/s", "blk", "thr/cpu"]
     rows = [[
         r["workload"], r["engine"], r["platform"], f"{r['start_s']:.1f}",
+        r.get("compile_cache", "-"),
         f"{r['generate_s']:.3f}", f"{r['out_tok_s']:.1f}", f"{r['total_tok_s']:.1f}",
         str(r["block_size"]), fmt_threads(r),
     ] for r in results]
