@@ -48,7 +48,9 @@ def test_tiny_model_matches_hf(case, tmp_path):
                      "detokenize": False},
     }
     env = {"ACCEL_KERNEL_PROVIDER": provider,
-           **({"TRITON_INTERPRET": "1"} if provider == "triton" else {})}
+           **({"TRITON_INTERPRET": "1"} if provider == "triton" else {}),
+           # this test's own compile cache: the first start compiles, a restart loads
+           **({"VLLM_CACHE_ROOT": str(tmp_path / "vllm-cache")} if compiled else {})}
     results, log = run_engine(spec, tmp_path, env=env)
     assert results["platform"] == "AccelPlatform"
     assert f"vllm_accel.ops.{KERNEL_MODULES[provider]}.paged_decode" in log

@@ -265,35 +265,44 @@ def test_inductor_graphs_from_the_compile_cache_get_a_finalize_step():
     assert method(object.__new__(Bundled), vllm_config=None) is None
 
 
-def test_compile_cache_key_follows_accel_settings_sources_and_cpu(monkeypatch, tmp_path):
+def test_compile_cache_key_follows_accel_settings_sources_cpu_and_native_build(monkeypatch,
+                                                                             tmp_path):
     """A kernel choice baked into a cached graph must change vLLM's config hash."""
     from vllm.config import VllmConfig
 
     from vllm_accel import compile_cache
     from vllm_accel.ops.cpu_native import build
 
-    monkeypatch.delenv("ACCEL_BF16_LINEAR", raising=False)
     base = compile_cache.compile_key()
     assert compile_cache.compile_key() == base
-    monkeypatch.setenv("ACCEL_BF16_LINEAR", "off")
-    assert compile_cache.compile_key() != base
-    monkeypatch.delenv("ACCEL_BF16_LINEAR")
+    changes = {
+        "an ACCEL_ setting": lambda: monkeypatch.setenv(
+            "ACCEL_BF16_LINEAR", "off" if os.environ.get("ACCEL_BF16_LINEAR") != "off" else "on"),
+        "the CPU": lambda: monkeypatch.setattr(build, "cpu_signature", lambda: "x86_64 avx2"),
+        "no C++ kernels": lambda: monkeypatch.setattr(build, "library", lambda: None),
+        "no dispatcher ops": lambda: monkeypatch.setattr(build, "torch_ops", lambda: None),
+    }
+    for what, change in changes.items():
+        change()
+        assert compile_cache.compile_key() != base, what
+        monkeypatch.undo()
+        assert compile_cache.compile_key() == base, what
     monkeypatch.setenv("NOT_OURS_SETTING", "1")
     assert compile_cache.compile_key() == base
-    monkeypatch.setattr(build, "cpu_signature", lambda: "x86_64 other cpu avx2")
-    assert compile_cache.compile_key() != base
-    monkeypatch.undo()
     package = tmp_path / "vllm_accel"
     package.mkdir()
-    (package / "kernel.py").write_text("A = 1\n")
+    (package / "kernel.cpp").write_text("int a = 1;\n")
     monkeypatch.setattr(compile_cache, "PACKAGE", package)
     edited = compile_cache.compile_key()
-    (package / "kernel.py").write_text("A = 2\n")
+    (package / "kernel.cpp").write_text("int a = 2;\n")
     assert compile_cache.compile_key() != edited
     monkeypatch.undo()
 
-    config = VllmConfig()  # runs the platform's config pass, which adds the key
+    config = VllmConfig()
+    unkeyed = config.compute_hash()
+    compile_cache.add_to_config(config)
     assert config.additional_config[compile_cache.CONFIG_KEY] == base
     keyed = config.compute_hash()
+    assert keyed != unkeyed
     config.additional_config[compile_cache.CONFIG_KEY] = "another choice"
     assert config.compute_hash() != keyed

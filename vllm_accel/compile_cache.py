@@ -5,9 +5,12 @@ of its own config and ``VLLM_*`` variables, and a later start with the same hash
 loads it without tracing. Which kernel each layer calls is decided by this plugin
 at load time (``ACCEL_*`` settings, the CPU's units, the plugin's own code) and is
 baked into the traced graph: a graph cached under another choice would call the
-wrong kernel or read a weight in the wrong layout. The platform puts this key into
-``additional_config``, which vLLM's hash includes, so any such change compiles
-afresh.
+wrong kernel or read a weight in the wrong layout. The simulator's model runner puts
+this key into ``additional_config`` (hashed by vLLM) after loading the model and before
+the first forward, where vLLM computes the cache's hash: it is the worker's own view
+(its host's CPU and environment, whether its C++ kernels built), so any such change
+compiles afresh. It is deliberately broad: any ``ACCEL_*`` setting or plugin source
+change recompiles once.
 """
 
 import hashlib
@@ -21,7 +24,7 @@ logger = init_logger(__name__)
 PACKAGE = Path(__file__).resolve().parent
 #: the config entry the platform sets (``additional_config[CONFIG_KEY]``)
 CONFIG_KEY = "vllm_accel_compile_key"
-_SOURCE_SUFFIXES = (".py", ".cpp", ".h")
+_SOURCE_SUFFIXES = (".py", ".c", ".cc", ".cpp", ".h", ".hpp")
 
 
 def _sources_digest() -> str:
@@ -32,12 +35,14 @@ def _sources_digest() -> str:
 
 
 def compile_key() -> str:
-    """Digest of what decides the plugin's kernels: its sources, every ``ACCEL_*``
-    variable of this process and the CPU's model and flags."""
-    from vllm_accel.ops.cpu_native.build import cpu_signature
+    """Digest of what decides the plugin's kernels in this process: its sources, every
+    ``ACCEL_*`` variable, the CPU's model and flags, and whether the C++ kernels and
+    their dispatcher ops built here (each model layer routes on that)."""
+    from vllm_accel.ops.cpu_native import build as native
 
     settings = sorted((k, v) for k, v in os.environ.items() if k.startswith("ACCEL_"))
-    parts = [_sources_digest(), repr(settings), cpu_signature()]
+    built = (native.library() is not None, native.torch_ops() is not None)
+    parts = [_sources_digest(), repr(settings), native.cpu_signature(), repr(built)]
     return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:16]
 
 

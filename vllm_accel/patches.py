@@ -433,8 +433,8 @@ PATCHES: tuple[Patch, ...] = (
         how=(
             "Give BundledAOTAutogradSerializableCallable a finalize_loading that does "
             "nothing (its artifacts are loaded when deserialized). Safe to load because "
-            "the platform keys the cache on the plugin's kernel choices too "
-            "(compile_cache.py: sources, ACCEL_* settings, CPU). Applied from the "
+            "the simulator's runner keys the cache on what decides the plugin's kernels "
+            "(compile_cache.py: sources, ACCEL_* settings, CPU, C++ build). Applied from the "
             "general plugin, in every process that may load a compiled model."
         ),
         remove_when="vLLM calls finalize_loading only on its own VllmSerializableFunction "

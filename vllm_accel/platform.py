@@ -22,7 +22,7 @@ from vllm_accel.logger import init_logger
 from vllm.platforms.cpu import CpuPlatform
 from vllm.platforms.interface import PlatformEnum
 
-from vllm_accel import compile_cache, envs, patches
+from vllm_accel import envs, patches
 from vllm_accel.backends import get_backend
 from vllm_accel.compat import check_vllm_version
 from vllm_accel.preflight import (MULTI_NODE_TIMEOUT_S, StartupError, bound_multi_node_wait,
@@ -187,7 +187,6 @@ class AccelPlatform(CpuPlatform):
         # CpuPlatform only fills worker_cls when it is "auto": set ours after it.
         vllm_config.parallel_config.worker_cls = backend.worker_cls
         patches.apply_all("config", env=backend.process_env(host_ranks(parallel_config)))
-        compile_cache.add_to_config(vllm_config)
         if not user_block_size:
             cache_config.block_size = DEFAULT_BLOCK_SIZE
         logger.info_once("vllm_accel: device %s via %s; worker %s", backend.device_name,

@@ -6,7 +6,7 @@ import psutil
 
 from vllm.v1.worker.cpu_model_runner import CPUModelRunner
 
-from vllm_accel import envs
+from vllm_accel import compile_cache, envs
 from vllm_accel.backends import get_backend
 from vllm_accel.backends.cpu_sim.huge_pages import HUGE_PAGE, back_with_huge_pages
 from vllm_accel.logger import init_logger
@@ -29,6 +29,8 @@ class AccelSimModelRunner(CPUModelRunner):
         # the parameters, so resident growth is the truer size of the weights.
         self._weight_bytes = max(parameter_bytes, psutil.Process().memory_info().rss - rss_before)
         log_load_summaries()
+        # before the first forward, where vLLM hashes the config for its compile cache
+        compile_cache.add_to_config(self.vllm_config)
         if envs.ACCEL_SIM_HUGE_PAGES:
             huge, problem = back_with_huge_pages(tensors.values())
             logger.info("Weights in %d MiB pages: %.1f of %.1f MiB of parameters%s "
