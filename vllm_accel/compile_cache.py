@@ -22,7 +22,7 @@ from vllm_accel.logger import init_logger
 logger = init_logger(__name__)
 
 PACKAGE = Path(__file__).resolve().parent
-#: the config entry the platform sets (``additional_config[CONFIG_KEY]``)
+#: the config entry the simulator's model runner sets (``additional_config[CONFIG_KEY]``)
 CONFIG_KEY = "vllm_accel_compile_key"
 _SOURCE_SUFFIXES = (".py", ".c", ".cc", ".cpp", ".h", ".hpp")
 
