@@ -182,6 +182,25 @@ def default_model() -> Path:
     return prepare_default_model()
 
 
+def assert_bf16_tokens_near_hf(model_dir: Path, prompts: list[list[int]], outputs: list[dict],
+                               nats: float = 0.05) -> None:
+    """Each generated token of a bf16 engine (``outputs``: engine_run's, with ``logprobs``
+    1), teacher-forced through HF transformers on the same bf16 weights in float32
+    math: HF's top token or within ``nats`` of it, its logprob within ``nats`` of HF's
+    (bf16 logits tie, so free-running greedy agreement is no test)."""
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).float()
+    for prompt, out in zip(prompts, outputs, strict=True):
+        with torch.no_grad():
+            logits = hf(torch.tensor([prompt + out["token_ids"]])).logits[0]
+        logp = torch.log_softmax(logits.double(), -1)
+        for step, (token, top) in enumerate(zip(out["token_ids"], out["logprobs"])):
+            row = logp[len(prompt) - 1 + step]
+            assert row.max() - row[token] <= nats, (len(prompt), step)
+            assert abs(top[str(token)] - row[token].item()) <= nats, (len(prompt), step)
+
+
 def hf_greedy(model_dir: Path, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
     """HF transformers fp32 greedy continuation token ids (the oracle)."""
     from transformers import AutoModelForCausalLM

@@ -11,7 +11,8 @@ generated one batch after another, e.g. to hit the prefix cache), ``requests``
 stdout line "ENGINE_RESULT <json>" (outputs, batch outputs, prefix-cache and
 preemption counters when ``disable_log_stats`` is False; with ``worker_threads``,
 each worker's cores and torch thread count; with ``worker_huge_pages``, each
-worker's bytes in transparent huge pages). With ``engine_until_exit`` the LLM
+worker's bytes in transparent huge pages; with ``worker_kernel_calls``, each worker's
+counts of those C++ ops' kernels). With ``engine_until_exit`` the LLM
 stays referenced until the interpreter exits, as a script's top-level ``llm`` does,
 so the engine shuts down from the exit hooks.
 """
@@ -38,6 +39,24 @@ def _huge_page_bytes(worker) -> int:
         if line.startswith("AnonHugePages:"):
             return int(line.split()[1]) << 10
     return 0
+
+
+def _kernel_calls(worker, ops: list[str]) -> dict:
+    """In a worker: ``{op: [calls, rows]}`` of the C++ ops' kernels so far
+    (csrc/torch_ops.cpp counts them; empty where that library is not built)."""
+    import ctypes
+
+    from vllm_accel.ops.cpu_native import build as native
+
+    lib = native.torch_ops()
+    if lib is None:
+        return {}
+    counts = {}
+    for op in ops:
+        rows = ctypes.c_int64()
+        counts[op] = [lib.accel_torch_ops_kernel_calls(op.encode(), ctypes.byref(rows)),
+                      rows.value]
+    return counts
 
 
 #: engines that shut down only at interpreter exit (spec ``engine_until_exit``)
@@ -104,6 +123,9 @@ def main() -> None:
         results["chat"] = [o.outputs[0].text for o in outs]
     if spec.get("worker_threads"):
         results["worker_threads"] = llm.collective_rpc(_compute_threads)
+    if spec.get("worker_kernel_calls"):
+        results["worker_kernel_calls"] = llm.collective_rpc(
+            _kernel_calls, args=(spec["worker_kernel_calls"],))
     if spec.get("worker_huge_pages"):
         results["worker_huge_pages"] = llm.collective_rpc(_huge_page_bytes)
     print("ENGINE_RESULT " + json.dumps(results), flush=True)

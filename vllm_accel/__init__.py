@@ -22,7 +22,8 @@ def register_platform() -> str | None:
 
 def register_general() -> None:
     """``vllm.general_plugins`` entry point, run in every vLLM process:
-    registers the ACCEL_ATTN attention backend and our custom ops."""
+    registers the ACCEL_ATTN attention backend, our custom ops and model classes."""
+    from vllm import ModelRegistry
     from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
 
     from vllm_accel import patches
@@ -36,5 +37,9 @@ def register_general() -> None:
         register_backend(BACKEND_NAME, "vllm_accel.ops.attention.AccelAttentionBackend")
     import vllm_accel.ops.custom_ops  # noqa: F401  (register_oot at import)
     import vllm_accel.quant  # noqa: F401  (registers gcu_gptq at import)
+    from vllm_accel.models import OVERRIDES
+
+    for architecture, model_class in OVERRIDES.items():
+        ModelRegistry.register_model(architecture, model_class)
 
     patches.apply_all("general")

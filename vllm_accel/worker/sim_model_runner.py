@@ -10,6 +10,7 @@ from vllm_accel import compile_cache, envs
 from vllm_accel.backends import get_backend
 from vllm_accel.backends.cpu_sim.huge_pages import HUGE_PAGE, back_with_huge_pages
 from vllm_accel.logger import init_logger
+from vllm_accel.models.llama import prepare_fused_layers
 from vllm_accel.quant.base import log_load_summaries
 
 logger = init_logger(__name__)
@@ -29,6 +30,7 @@ class AccelSimModelRunner(CPUModelRunner):
         # the parameters, so resident growth is the truer size of the weights.
         self._weight_bytes = max(parameter_bytes, psutil.Process().memory_info().rss - rss_before)
         log_load_summaries()
+        prepare_fused_layers(model)
         # before the first forward, where vLLM hashes the config for its compile cache
         compile_cache.add_to_config(self.vllm_config)
         if envs.ACCEL_SIM_HUGE_PAGES:

@@ -35,7 +35,7 @@ struct KernelCalls {
   }
 };
 KernelCalls bf16_linear_calls, int4pack_linear_calls, attention_step_calls, rms_norm_calls,
-    silu_and_mul_calls, rotary_calls;
+    silu_and_mul_calls, rotary_calls, decoder_layer_calls;
 
 // Whether torch packs int4 weights the way accel_int4pack_gemv reads them: torch picks
 // its layout by the CPU capability it runs with, so Python checks it once
@@ -422,6 +422,65 @@ std::tuple<at::Tensor, at::Tensor> cpu_rotary_embedding(
   return {q_out, k_out};
 }
 
+
+// vllm_accel::cpu_decoder_layer: a pre-norm decoder layer (Llama's: RMSNorm, QKV, rotary,
+// cache write + attention, O, add + RMSNorm, gate/up, SiLU * up, down) in one call, with
+// the kernels of the ops above and no Python between them: a decode step of the default
+// model makes ~300 op calls through vLLM's layers otherwise (~3.5 ms of a 28 ms eager
+// step on a 2-core Xeon). Returns (hidden, residual) as new tensors; undefined ones,
+// with nothing written, where a kernel declines these inputs (the caller then runs the
+// layer op by op). The first layer passes no residual: its input is the residual.
+std::tuple<at::Tensor, at::Tensor> cpu_decoder_layer(
+    const at::Tensor& hidden, const std::optional<at::Tensor>& residual,
+    const at::Tensor& positions, const at::Tensor& input_norm, const at::Tensor& qkv_weight,
+    const std::optional<at::Tensor>& qkv_bias, const at::Tensor& o_weight,
+    const std::optional<at::Tensor>& o_bias, const at::Tensor& post_norm,
+    const at::Tensor& gate_up_weight, const at::Tensor& down_weight, double eps,
+    const at::Tensor& cos_sin_cache, int64_t rotary_dim, bool is_neox, int64_t num_heads,
+    int64_t num_kv_heads, int64_t head_size, const at::Tensor& kv_cache,
+    const at::Tensor& slot_mapping, const at::Tensor& block_table,
+    const at::Tensor& query_start_loc, const at::Tensor& seq_lens, double scale, double k_scale,
+    double v_scale, int64_t max_prefill_pairs) {
+  // Everything after the attention step must run once it has written the cache, so
+  // what the later kernels check is checked here first.
+  const int64_t q_size = num_heads * head_size, kv_size = num_kv_heads * head_size;
+  const bool shapes_ok =
+      hidden.dim() == 2 && hidden.size(0) > 0 && head_size > 0 && num_heads > 0 &&
+      num_kv_heads > 0 && qkv_weight.dim() == 2 && qkv_weight.size(0) == q_size + 2 * kv_size &&
+      o_weight.dim() == 2 && o_weight.size(0) == hidden.size(1) && o_weight.size(1) == q_size &&
+      gate_up_weight.dim() == 2 && gate_up_weight.size(0) % 2 == 0 &&
+      down_weight.dim() == 2 && down_weight.size(0) == hidden.size(1) &&
+      down_weight.size(1) == gate_up_weight.size(0) / 2 && post_norm.dim() == 1 &&
+      post_norm.size(0) == hidden.size(1) && post_norm.stride(0) == 1 &&
+      cpu_of(post_norm, hidden.scalar_type());
+  if (!shapes_ok) return {};
+  const int64_t tokens = hidden.size(0);
+  auto [h, new_residual] = cpu_rms_norm(hidden, input_norm, eps, residual);
+  if (!h.defined()) return {};
+  const at::Tensor res = residual.has_value() ? new_residual : hidden;
+  const at::Tensor qkv = bf16_linear(h, qkv_weight, qkv_bias);
+  const at::Tensor q = qkv.narrow(1, 0, q_size), k = qkv.narrow(1, q_size, kv_size),
+                   v = qkv.narrow(1, q_size + kv_size, kv_size);
+  auto [q_rot, k_rot] =
+      cpu_rotary_embedding(positions, q, k, cos_sin_cache, head_size, rotary_dim, is_neox);
+  if (!q_rot.defined()) return {};
+  at::Tensor attn = at::empty({tokens, num_heads, head_size}, hidden.options());
+  if (!cpu_attention_step(q_rot.view({tokens, num_heads, head_size}),
+                          k_rot.view({tokens, num_kv_heads, head_size}),
+                          v.view({tokens, num_kv_heads, head_size}), kv_cache, slot_mapping,
+                          block_table, query_start_loc, seq_lens, attn, scale, k_scale, v_scale,
+                          max_prefill_pairs)) {
+    return {};
+  }
+  const at::Tensor o = bf16_linear(attn.view({tokens, q_size}), o_weight, o_bias);
+  auto [h2, residual_out] = cpu_rms_norm(o, post_norm, eps, res);
+  TORCH_CHECK(h2.defined(), "cpu_decoder_layer: the post-attention RMSNorm declined");
+  const at::Tensor act = cpu_silu_and_mul(bf16_linear(h2, gate_up_weight, std::nullopt));
+  TORCH_CHECK(act.defined(), "cpu_decoder_layer: SiluAndMul declined");
+  decoder_layer_calls.add(tokens);
+  return {bf16_linear(act, down_weight, std::nullopt), residual_out};
+}
+
 }  // namespace
 
 extern "C" {
@@ -436,6 +495,7 @@ int64_t accel_torch_ops_kernel_calls(const char* op, int64_t* rows) {
                          : name == "cpu_rms_norm" ? &rms_norm_calls
                          : name == "cpu_silu_and_mul" ? &silu_and_mul_calls
                          : name == "cpu_rotary_embedding" ? &rotary_calls
+                         : name == "cpu_decoder_layer" ? &decoder_layer_calls
                                                   : nullptr;
   if (counter == nullptr) return -1;
   *rows = counter->rows.load();
@@ -462,6 +522,13 @@ TORCH_LIBRARY_FRAGMENT(vllm_accel, m) {
   m.def("cpu_silu_and_mul(Tensor x) -> Tensor");
   m.def("cpu_rotary_embedding(Tensor positions, Tensor query, Tensor? key, Tensor cos_sin_cache, "
         "int head_size, int rotary_dim, bool is_neox) -> (Tensor, Tensor)");
+  m.def("cpu_decoder_layer(Tensor hidden, Tensor? residual, Tensor positions, Tensor input_norm, "
+        "Tensor qkv_weight, Tensor? qkv_bias, Tensor o_weight, Tensor? o_bias, Tensor post_norm, "
+        "Tensor gate_up_weight, Tensor down_weight, float eps, Tensor cos_sin_cache, "
+        "int rotary_dim, bool is_neox, int num_heads, int num_kv_heads, int head_size, "
+        "Tensor(a!) kv_cache, Tensor slot_mapping, Tensor block_table, Tensor query_start_loc, "
+        "Tensor seq_lens, float scale, float k_scale, float v_scale, int max_prefill_pairs) "
+        "-> (Tensor, Tensor)");
 }
 
 // Impls for ops whose schemas Python defines (bf16_linear.py, wint_gemv.py); the
@@ -475,4 +542,5 @@ TORCH_LIBRARY_IMPL(vllm_accel, CPU, m) {
   m.impl("cpu_rms_norm", &cpu_rms_norm);
   m.impl("cpu_silu_and_mul", &cpu_silu_and_mul);
   m.impl("cpu_rotary_embedding", &cpu_rotary_embedding);
+  m.impl("cpu_decoder_layer", &cpu_decoder_layer);
 }

@@ -1,0 +1,190 @@
+"""A Llama decoder layer as one C++ op (``vllm_accel::cpu_decoder_layer``,
+``models/llama.py``) against a float64 layer, against the same kernels called one by
+one, and in an engine against HF transformers."""
+
+import random
+
+import pytest
+import torch
+
+from conftest import assert_bf16_tokens_near_hf, build_tiny_model, kernel_calls, run_engine
+from paged_cases import HKV, batch_mix, build, kernel_args, make_case, read_kv, reference
+from vllm_accel.ops.cpu_native import bf16_linear
+from vllm_accel.ops.cpu_native import build as native
+
+pytestmark = pytest.mark.skipif(native.torch_ops() is None,
+                                reason="the C++ ops library builds only with a C++ compiler")
+
+HEADS, HEAD, HIDDEN, INTER, BS, EPS, SCALE = 3 * HKV, 64, 192, 256, 32, 1e-5, 0.125
+ops = torch.ops.vllm_accel
+
+
+def _weights(dtype, seed=5):
+    """A layer's weights (bf16 linears; norms and the rope cache in ``dtype``) and the
+    rope cache as vLLM builds it (neox, base 10000)."""
+    g = torch.Generator().manual_seed(seed)
+
+    def linear(n, k):
+        return (torch.randn(n, k, generator=g) * k**-0.5).to(torch.bfloat16)
+
+    inv_freq = 1.0 / 10000 ** (torch.arange(0, HEAD, 2, dtype=torch.float64) / HEAD)
+    freqs = torch.outer(torch.arange(512, dtype=torch.float64), inv_freq)
+    return dict(
+        input_norm=(1 + 0.1 * torch.randn(HIDDEN, generator=g)).to(dtype),
+        qkv=linear((HEADS + 2 * HKV) * HEAD, HIDDEN), o=linear(HIDDEN, HEADS * HEAD),
+        post_norm=(1 + 0.1 * torch.randn(HIDDEN, generator=g)).to(dtype),
+        gate_up=linear(2 * INTER, HIDDEN), down=linear(HIDDEN, INTER),
+        cos_sin=torch.cat([freqs.cos(), freqs.sin()], -1).to(dtype))
+
+
+def _case(mix, dtype, kv, seed=3):
+    """Requests (decodes first, as vLLM orders them) with their cached history, the
+    batch's hidden states, residual and positions, and the attention metadata."""
+    reqs = sorted(batch_mix(mix, BS), key=lambda r: r[0] != 1)
+    if kv == "auto":
+        _, ks, vs, block_table, cache = make_case(reqs, BS, HEADS, HKV, HEAD, dtype, seed=seed)
+    else:
+        _, ks, vs, block_table, cache, _ = build(reqs, BS, 3, HEAD, dtype, "LHBNC", seed=seed)
+    g = torch.Generator().manual_seed(seed + 1)
+    tokens = sum(q for q, _ in reqs)
+    positions = torch.cat([torch.arange(s - q, s) for q, s in reqs])
+    slots = torch.cat([block_table[i, pos // BS].long() * BS + pos % BS
+                       for i, (q, s) in enumerate(reqs) for pos in [torch.arange(s - q, s)]])
+    query_start_loc, seq_lens = kernel_args(reqs)
+    return dict(reqs=reqs, ks=ks, vs=vs, cache=cache, positions=positions,
+                hidden=torch.randn(tokens, HIDDEN, generator=g).to(dtype),
+                residual=torch.randn(tokens, HIDDEN, generator=g).to(dtype),
+                md=(slots, block_table, query_start_loc, seq_lens))
+
+
+def _op(case, w, residual, cache, max_prefill_pairs=1 << 20, qkv=None):
+    return ops.cpu_decoder_layer(
+        case["hidden"], residual, case["positions"], w["input_norm"],
+        w["qkv"] if qkv is None else qkv, None, w["o"], None, w["post_norm"], w["gate_up"],
+        w["down"], EPS, w["cos_sin"], HEAD, True, HEADS, HKV, HEAD, cache, *case["md"], SCALE,
+        0.0, 0.0, max_prefill_pairs)
+
+
+def _rms_norm(x, weight):
+    return x / (x.pow(2).mean(-1, keepdim=True) + EPS).sqrt() * weight.double()
+
+
+def _rope(x, positions, cos_sin):
+    cos, sin = cos_sin.double()[positions].chunk(2, -1)
+    cos, sin = cos[:, None], sin[:, None]
+    x1, x2 = x.chunk(2, -1)
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], -1)
+
+
+def _float64_layer(case, w, with_residual):
+    """The layer in float64 on the same weights and history; (out, residual, new K)."""
+    x = case["hidden"].double()
+    if with_residual:
+        x = x + case["residual"].double()
+    qkv = _rms_norm(x, w["input_norm"]) @ w["qkv"].double().T
+    q, k, v = qkv.split([HEADS * HEAD, HKV * HEAD, HKV * HEAD], -1)
+    q = _rope(q.view(-1, HEADS, HEAD), case["positions"], w["cos_sin"])
+    k = _rope(k.view(-1, HKV, HEAD), case["positions"], w["cos_sin"])
+    v = v.view(-1, HKV, HEAD)
+    attn, start = [], 0
+    for (n, s), k_hist, v_hist in zip(case["reqs"], case["ks"], case["vs"]):
+        k_all, v_all = k_hist.double().clone(), v_hist.double().clone()
+        k_all[s - n:], v_all[s - n:] = k[start:start + n], v[start:start + n]
+        attn.append(reference(q[start:start + n], k_all, v_all, SCALE))
+        start += n
+    x = torch.cat(attn).flatten(1) @ w["o"].double().T + x
+    gate, up = (_rms_norm(x, w["post_norm"]) @ w["gate_up"].double().T).chunk(2, -1)
+    return (torch.nn.functional.silu(gate) * up) @ w["down"].double().T, x, k
+
+
+@pytest.mark.parametrize("dtype,mix,with_residual", [
+    (torch.float32, "mixed", True), (torch.float32, "decode", False),
+    (torch.bfloat16, "prefill_ctx", True)])
+def test_op_matches_a_float64_layer(dtype, mix, with_residual, monkeypatch):
+    """Output, residual and the K written to the cache against a float64 layer on the same
+    (bf16) weights: float32 activations to 1e-5 of the output's scale (the kernels round
+    only to float32), bf16 ones within bf16's rounding at each op boundary; one call."""
+    case, w = _case(mix, dtype, "auto"), _weights(dtype)
+    calls = kernel_calls(monkeypatch, "cpu_decoder_layer", "", 0)
+    cache = case["cache"].clone()
+    out, residual = _op(case, w, case["residual"] if with_residual else None, cache)
+    assert calls() == (1, len(case["hidden"]))
+    want_out, want_residual, want_k = _float64_layer(case, w, with_residual)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    for got, want in ((out, want_out), (residual, want_residual)):
+        assert got.dtype == dtype and got.shape == want.shape
+        assert (got.double() - want).abs().max() <= tol * want.abs().max()
+    slots = case["md"][0]
+    k_written, _ = read_kv(cache, slots // BS, slots % BS, HEAD)
+    assert (k_written.double() - want_k).abs().max() <= tol * want_k.abs().max()
+
+
+@pytest.mark.parametrize("kv", ["auto", "int8"])
+@pytest.mark.parametrize("with_residual", [True, False])
+def test_op_equals_the_kernels_one_by_one(kv, with_residual):
+    """The same bits as vLLM's layer on the simulator's kernels, op by op (RMSNorm, the
+    bf16 linears, rotary, the attention step, SiLU): output, residual and cache bytes,
+    for a bf16 and an INT8 (dynamic scales) cache."""
+    case, w = _case("mixed", torch.bfloat16, kv), _weights(torch.bfloat16)
+    residual = case["residual"] if with_residual else None
+    fused_cache, split_cache = case["cache"].clone(), case["cache"].clone()
+    out, new_residual = _op(case, w, residual, fused_cache)
+
+    h, r = ops.cpu_rms_norm(case["hidden"], w["input_norm"], EPS, residual)
+    r = r if with_residual else case["hidden"]
+    q, k, v = ops.bf16_linear(h, w["qkv"], None).split([HEADS * HEAD, HKV * HEAD, HKV * HEAD],
+                                                       -1)
+    q, k = ops.cpu_rotary_embedding(case["positions"], q, k, w["cos_sin"], HEAD, HEAD, True)
+    attn = torch.empty(len(q), HEADS, HEAD, dtype=torch.bfloat16)
+    assert ops.cpu_attention_step(q.view(-1, HEADS, HEAD), k.view(-1, HKV, HEAD),
+                                  v.view(-1, HKV, HEAD), split_cache, *case["md"], attn, SCALE,
+                                  0.0, 0.0, 1 << 20)
+    h, r = ops.cpu_rms_norm(ops.bf16_linear(attn.flatten(1), w["o"], None), w["post_norm"],
+                            EPS, r)
+    want = ops.bf16_linear(ops.cpu_silu_and_mul(ops.bf16_linear(h, w["gate_up"], None)),
+                           w["down"], None)
+    assert torch.equal(out, want) and torch.equal(new_residual, r)
+    assert torch.equal(fused_cache.view(torch.uint8), split_cache.view(torch.uint8))
+
+
+def test_op_declines_without_side_effects():
+    """What it does not take (a prefill past ``max_prefill_pairs``, where the torch
+    attention wins; weights of the wrong shape) returns no tensors and leaves the
+    cache alone: the layer then runs op by op."""
+    case, w = _case("mixed", torch.bfloat16, "auto"), _weights(torch.bfloat16)
+    cache = case["cache"].clone()
+    assert _op(case, w, case["residual"], cache, max_prefill_pairs=100) == (None, None)
+    assert _op(case, w, case["residual"], cache, qkv=w["qkv"][:-HEAD]) == (None, None)
+    assert torch.equal(cache, case["cache"])
+
+
+@pytest.mark.engine
+def test_engine_runs_each_layer_as_one_op_and_matches_hf(tmp_path):
+    """An eager bf16 tiny Llama on the simulator (ACCEL_BF16_LINEAR=on, so its linears
+    take the bf16 kernel on any AVX-512 CPU): the layers run as the op (logged, counted
+    in the worker), the first step's prefills (four 800-token prompts: past
+    PREFILL_NATIVE_MAX_PAIRS together) op by op;
+    its greedy tokens, teacher-forced through HF transformers on the same bf16 weights
+    (float32 math), are HF's top token or within 0.05 nats of it."""
+    model = build_tiny_model(tmp_path / "tiny", num_heads=4, num_kv_heads=2, head_dim=32,
+                             hidden_size=128)
+    rng = random.Random(7)
+    prompts = [[rng.randrange(3, 512) for _ in range(n)] for n in (5, 17, 40, *[800] * 4)]
+    results, log = run_engine(
+        {"llm": {"model": str(model), "dtype": "bfloat16", "enforce_eager": True,
+                 "skip_tokenizer_init": True, "max_model_len": 1024,
+                 "max_num_batched_tokens": 4096, "seed": 0},
+         "prompts": prompts,
+         "sampling": {"temperature": 0.0, "max_tokens": 12, "ignore_eos": True,
+                      "detokenize": False, "logprobs": 1},
+         "worker_kernel_calls": ["cpu_decoder_layer"]},
+        tmp_path, env={"ACCEL_BF16_LINEAR": "on", "ACCEL_SIM_DEVICE_MEMORY_GB": "1"})
+    if bf16_linear.available():
+        assert "each runs as one C++ op (vllm_accel::cpu_decoder_layer), 2 layers" in log
+        ((calls, rows),) = [c["cpu_decoder_layer"] for c in results["worker_kernel_calls"]]
+        assert calls >= 2 * 11  # every decode step's two layers
+        assert rows < 2 * 800  # not the first step's prefills
+    else:
+        assert "vLLM's forward for 2 of 2" in log
+
+    assert_bf16_tokens_near_hf(model, prompts, results["outputs"])

@@ -1,0 +1,4 @@
+"""vLLM model classes the plugin registers in place of vLLM's (``register_general``)."""
+
+#: architecture -> our class, registered lazily (imported in the worker that builds it)
+OVERRIDES = {"LlamaForCausalLM": "vllm_accel.models.llama:AccelLlamaForCausalLM"}

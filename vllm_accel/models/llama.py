@@ -1,0 +1,211 @@
+"""Llama on the simulator: each decoder layer in one C++ call.
+
+vLLM runs a Llama decoder layer as a dozen module calls around ten ops (two norms,
+four linears, rotary, its attention op, SiLU): ~115 us of Python a layer on a 2-core
+Xeon, where the kernels themselves take a few us apart from the weight reads. The
+simulator has a C++ kernel for each of them, so ``vllm_accel::cpu_decoder_layer``
+(``csrc/torch_ops.cpp``) runs the whole layer in one call where every part of it
+would take the simulator's kernel anyway: bf16 linears routed to
+``vllm_accel::bf16_linear``, ACCEL_ATTN with its one-call attention step, vLLM's
+rotary formula, one world rank. Every other layer (quantized or LoRA linears, oneDNN
+linears on CPUs with bf16 units, tensor parallel, rope variants with their own
+forward, a card) keeps vLLM's forward: the choice is made once per model after its
+weights load (``prepare_fused_layers``) and logged.
+
+In a compiled model the layer is one opaque op, ``vllm_accel::llama_layer``: it
+finds its layer and the batch's attention metadata in vLLM's forward context at
+run time, as vLLM's attention op does. A batch the C++ op declines (a long
+prefill, where the torch attention kernels win) runs the layer op by op.
+"""
+
+import torch
+
+from vllm.distributed import get_tensor_model_parallel_world_size
+from vllm.distributed.kv_transfer import has_kv_transfer_group
+from vllm.forward_context import get_forward_context
+from vllm.model_executor.layers.activation import SiluAndMul
+from vllm.model_executor.layers.layernorm import RMSNorm
+from vllm.model_executor.layers.linear import (
+    MergedColumnParallelLinear,
+    QKVParallelLinear,
+    RowParallelLinear,
+    UnquantizedLinearMethod,
+)
+from vllm.model_executor.layers.rotary_embedding.base import RotaryEmbedding
+from vllm.model_executor.models.llama import (
+    LlamaAttention,
+    LlamaDecoderLayer,
+    LlamaForCausalLM,
+    LlamaMLP,
+)
+from vllm.utils.torch_utils import direct_register_custom_op
+
+from vllm_accel.logger import init_logger
+from vllm_accel.ops.attention import AccelAttentionImpl
+from vllm_accel.ops.cpu_native import bf16_linear
+from vllm_accel.ops.cpu_native import build as native
+from vllm_accel.ops.cpu_native.attention import PREFILL_NATIVE_MAX_PAIRS
+from vllm_accel.ops.custom_ops import AccelRotaryEmbedding
+
+logger = init_logger(__name__)
+
+#: rope forwards that compute vLLM's base formula from ``cos_sin_cache`` (subclasses
+#: that only change the cache, such as Llama 3's, keep them)
+_BASE_ROPE_FORWARDS = {getattr(cls, name) for cls in (RotaryEmbedding, AccelRotaryEmbedding)
+                       for name in ("forward_native", "forward_cpu", "forward_oot")}
+
+
+def _routed_linear(linear: torch.nn.Module, linear_type: type, bias_ok: bool) -> bool:
+    """Whether vLLM's ``linear`` computes ``x @ weight.T (+ bias)`` through
+    ``vllm_accel::bf16_linear``."""
+    return (type(linear) is linear_type
+            and type(linear.quant_method) is UnquantizedLinearMethod
+            and getattr(linear, "cpu_linear", None) is bf16_linear.cpu_linear
+            and not linear.skip_bias_add and (bias_ok or linear.bias is None))
+
+
+def _why_not_fused(layer: "AccelLlamaDecoderLayer") -> str | None:
+    """What keeps ``layer`` on vLLM's forward, or None when the C++ op runs all of it."""
+    attn_layer, mlp = layer.self_attn, layer.mlp
+    if native.torch_ops() is None:
+        return "the C++ ops library did not build"
+    if get_tensor_model_parallel_world_size() != 1:
+        return "tensor parallel (the layer all-reduces between its linears)"
+    if has_kv_transfer_group():
+        return "a KV connector (it hooks vLLM's attention op)"
+    if type(attn_layer) is not LlamaAttention or type(mlp) is not LlamaMLP:
+        return "a Llama variant with its own attention or MLP"
+    if not (_routed_linear(attn_layer.qkv_proj, QKVParallelLinear, True)
+            and _routed_linear(attn_layer.o_proj, RowParallelLinear, True)
+            and _routed_linear(mlp.gate_up_proj, MergedColumnParallelLinear, False)
+            and _routed_linear(mlp.down_proj, RowParallelLinear, False)):
+        return ("a linear that is not a plain bf16 one on vllm_accel::bf16_linear "
+                "(quantized, LoRA, or oneDNN's on a CPU with bf16 units: ACCEL_BF16_LINEAR)")
+    norms = (layer.input_layernorm, layer.post_attention_layernorm)
+    if not all(isinstance(n, RMSNorm) and n.has_weight and n.variance_size_override is None
+               for n in norms) or norms[0].variance_epsilon != norms[1].variance_epsilon:
+        return "an RMSNorm variant"
+    rope = attn_layer.rotary_emb
+    if not (isinstance(rope, RotaryEmbedding) and rope.cos_sin_cache.dim() == 2
+            and rope.head_size == attn_layer.head_dim
+            and {getattr(type(rope), name) for name in ("forward_native", "forward_cpu",
+                                                        "forward_oot")} <= _BASE_ROPE_FORWARDS):
+        return f"rotary embedding {type(rope).__name__}"
+    if not isinstance(mlp.act_fn, SiluAndMul):
+        return f"activation {type(mlp.act_fn).__name__}"
+    attn = attn_layer.attn
+    impl = attn.impl
+    if not (isinstance(impl, AccelAttentionImpl) and impl._attention_step is not None
+            and impl.kv_sharing_target_layer_name is None and attn.query_quant is None):
+        return (f"attention {type(impl).__name__} without the one-call cache write and "
+                "attention step (another backend or kernel provider, an fp8 cache, or a "
+                "shared KV cache)")
+    return None
+
+
+class AccelLlamaDecoderLayer(LlamaDecoderLayer):
+    """vLLM's Llama decoder layer that runs as ``vllm_accel::cpu_decoder_layer`` once
+    ``prepare_fused`` found every part of it on the simulator's kernels."""
+
+    def __init__(self, vllm_config, prefix: str = "", **kwargs) -> None:
+        super().__init__(vllm_config=vllm_config, prefix=prefix, **kwargs)
+        # how llama_layer finds this layer at run time (vLLM's attention layers and
+        # its MoE layers register the same way)
+        self.layer_name = prefix
+        forward_context = vllm_config.compilation_config.static_forward_context
+        if prefix in forward_context:
+            raise ValueError(f"Duplicate layer name: {prefix}")
+        forward_context[prefix] = self
+        #: the C++ op's per-layer arguments; None until prepare_fused, () for vLLM's forward
+        self._fused_args: tuple | None = None
+
+    def prepare_fused(self) -> str | None:
+        """Decide (after the weights load) whether this layer runs as one C++ op;
+        returns what keeps it on vLLM's forward, if anything."""
+        reason = _why_not_fused(self)
+        if reason is not None:
+            self._fused_args = ()
+            return reason
+        attn_layer, mlp = self.self_attn, self.mlp
+        norm = self.input_layernorm
+        rope = attn_layer.rotary_emb
+        # the cache in the activations' dtype, as the rope kernel wants it (vLLM's helper
+        # casts it once and keeps it)
+        cos_sin_cache = rope._match_cos_sin_cache_dtype(norm.weight.new_empty(0))
+        self._fused_args = (
+            norm.weight, attn_layer.qkv_proj.weight, attn_layer.qkv_proj.bias,
+            attn_layer.o_proj.weight, attn_layer.o_proj.bias,
+            self.post_attention_layernorm.weight, mlp.gate_up_proj.weight,
+            mlp.down_proj.weight, norm.variance_epsilon, cos_sin_cache, rope.rotary_dim,
+            rope.is_neox_style, attn_layer.num_heads, attn_layer.num_kv_heads,
+            attn_layer.head_dim)
+        return None
+
+    def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor,
+                residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        if not self._fused_args:
+            return super().forward(positions, hidden_states, residual)
+        return torch.ops.vllm_accel.llama_layer(positions, hidden_states, residual,
+                                                self.layer_name)
+
+    def forward_fused(self, attn_metadata, positions: torch.Tensor, hidden_states: torch.Tensor,
+                      residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer through the C++ op, or op by op where it declines the batch (or
+        there is none: vLLM's profiling run)."""
+        if isinstance(attn_metadata, list):  # speculative decoding: [0] is the base model's
+            attn_metadata = attn_metadata[0]
+        attn = self.self_attn.attn
+        md = (attn_metadata.get(attn.layer_name) if isinstance(attn_metadata, dict)
+              else attn_metadata)
+        if md is not None:
+            k_scale, v_scale = attn.impl._layer_kv_scales(attn)
+            out, new_residual = torch.ops.vllm_accel.cpu_decoder_layer(
+                hidden_states, residual, positions, *self._fused_args, attn.kv_cache,
+                md.slot_mapping, md.block_table, md.query_start_loc_cpu, md.seq_lens,
+                attn.impl.scale, k_scale or 0.0, v_scale or 0.0, PREFILL_NATIVE_MAX_PAIRS)
+            if out is not None:
+                return out, new_residual
+        out, new_residual = super().forward(positions, hidden_states, residual)
+        # (an op's outputs may not alias its inputs: the first layer's residual is its input)
+        return out, new_residual.clone() if new_residual is hidden_states else new_residual
+
+
+class AccelLlamaForCausalLM(LlamaForCausalLM):
+    """vLLM's ``LlamaForCausalLM`` built from ``AccelLlamaDecoderLayer``."""
+
+    def __init__(self, *, vllm_config, prefix: str = "",
+                 layer_type: type[torch.nn.Module] = AccelLlamaDecoderLayer) -> None:
+        super().__init__(vllm_config=vllm_config, prefix=prefix, layer_type=layer_type)
+
+
+def prepare_fused_layers(model: torch.nn.Module) -> None:
+    """Run each Llama decoder layer of ``model`` as one C++ op where it can (call
+    after the weights load, before the first forward) and log the outcome."""
+    layers = [m for m in model.modules() if isinstance(m, AccelLlamaDecoderLayer)]
+    reasons = {layer.prepare_fused() for layer in layers}
+    if not layers:
+        return
+    if reasons == {None}:
+        logger.info("Llama decoder layers: each runs as one C++ op "
+                    "(vllm_accel::cpu_decoder_layer), %d layers", len(layers))
+        return
+    logger.info("Llama decoder layers: vLLM's forward for %d of %d (%s)",
+                sum(not layer._fused_args for layer in layers), len(layers),
+                "; ".join(sorted(r for r in reasons if r)))
+
+
+def _llama_layer(positions: torch.Tensor, hidden_states: torch.Tensor,
+                 residual: torch.Tensor | None, layer_name: str
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    context = get_forward_context()
+    return context.no_compile_layers[layer_name].forward_fused(
+        context.attn_metadata, positions, hidden_states, residual)
+
+
+def _llama_layer_shape(positions, hidden_states, residual, layer_name):
+    return torch.empty_like(hidden_states), torch.empty_like(hidden_states)
+
+
+_LIB = torch.library.Library("vllm_accel", "FRAGMENT")
+direct_register_custom_op("llama_layer", _llama_layer, mutates_args=[],
+                          fake_impl=_llama_layer_shape, target_lib=_LIB)
