@@ -12,8 +12,10 @@ and prints milliseconds per decode step by kind:
 - input prep: the runner's ``_update_states`` + ``_prepare_inputs``;
 - forward, split into the linear GEMMs (oneDNN or our bf16, int4/int8 kernels), the
   attention ops (vLLM's ``unified_attention_with_output`` and
-  ``unified_kv_cache_update``, with everything they call, our Python included) and
-  the rest of the model (compiled graph glue, norms, rotary, activation);
+  ``unified_kv_cache_update``, with everything they call, our Python included), the
+  one-op decoder layers (``cpu_decoder_layer``'s own time: all of a layer's kernels,
+  where ``models/llama.py`` runs the layer as one op) and the rest of the model
+  (compiled graph glue, norms, rotary, activation, our layer op's Python);
 - LM head (``compute_logits``) and sampler (``_sample``);
 - other: the rest of the step (engine loop, output processing).
 
@@ -52,6 +54,9 @@ FORWARD_GEMMS = ("_C::onednn_mm", "vllm_accel::bf16_linear", "vllm_accel::int4pa
                  "aten::_weight_int4pack_mm_for_cpu", "aten::_weight_int8pack_mm", "aten::_int_mm",
                  "aten::mm", "aten::addmm")
 FORWARD_ATTENTION = ("vllm::unified_attention_with_output", "vllm::unified_kv_cache_update")
+#: a whole decoder layer in one C++ op (models/llama.py): its GEMMs, attention, norms
+#: and rotary are inside it, invisible to the profiler
+FORWARD_LAYERS = ("vllm_accel::cpu_decoder_layer",)
 
 
 def _wrap(cls, name: str, label: str) -> None:
@@ -93,7 +98,8 @@ def _split(events) -> dict[str, float]:
     """Microseconds by kind over the profiler's events."""
     span_of = {n: kind for kind, names in SPANS for n in names}
     out = {kind: 0.0 for kind, _ in SPANS}
-    out.update({"forward: linear GEMMs": 0.0, "forward: attention + KV write": 0.0})
+    out.update({"forward: linear GEMMs": 0.0, "forward: attention + KV write": 0.0,
+                "forward: one-op decoder layers": 0.0})
     for e in events:
         if e.name in span_of:
             out[span_of[e.name]] += e.cpu_time_total
@@ -101,8 +107,11 @@ def _split(events) -> dict[str, float]:
             out["forward: linear GEMMs"] += e.self_cpu_time_total
         elif e.name in FORWARD_ATTENTION and _inside(e, "step_profile::model_forward"):
             out["forward: attention + KV write"] += e.cpu_time_total
+        elif e.name in FORWARD_LAYERS and _inside(e, "step_profile::model_forward"):
+            out["forward: one-op decoder layers"] += e.self_cpu_time_total
     out["forward: rest"] = (out["forward"] - out["forward: linear GEMMs"]
-                            - out["forward: attention + KV write"])
+                            - out["forward: attention + KV write"]
+                            - out["forward: one-op decoder layers"])
     return out
 
 
