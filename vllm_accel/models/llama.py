@@ -1,7 +1,7 @@
 """Llama on the simulator: each decoder layer in one C++ call.
 
 vLLM runs a Llama decoder layer as a dozen module calls around ten ops (two norms,
-four linears, rotary, its attention op, SiLU): ~115 us of Python a layer on a 2-core
+four linears, rotary, its attention op, SiLU): ~145 us of Python a layer on a 2-core
 Xeon, where the kernels themselves take a few us apart from the weight reads. The
 simulator has a C++ kernel for each of them, so ``vllm_accel::cpu_decoder_layer``
 (``csrc/torch_ops.cpp``) runs the whole layer in one call where every part of it
