@@ -188,3 +188,26 @@ def test_engine_runs_each_layer_as_one_op_and_matches_hf(tmp_path):
         assert "vLLM's forward for 2 of 2" in log
 
     assert_bf16_tokens_near_hf(model, prompts, results["outputs"])
+
+
+@pytest.mark.engine
+def test_engine_keeps_vllms_layer_for_a_cache_of_another_dtype(tmp_path):
+    """A float16 KV cache under bf16 activations is one the attention step declines:
+    the layers keep vLLM's forward from the start (logged), the op never runs."""
+    model = build_tiny_model(tmp_path / "tiny", num_heads=4, num_kv_heads=2, head_dim=32,
+                             hidden_size=128)
+    results, log = run_engine(
+        {"llm": {"model": str(model), "dtype": "bfloat16", "enforce_eager": True,
+                 "skip_tokenizer_init": True, "max_model_len": 256, "seed": 0,
+                 "kv_cache_dtype": "float16"},
+         "prompts": [[5, 6, 7, 8]],
+         "sampling": {"temperature": 0.0, "max_tokens": 4, "ignore_eos": True,
+                      "detokenize": False},
+         "worker_kernel_calls": ["cpu_decoder_layer"]},
+        tmp_path, env={"ACCEL_BF16_LINEAR": "on", "ACCEL_SIM_DEVICE_MEMORY_GB": "1"})
+    assert len(results["outputs"][0]["token_ids"]) == 4
+    if bf16_linear.available():
+        assert ("vLLM's forward for 2 of 2 (a float16 KV cache for torch.bfloat16 "
+                "activations)") in log
+        ((calls, _),) = [c["cpu_decoder_layer"] for c in results["worker_kernel_calls"]]
+        assert calls == 0

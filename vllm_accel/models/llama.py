@@ -21,7 +21,6 @@ prefill, where the torch attention kernels win) runs the layer op by op.
 import torch
 
 from vllm.distributed import get_tensor_model_parallel_world_size
-from vllm.distributed.kv_transfer import has_kv_transfer_group
 from vllm.forward_context import get_forward_context
 from vllm.model_executor.layers.activation import SiluAndMul
 from vllm.model_executor.layers.layernorm import RMSNorm
@@ -38,10 +37,10 @@ from vllm.model_executor.models.llama import (
     LlamaForCausalLM,
     LlamaMLP,
 )
-from vllm.utils.torch_utils import direct_register_custom_op
+from vllm.utils.torch_utils import STR_DTYPE_TO_TORCH_DTYPE, direct_register_custom_op
 
 from vllm_accel.logger import init_logger
-from vllm_accel.ops.attention import AccelAttentionImpl
+from vllm_accel.ops.attention import INT8_KV, AccelAttentionImpl
 from vllm_accel.ops.cpu_native import bf16_linear
 from vllm_accel.ops.cpu_native import build as native
 from vllm_accel.ops.cpu_native.attention import PREFILL_NATIVE_MAX_PAIRS
@@ -71,7 +70,7 @@ def _why_not_fused(layer: "AccelLlamaDecoderLayer") -> str | None:
         return "the C++ ops library did not build"
     if get_tensor_model_parallel_world_size() != 1:
         return "tensor parallel (the layer all-reduces between its linears)"
-    if has_kv_transfer_group():
+    if layer.kv_transfer:  # (vLLM creates the connector after loading the model)
         return "a KV connector (it hooks vLLM's attention op)"
     if type(attn_layer) is not LlamaAttention or type(mlp) is not LlamaMLP:
         return "a Llama variant with its own attention or MLP"
@@ -101,6 +100,10 @@ def _why_not_fused(layer: "AccelLlamaDecoderLayer") -> str | None:
         return (f"attention {type(impl).__name__} without the one-call cache write and "
                 "attention step (another backend or kernel provider, an fp8 cache, or a "
                 "shared KV cache)")
+    dtype = layer.input_layernorm.weight.dtype
+    if (attn.kv_cache_dtype not in ("auto", INT8_KV)
+            and STR_DTYPE_TO_TORCH_DTYPE.get(attn.kv_cache_dtype) != dtype):
+        return f"a {attn.kv_cache_dtype} KV cache for {dtype} activations"
     return None
 
 
@@ -117,6 +120,7 @@ class AccelLlamaDecoderLayer(LlamaDecoderLayer):
         if prefix in forward_context:
             raise ValueError(f"Duplicate layer name: {prefix}")
         forward_context[prefix] = self
+        self.kv_transfer = vllm_config.kv_transfer_config is not None
         #: the C++ op's per-layer arguments; None until prepare_fused, () for vLLM's forward
         self._fused_args: tuple | None = None
 
