@@ -174,9 +174,9 @@ class AccelLlamaDecoderLayer(LlamaDecoderLayer):
                 attn.impl.scale, k_scale or 0.0, v_scale or 0.0, PREFILL_NATIVE_MAX_PAIRS)
             if out is not None:
                 return out, new_residual
-        out, new_residual = super().forward(positions, hidden_states, residual)
-        # (an op's outputs may not alias its inputs: the first layer's residual is its input)
-        return out, new_residual.clone() if new_residual is hidden_states else new_residual
+        # (new tensors, as an op's outputs must be: the post-attention norm makes the
+        # residual, the first layer's too)
+        return super().forward(positions, hidden_states, residual)
 
 
 class AccelLlamaForCausalLM(LlamaForCausalLM):
