@@ -1,7 +1,9 @@
 """The ``cpu_native`` bf16 linear (``csrc/bf16_linear.cpp``): float32 FMAs on bf16
-weights for CPUs without AVX512-BF16/AMX. The op vs ``x @ W.T`` in float64, and a
-compiled engine whose linears run it, scored against HF transformers on the same
-bf16 weights. (The patch that routes vLLM's CPU linears to it: test_patches.py.)"""
+weights, AVX512-BF16 dot products for batches of bf16 x where the CPU has them, and
+big batches handed to torch's linear where the CPU has bf16 units. The op and the C
+kernel vs ``x @ W.T`` in float64, and a compiled engine whose linears run it, scored
+against HF transformers on the same bf16 weights. (The patch that routes vLLM's CPU
+linears to it: test_patches.py.)"""
 
 import random
 import re
@@ -18,19 +20,25 @@ UNIT_ROUNDOFF = {torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11, torch.float32
 
 
 def test_kernel_is_built_exactly_on_avx512():
-    """Built in with AVX-512 F/BW/VL; ``auto`` routes to it only where oneDNN has no
-    bf16 units to run (no AVX512-BF16, no AMX): dispatch on what the CPU reports."""
-    lib = native.library()
-    avx512 = cpu_has("avx512f", "avx512bw", "avx512vl")
-    assert bf16_linear.available() == (lib is not None and avx512)
+    """Built in with AVX-512 F/BW/VL; its AVX512-BF16 tiles (from 4 rows of bf16 x)
+    exactly where the CPU has them; batches handed to oneDNN exactly where the CPU has
+    bf16 units (from 16 rows with AMX, 64 with AVX512-BF16 alone), never for float32 x:
+    dispatch on what the CPU reports."""
+    built = native.library() is not None and cpu_has("avx512f", "avx512bw", "avx512vl")
+    assert bf16_linear.available() == built
     assert bf16_linear.cpu_has_bf16_units() == (cpu_has("avx512_bf16") or cpu_has("amx_tile"))
+    assert bf16_linear.dp_rows() == (4 if built and cpu_has("avx512_bf16") else 0)
+    expected_onednn = (16 if cpu_has("amx_tile", "amx_bf16") else 64 if cpu_has("avx512_bf16")
+                       else 0) if built else 0
+    assert bf16_linear.onednn_rows(torch.bfloat16) == expected_onednn
+    assert bf16_linear.onednn_rows(torch.float32) == 0
 
 
 @pytest.mark.parametrize("mode", ["auto", "on", "off"])
 def test_wanted_follows_the_variable_and_the_cpu(mode, monkeypatch):
     monkeypatch.setenv("ACCEL_BF16_LINEAR", mode)
     expected = {"off": False, "on": bf16_linear.available(),
-                "auto": bf16_linear.available() and not bf16_linear.cpu_has_bf16_units()}[mode]
+                "auto": bf16_linear.available()}[mode]
     assert bf16_linear.wanted() == expected
 
 
@@ -46,10 +54,11 @@ def test_op_dispatches_to_cpp_wherever_the_kernels_build():
     assert bf16_linear.NATIVE_DISPATCH == (native.library() is not None)
 
 
-@pytest.mark.parametrize("m,n,k", [(1, 9, 37), (7, 64, 576)])
+@pytest.mark.parametrize("m,n,k", [(1, 9, 37), (7, 64, 576), (70, 16, 64)])
 def test_python_kernel_matches_the_cpp_kernel(m, n, k, monkeypatch):
     """``bf16_linear.bf16_linear`` (the op's kernel where csrc/torch_ops.cpp cannot be
-    built) calls the same C kernel: the same bits, and one call per op."""
+    built) calls the same C kernel, or hands the same batches to torch's linear: the
+    same bits, and one call per op."""
     rows = count_native_calls(monkeypatch, "accel_bf16_linear", 8)
     gen = torch.Generator().manual_seed(m + n + k)
     w = torch.randn(n, k, generator=gen).to(torch.bfloat16)
@@ -59,9 +68,12 @@ def test_python_kernel_matches_the_cpp_kernel(m, n, k, monkeypatch):
     ref = x.double() @ w.double().T + bias.double()
     assert ((got.double() - ref).abs() <= 2.0**-8 * ref.abs() + 1e-3).all()
     assert torch.equal(got, torch.ops.vllm_accel.bf16_linear(x, w, bias))
-    assert rows == ([m] if bf16_linear.available() else [])
+    handed_over = 0 < bf16_linear.onednn_rows(torch.bfloat16) <= m
+    assert rows == ([m] if bf16_linear.available() and not handed_over else [])
 
 
+# (bf16 x from 4 rows runs the AVX512-BF16 tiles where the CPU has them, and 70 rows go
+# to torch's linear where it has bf16 units: test_c_kernel_... covers those in the kernel)
 # rows: 1 and 5 stream the weight (one tile), 7/13 widen it into the buffer (tiles of 6 +
 # tails), 70 spans two 64-row blocks of x; outputs 9 and 130 end in a partial block of
 # 4, inputs 37 and 100 in a partial 16-column chunk
@@ -83,7 +95,61 @@ def test_op_matches_float64(m, n, k, dtype, linear_calls):
     tol = UNIT_ROUNDOFF[dtype] * ref.abs() + k * 2.0**-23 * (x.double().abs() @ w.double().abs().T)
     assert got.dtype == dtype and got.shape == (m, n)
     assert ((got.double() - ref).abs() <= tol + 1e-30).all(), (got.double() - ref).abs().max()
-    assert linear_calls() == ((1, m) if bf16_linear.available() else (0, 0))
+    handed_over = 0 < bf16_linear.onednn_rows(dtype) <= m
+    assert linear_calls() == ((1, m) if bf16_linear.available() and not handed_over else (0, 0))
+
+
+def _c_kernel(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """The C kernel itself (no hand-over to oneDNN), on a row-strided x."""
+    m, k = x.shape
+    y = x.new_empty((m, w.shape[0]))
+    b = None if bias is None else bias.float().contiguous()
+    rc = native.library().accel_bf16_linear(
+        x.data_ptr(), x.stride(0), native.dtype_code(x.dtype), w.data_ptr(), w.stride(0),
+        None if b is None else b.data_ptr(), y.data_ptr(), y.stride(0), m, w.shape[0], k)
+    assert rc == 0
+    return y
+
+
+# rows: 3 streams through the float32 tile; from 4, bf16 x runs the AVX512-BF16 tiles
+# where built (4 and 6 one tile, 13 two of 6 and a tail, 70 two 64-row blocks); inputs
+# 37 and 100 end in a partial 32-column step, 64 does not
+C_SHAPES = [(3, 9, 37), (4, 130, 64), (6, 8, 100), (13, 130, 37), (70, 9, 100)]
+
+
+@pytest.mark.skipif(not bf16_linear.available(), reason="needs AVX-512 F/BW/VL (kernel not built)")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("m,n,k", C_SHAPES)
+def test_c_kernel_matches_float64_at_every_batch(m, n, k, dtype):
+    """Every batch size through the C kernel, whichever tiles this CPU has, including
+    the ones the op hands to oneDNN."""
+    gen = torch.Generator().manual_seed(m * 7 + n + k)
+    w = torch.randn(n, k + 5, generator=gen).to(torch.bfloat16)[:, 2:k + 2]  # row stride > k
+    x = torch.randn(m, k + 3, generator=gen).to(dtype)[:, 1:k + 1]
+    bias = torch.randn(n, generator=gen) if m % 2 else None
+    got = _c_kernel(x, w, bias)
+    ref = x.double() @ w.double().T + (0 if bias is None else bias.double())
+    tol = UNIT_ROUNDOFF[dtype] * ref.abs() + k * 2.0**-23 * (x.double().abs() @ w.double().abs().T)
+    assert ((got.double() - ref).abs() <= tol + 1e-30).all(), (got.double() - ref).abs().max()
+
+
+@pytest.mark.skipif(not bf16_linear.available(), reason="needs AVX-512 F/BW/VL (kernel not built)")
+def test_op_hands_big_bf16_batches_to_onednn_only_where_the_cpu_has_bf16_units(linear_calls):
+    """From ``onednn_rows`` rows of bf16 x the op's answer is torch's linear, bit for
+    bit, without the kernel; on a CPU without bf16 units (0: never) every batch runs
+    the kernel."""
+    rows = bf16_linear.onednn_rows(torch.bfloat16) or 300
+    w = torch.randn(40, 96).to(torch.bfloat16)
+    x = torch.randn(rows, 96).to(torch.bfloat16)
+    got = torch.ops.vllm_accel.bf16_linear(x, w, None)
+    if bf16_linear.onednn_rows(torch.bfloat16):
+        assert torch.equal(got, torch.nn.functional.linear(x, w)) and linear_calls() == (0, 0)
+        got = torch.ops.vllm_accel.bf16_linear(x[:rows - 1], w, None)
+        assert linear_calls() == (1, rows - 1)
+    else:
+        assert linear_calls() == (1, rows)
+    torch.testing.assert_close(got.float(), (x[:got.shape[0]].double() @ w.double().T).float(),
+                               rtol=2**-7, atol=1e-3)
 
 
 def test_op_takes_batched_x_and_empty_batches(linear_calls):
@@ -132,7 +198,7 @@ ONEDNN_CALL = re.compile(r"^(?!\s*#).*?\bonednn_mm\(")
 
 @pytest.mark.engine
 def test_compiled_engine_runs_the_kernel_and_matches_hf(tmp_path):
-    """vLLM's default mode on a tiny bf16 model with ACCEL_BF16_LINEAR=on: every
+    """vLLM's default mode on a tiny bf16 model with default settings: every
     linear of the decoder runs the op (inside the one op a decoder layer is,
     models/llama.py; no oneDNN GEMM), and the
     engine's greedy tokens, teacher-forced through HF transformers on the same bf16
@@ -149,15 +215,15 @@ def test_compiled_engine_runs_the_kernel_and_matches_hf(tmp_path):
          "sampling": {"temperature": 0.0, "max_tokens": 16, "ignore_eos": True,
                       "detokenize": False, "logprobs": 1},
          "worker_kernel_calls": ["bf16_linear", "cpu_decoder_layer"]},
-        tmp_path, env={"ACCEL_BF16_LINEAR": "on", "ACCEL_SIM_DEVICE_MEMORY_GB": "1",
-                       "TORCH_LOGS": "output_code", "VLLM_DISABLE_COMPILE_CACHE": "1"})
+        tmp_path, env={"ACCEL_SIM_DEVICE_MEMORY_GB": "1", "TORCH_LOGS": "output_code",
+                       "VLLM_DISABLE_COMPILE_CACHE": "1"})
     assert "Warming up model for the compilation" in log
     code = [line.split("[__output_code]", 1)[1] for line in log.splitlines()
             if "[__output_code]" in line]
     layer_calls = [line for line in code if LLAMA_LAYER_CALL.match(line)]
     assert not [line for line in code if BF16_LINEAR_CALL.match(line)]
     if bf16_linear.available():
-        assert "bf16 Linear layers run the cpu_native float32-FMA kernel" in log
+        assert "bf16 Linear layers run the cpu_native kernel (ACCEL_BF16_LINEAR=auto; " in log
         assert "each runs as one C++ op (vllm_accel::cpu_decoder_layer), 2 layers" in log
         assert len(layer_calls) == 2, layer_calls  # one op a decoder layer
         assert not [line for line in code if ONEDNN_CALL.match(line)]

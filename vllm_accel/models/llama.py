@@ -79,8 +79,7 @@ def _why_not_fused(layer: "AccelLlamaDecoderLayer") -> str | None:
             and _routed_linear(mlp.gate_up_proj, MergedColumnParallelLinear, False)
             and _routed_linear(mlp.down_proj, RowParallelLinear, False)):
         return ("a linear that is not a plain bf16 one on vllm_accel::bf16_linear "
-                "(float32/float16 weights, quantized, LoRA, or oneDNN's on a CPU with bf16 "
-                "units: ACCEL_BF16_LINEAR)")
+                "(float32/float16 weights, quantized, LoRA, or ACCEL_BF16_LINEAR=off)")
     norms = (layer.input_layernorm, layer.post_attention_layernorm)
     if not all(isinstance(n, RMSNorm) and n.has_weight and n.variance_size_override is None
                for n in norms) or norms[0].variance_epsilon != norms[1].variance_epsilon:

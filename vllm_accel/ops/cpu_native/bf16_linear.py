@@ -1,17 +1,20 @@
-"""bf16 Linear layers in float32 FMAs (``csrc/bf16_linear.cpp``) on CPUs without
-AVX512-BF16 and AMX.
+"""bf16 Linear layers on the checkpoint's own layout (``csrc/bf16_linear.cpp``): the
+simulator's kernel for vLLM's unquantized bf16 linears on x86 CPUs with AVX-512.
 
-vLLM's CPU linears call oneDNN, which on such a CPU (Ice Lake, or a VM that hides
-BF16) emulates bf16 dot products: ~30 GFLOP/s a core at any batch, 4-5x below its own
-float32 GEMM, and a single-request decode reads weights at ~10 GB/s of a 13 GB/s
-core. The C++ kernel widens each bf16 weight to float32 exactly (two integer
-instructions) and runs float32 FMAs on the weight as the checkpoint stores it (no
-copy, no repack): per layer of the default model on an Intel Xeon without BF16, one
-core, weights cold: 1.2-1.7x oneDNN at 1 row, 2.4-3.6x at 4, 16, 64 and 256 rows
-(1.6-2.4x at 8: one tile of 6 rows and one of 2).
+vLLM's CPU linears call oneDNN on a weight it prepacks. On a CPU without AVX512-BF16
+and AMX (Ice Lake, or a VM that hides BF16) oneDNN emulates bf16 dot products: ~30
+GFLOP/s a core at any batch, 4-5x below its own float32 GEMM, and a single-request
+decode reads weights at ~10 GB/s of a 13 GB/s core. There the kernel widens each bf16
+weight to float32 exactly (two integer instructions) and runs float32 FMAs: per layer
+of the default model on an Intel Xeon without BF16, one core, weights cold: 1.2-1.7x
+oneDNN at 1 row, 2.4-3.6x at 4, 16, 64 and 256 rows. Where the CPU has AVX512-BF16,
+batches of 4 rows or more run VDPBF16PS tiles instead, and from the rows
+``onednn_rows`` gives (where oneDNN's native bf16 GEMM wins) the op calls torch's
+linear; decode-sized batches stay here. AMD EPYC Zen 5, one core, the default model's
+30 layers: 1 row 14 ms vs 18 ms in vLLM's prepacked oneDNN, 4 rows 16 vs 18 ms.
 
 The simulator routes vLLM's unquantized CPU linears here (``patches.py``, "bf16
-linears on CPUs without AVX512-BF16"); ``ACCEL_BF16_LINEAR`` says when. It is the
+linears on the simulator's kernel"); ``ACCEL_BF16_LINEAR`` says when. It is the
 ``torch.library`` op ``vllm_accel::bf16_linear``, so torch.compile keeps it as one
 call.
 """
@@ -35,18 +38,28 @@ def available() -> bool:
 
 
 def cpu_has_bf16_units() -> bool:
-    """Whether oneDNN runs bf16 natively here (AVX512-BF16 or AMX), so it keeps the
-    linears."""
+    """Whether oneDNN runs bf16 natively here (AVX512-BF16 or AMX)."""
     return torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
 
 
 def wanted() -> bool:
     """Whether the simulator's bf16 linears go to this kernel (``ACCEL_BF16_LINEAR``:
-    ``auto`` on CPUs without bf16 units, ``on`` wherever it is built, ``off``)."""
-    mode = envs.ACCEL_BF16_LINEAR
-    if mode == "off" or not available():
-        return False
-    return mode == "on" or not cpu_has_bf16_units()
+    ``auto`` and ``on`` wherever it is built, ``off`` never)."""
+    return envs.ACCEL_BF16_LINEAR != "off" and available()
+
+
+def onednn_rows(dtype: torch.dtype) -> int:
+    """Rows of x from which the op hands a batch to torch's linear (oneDNN), 0 for
+    never: on CPUs with bf16 units oneDNN's bf16 GEMM wins once a batch is compute-bound
+    (``csrc/bf16_linear.cpp`` has the numbers)."""
+    code = native.dtype_code(dtype)
+    return native.library().accel_bf16_linear_onednn_rows(code) if available() and code is not None else 0
+
+
+def dp_rows() -> int:
+    """Rows of bf16 x from which the kernel's AVX512-BF16 tiles run, 0 where this
+    CPU lacks them (``csrc/bf16_linear.cpp``)."""
+    return native.library().accel_bf16_linear_dp_rows() if available() else 0
 
 
 def takes_weight(weight: torch.Tensor) -> bool:
@@ -67,6 +80,8 @@ def bf16_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     m = x2.shape[0]
+    if 0 < onednn_rows(x.dtype) <= m:
+        return torch.nn.functional.linear(x, weight, bias)
     y = x2.new_empty((m, n))
     if m:
         b = None if bias is None else bias.to(torch.float32).contiguous()
