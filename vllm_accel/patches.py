@@ -404,7 +404,7 @@ PATCHES: tuple[Patch, ...] = (
             "without AVX512-BF16 or AMX emulates it: ~30 GFLOP/s a core at any batch, "
             "4-5x below float32, and ~10 GB/s of a 13 GB/s core at one row (Intel Xeon "
             "without BF16, measured); with AVX512-BF16 it decodes one row at 12 GB/s "
-            "where the plugin's kernel reads 15 (AMD EPYC Zen 5). Linears on the plugin's "
+            "where the plugin's kernel reads 15 (AMD EPYC Zen 4). Linears on the plugin's "
             "kernel also let a Llama layer run as one op (models/llama.py). vLLM has no "
             "hook to choose another kernel for unquantized linears."
         ),

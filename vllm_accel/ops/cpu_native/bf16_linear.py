@@ -10,7 +10,7 @@ of the default model on an Intel Xeon without BF16, one core, weights cold: 1.2-
 oneDNN at 1 row, 2.4-3.6x at 4, 16, 64 and 256 rows. Where the CPU has AVX512-BF16,
 batches of 4 rows or more run VDPBF16PS tiles instead, and from the rows
 ``onednn_rows`` gives (where oneDNN's native bf16 GEMM wins) the op calls torch's
-linear; decode-sized batches stay here. AMD EPYC Zen 5, one core, the default model's
+linear; decode-sized batches stay here. AMD EPYC Zen 4, one core, the default model's
 30 layers: 1 row 14 ms vs 18 ms in vLLM's prepacked oneDNN, 4 rows 16 vs 18 ms.
 
 The simulator routes vLLM's unquantized CPU linears here (``patches.py``, "bf16

@@ -40,6 +40,26 @@ constexpr int64_t kDpMinRows = 4;  // rows of bf16 x from which dp:: below runs 
 // waking the OpenMP team costs.
 constexpr int64_t kParallelMinWork = int64_t(1) << 18;
 
+// out[j] = the sum of acc[j]'s 16 lanes. Four at once share the shuffles (14
+// instructions instead of 4 x 8): the sums of a tile are a fifth of its instructions
+// at K = 576.
+template <int NB>
+inline void sum_lanes(const __m512 acc[NB], float out[NB]) {
+  if constexpr (NB == 4) {
+    const __m512 t0 = _mm512_add_ps(_mm512_unpacklo_ps(acc[0], acc[1]), _mm512_unpackhi_ps(acc[0], acc[1]));
+    const __m512 t1 = _mm512_add_ps(_mm512_unpacklo_ps(acc[2], acc[3]), _mm512_unpackhi_ps(acc[2], acc[3]));
+    // per 128-bit lane: partial sums of acc[0..3]
+    const __m512 u = _mm512_add_ps(
+        _mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(t0), _mm512_castps_pd(t1))),
+        _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(t0), _mm512_castps_pd(t1))));
+    const __m256 v = _mm256_add_ps(_mm512_castps512_ps256(u),
+                                   _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(u), 1)));
+    _mm_storeu_ps(out, _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1)));
+  } else {
+    ACCEL_UNROLL for (int j = 0; j < NB; ++j) out[j] = _mm512_reduce_add_ps(acc[j]);
+  }
+}
+
 inline __m512 widen(const accel::bf16* w, __mmask16 mask) {
   const __m256i raw = _mm256_maskz_loadu_epi16(mask, w);
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
@@ -80,7 +100,7 @@ void tile(const float* xf, int64_t kp, const accel::bf16* w, int64_t w_stride,
     }
   }
   ACCEL_UNROLL for (int m = 0; m < MR; ++m)
-    ACCEL_UNROLL for (int j = 0; j < NB; ++j) out[m][j] = _mm512_reduce_add_ps(acc[m][j]);
+    sum_lanes<NB>(acc[m], out[m]);
 }
 
 template <class Out>
@@ -166,7 +186,7 @@ void linear(const In* x, int64_t x_stride, const accel::bf16* w, int64_t w_strid
 // buffer: nothing to widen); x is copied per block into rows padded with zeros to a
 // multiple of 32 (the weight's last columns are loaded masked to zero). Inputs that are
 // float32 subnormals are read as zero (the instruction's DAZ), as in oneDNN's bf16
-// kernels. One row streams faster through the widening tile above (AMD EPYC Zen 5: 21
+// kernels. One row streams faster through the widening tile above (AMD EPYC Zen 4: 21
 // vs 15 GB/s), so that keeps 1-3 rows.
 namespace dp {
 
@@ -199,7 +219,7 @@ void tile(const accel::bf16* xb, int64_t kp, const accel::bf16* w, int64_t w_str
     }
   }
   ACCEL_UNROLL for (int m = 0; m < MR; ++m)
-    ACCEL_UNROLL for (int j = 0; j < NB; ++j) out[m][j] = _mm512_reduce_add_ps(acc[m][j]);
+    sum_lanes<NB>(acc[m], out[m]);
 }
 
 template <int NB, int MR>
@@ -275,7 +295,7 @@ int accel_bf16_linear_available() {
 // Rows of x (dtype code x_dtype) from which torch's linear (oneDNN) beats these kernels,
 // 0 where it never does. CPUs with bf16 units run oneDNN's bf16 GEMM natively; below
 // these rows a batch is weight-bound and the kernels here stream the weight faster:
-//   AVX512-BF16 (AMD EPYC Zen 5, one core, the default model's 30 layers, bf16 x): 64
+//   AVX512-BF16 (AMD EPYC Zen 4, one core, the default model's 30 layers, bf16 x): 64
 //     rows 99-114 ms here vs 89-97 ms in torch's linear, 16 rows 37 vs 43-50 ms;
 //   AMX: 16, where its tiles start to fill (not measured: no AMX CPU was at hand).
 // Without them oneDNN emulates bf16 at 4-5x below float32: never.
