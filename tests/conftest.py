@@ -151,8 +151,11 @@ def run_engine(spec: dict, tmp_path: Path, env: dict | None = None, timeout: int
 
 def build_tiny_model(path: Path, arch: str = "llama", num_heads: int = 4,
                      num_kv_heads: int = 2, head_dim: int = 16, hidden_size: int | None = None,
-                     layers: int = 2, vocab: int = 512, seed: int = 0) -> Path:
-    """A random-weight Llama/Qwen2 checkpoint (a few MB) written as HF safetensors."""
+                     layers: int = 2, vocab: int = 512, seed: int = 0,
+                     norm_spread: float = 0.0) -> Path:
+    """A random-weight Llama/Qwen2 checkpoint (a few MB) written as HF safetensors;
+    ``norm_spread`` > 0 draws the RMSNorm weights from N(1, norm_spread) instead of HF's
+    all-ones init (so swapping two norms changes the output)."""
     from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
 
     hidden = hidden_size or num_heads * head_dim
@@ -168,9 +171,11 @@ def build_tiny_model(path: Path, arch: str = "llama", num_heads: int = 4,
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     # Wider weights than the default init, so logits are far from ties.
     with torch.no_grad():
-        for p in model.parameters():
+        for name, p in model.named_parameters():
             if p.dim() > 1:
                 p.normal_(0, 0.08)
+            elif norm_spread and "norm" in name:
+                p.normal_(1.0, norm_spread)
     model.save_pretrained(path, safe_serialization=True)
     return path
 

@@ -205,7 +205,7 @@ def test_compiled_engine_runs_the_kernel_and_matches_hf(tmp_path):
     weights (float32 math), are HF's top token or within 0.05 nats of it, with the
     engine's logprob of each within 0.05 of HF's."""
     model = build_tiny_model(tmp_path / "tiny", num_heads=4, num_kv_heads=2, head_dim=32,
-                             hidden_size=128)
+                             hidden_size=128, norm_spread=0.3)
     rng = random.Random(3)
     prompts = [[rng.randrange(3, 512) for _ in range(n)] for n in (5, 17, 40)]
     results, log = run_engine(

@@ -167,7 +167,7 @@ def test_engine_runs_each_layer_as_one_op_and_matches_hf(tmp_path):
     its greedy tokens, teacher-forced through HF transformers on the same bf16 weights
     (float32 math), are HF's top token or within 0.05 nats of it."""
     model = build_tiny_model(tmp_path / "tiny", num_heads=4, num_kv_heads=2, head_dim=32,
-                             hidden_size=128)
+                             hidden_size=128, norm_spread=0.3)
     rng = random.Random(7)
     prompts = [[rng.randrange(3, 512) for _ in range(n)] for n in (5, 17, 40, *[800] * 4)]
     results, log = run_engine(

@@ -154,18 +154,17 @@ def test_prompt_logprobs_scoring_script_exits_cleanly_every_time(tiny, tmp_path)
     """Issue 11's exit abort (`terminate called without an active exception`,
     status 134, about 1 run in 10; root cause in patches.py): an AWQ checkpoint
     scored with prompt_logprobs in vLLM's default mode (compiled, multiprocess
-    engine), twice; every run must print its result, with the dropped LLM's
-    output thread already stopped (what the fix guarantees, checked in every run:
-    the abort itself was a race), and exit 0."""
+    engine): the run must print its result, with the dropped LLM's output thread
+    already stopped (what the fix guarantees, checked deterministically: the abort
+    itself was a race that a second run would catch only 1 time in 10), and exit 0."""
     from quantizer import quantize_checkpoint_awq
 
     quantize_checkpoint_awq(tiny, tmp_path / "awq", group_size=64)
     script = tmp_path / "score.py"
     script.write_text(SCORING_SCRIPT)
     env = {**os.environ, **ENGINE_ENV, "VLLM_ENABLE_V1_MULTIPROCESSING": "1"}
-    for run in range(2):
-        proc = subprocess.run([sys.executable, str(script), str(tmp_path / "awq")],
-                              capture_output=True, text=True, timeout=600, env=env)
-        output = proc.stdout + proc.stderr
-        assert proc.returncode == 0 and "terminate called" not in output, (run, output[-3000:])
-        assert "SCORED 436 alive: []" in proc.stdout, (run, proc.stdout[-3000:])
+    proc = subprocess.run([sys.executable, str(script), str(tmp_path / "awq")],
+                          capture_output=True, text=True, timeout=600, env=env)
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 0 and "terminate called" not in output, output[-3000:]
+    assert "SCORED 436 alive: []" in proc.stdout, proc.stdout[-3000:]
