@@ -11,7 +11,8 @@ oneDNN at 1 row, 2.4-3.6x at 4, 16, 64 and 256 rows. Where the CPU has AVX512-BF
 batches of 4 rows or more run VDPBF16PS tiles instead, and from the rows
 ``onednn_rows`` gives (where oneDNN's native bf16 GEMM wins) the op calls torch's
 linear; decode-sized batches stay here. AMD EPYC Zen 4, one core, the default model's
-30 layers: 1 row 14 ms vs 18 ms in vLLM's prepacked oneDNN, 4 rows 16 vs 18 ms.
+30 layers: 1 row 14-15 ms vs 18-19 ms in vLLM's prepacked oneDNN, 4 rows level (15-16
+vs 15-18 ms).
 
 The simulator routes vLLM's unquantized CPU linears here (``patches.py``, "bf16
 linears on the simulator's kernel"); ``ACCEL_BF16_LINEAR`` says when. It is the
@@ -48,6 +49,7 @@ def wanted() -> bool:
     return envs.ACCEL_BF16_LINEAR != "off" and available()
 
 
+@functools.cache
 def onednn_rows(dtype: torch.dtype) -> int:
     """Rows of x from which the op hands a batch to torch's linear (oneDNN), 0 for
     never: on CPUs with bf16 units oneDNN's bf16 GEMM wins once a batch is compute-bound
@@ -56,6 +58,7 @@ def onednn_rows(dtype: torch.dtype) -> int:
     return native.library().accel_bf16_linear_onednn_rows(code) if available() and code is not None else 0
 
 
+@functools.cache
 def dp_rows() -> int:
     """Rows of bf16 x from which the kernel's AVX512-BF16 tiles run, 0 where this
     CPU lacks them (``csrc/bf16_linear.cpp``)."""

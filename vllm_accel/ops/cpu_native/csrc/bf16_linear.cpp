@@ -110,14 +110,20 @@ struct Target {
   const float* bias;  // float32 copy, or nullptr
 };
 
+// A tile's sums (+ bias) into y's rows row.. and columns n0..
+template <int NB, int MR, class Out>
+void store_tile(const float out[MR][NB], const Target<Out>& t, int64_t row, int64_t n0) {
+  ACCEL_UNROLL for (int m = 0; m < MR; ++m)
+    ACCEL_UNROLL for (int j = 0; j < NB; ++j)
+      accel::store(out[m][j] + (t.bias ? t.bias[n0 + j] : 0.f), t.y + (row + m) * t.y_stride + n0 + j);
+}
+
 template <int NB, int MR, bool kBuffered, class Out>
 void tile_store(const float* xf, int64_t kp, const accel::bf16* w, int64_t w_stride,
                 const float* wbuf, int64_t k, const Target<Out>& t, int64_t row, int64_t n0) {
   float out[MR][NB];
   tile<NB, MR, kBuffered>(xf, kp, w, w_stride, wbuf, k, out);
-  ACCEL_UNROLL for (int m = 0; m < MR; ++m)
-    ACCEL_UNROLL for (int j = 0; j < NB; ++j)
-      accel::store(out[m][j] + (t.bias ? t.bias[n0 + j] : 0.f), t.y + (row + m) * t.y_stride + n0 + j);
+  store_tile<NB, MR>(out, t, row, n0);
 }
 
 // All rows of the x block against NB weight rows starting at n0.
@@ -227,9 +233,7 @@ void tile_store(const accel::bf16* xb, int64_t kp, const accel::bf16* w, int64_t
                 int64_t k, const Target<accel::bf16>& t, int64_t row, int64_t n0) {
   float out[MR][NB];
   tile<NB, MR>(xb, kp, w, w_stride, k, out);
-  ACCEL_UNROLL for (int m = 0; m < MR; ++m)
-    ACCEL_UNROLL for (int j = 0; j < NB; ++j)
-      accel::store(out[m][j] + (t.bias ? t.bias[n0 + j] : 0.f), t.y + (row + m) * t.y_stride + n0 + j);
+  store_tile<NB, MR>(out, t, row, n0);
 }
 
 // All rows of the x block against NB weight rows starting at n0 (from memory in the
@@ -296,7 +300,7 @@ int accel_bf16_linear_available() {
 // 0 where it never does. CPUs with bf16 units run oneDNN's bf16 GEMM natively; below
 // these rows a batch is weight-bound and the kernels here stream the weight faster:
 //   AVX512-BF16 (AMD EPYC Zen 4, one core, the default model's 30 layers, bf16 x): 64
-//     rows 99-114 ms here vs 89-97 ms in torch's linear, 16 rows 37 vs 43-50 ms;
+//     rows 98-99 ms here vs 89-104 ms in torch's linear, 16 rows 27-32 vs 43-51 ms;
 //   AMX: 16, where its tiles start to fill (not measured: no AMX CPU was at hand).
 // Without them oneDNN emulates bf16 at 4-5x below float32: never.
 int accel_bf16_linear_onednn_rows(int32_t x_dtype) {
