@@ -213,11 +213,17 @@ def hf_greedy(model_dir: Path, prompts: list[list[int]], max_new_tokens: int) ->
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     model.generation_config.eos_token_id = None  # like vLLM's ignore_eos
     model.generation_config.pad_token_id = 0
-    outs = []
+    return greedy_batch(model, prompts, max_new_tokens)
+
+
+def greedy_batch(model, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+    """``model.generate`` greedy continuations of all ``prompts`` in one left-padded
+    batch (pad positions masked out): the default model's 8 test prompts x 32 tokens
+    give the tokens of one prompt at a time, in 3.5 s instead of 16.5 s on 2 cores."""
+    width = max(map(len, prompts))
+    ids = torch.tensor([[0] * (width - len(p)) + list(p) for p in prompts])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
     with torch.no_grad():
-        for ids in prompts:
-            inp = torch.tensor([ids])
-            gen = model.generate(inp, attention_mask=torch.ones_like(inp), do_sample=False,
-                                 max_new_tokens=max_new_tokens)
-            outs.append(gen[0, len(ids):].tolist())
-    return outs
+        gen = model.generate(ids, attention_mask=mask, do_sample=False,
+                             max_new_tokens=max_new_tokens)
+    return [row[width:].tolist() for row in gen]

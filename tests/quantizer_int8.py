@@ -331,14 +331,13 @@ def hf_oracle(model_dir: Path, prompts: list[list[int]], max_new_tokens: int,
     sequence, so one early divergence does not decide every later position).
     ``layers`` adds activation fake-quant (:func:`add_act_fake_quant`).
     Returns ``(greedy, logps, tf_argmax)``."""
+    from conftest import greedy_batch
+
     model = _hf_model(model_dir, layers, dynamic, symmetric)
-    greedy, logps, tf_argmax = [], [], []
+    greedy = greedy_batch(model, prompts, max_new_tokens)
+    logps, tf_argmax = [], []
     with torch.no_grad():
         for i, ids in enumerate(prompts):
-            inp = torch.tensor([ids])
-            gen = model.generate(inp, attention_mask=torch.ones_like(inp), do_sample=False,
-                                 max_new_tokens=max_new_tokens)
-            greedy.append(gen[0, len(ids):].tolist())
             if score is not None:
                 seq = torch.tensor([ids + list(score[i])])
                 lp = torch.log_softmax(model(seq).logits[0].double(), dim=-1)

@@ -8,11 +8,11 @@ decode reads weights at ~10 GB/s of a 13 GB/s core. There the kernel widens each
 weight to float32 exactly (two integer instructions) and runs float32 FMAs: per layer
 of the default model on an Intel Xeon without BF16, one core, weights cold: 1.2-1.7x
 oneDNN at 1 row, 2.4-3.6x at 4, 16, 64 and 256 rows. Where the CPU has AVX512-BF16,
-batches of 4 rows or more run VDPBF16PS tiles instead, and from the rows
+batches of 3 rows or more run VDPBF16PS tiles instead, and from the rows
 ``onednn_rows`` gives (where oneDNN's native bf16 GEMM wins) the op calls torch's
 linear; decode-sized batches stay here. AMD EPYC Zen 4, one core, the default model's
-30 layers: 1 row 14-15 ms vs 18-19 ms in vLLM's prepacked oneDNN, 4 rows level (15-16
-vs 15-18 ms).
+30 layers: 1 row 10.6-10.8 ms vs 17-20 ms in vLLM's prepacked oneDNN, 4 rows 10.1-10.5
+vs 15-17 ms (README, "How it is built").
 
 The simulator routes vLLM's unquantized CPU linears here (``patches.py``, "bf16
 linears on the simulator's kernel"); ``ACCEL_BF16_LINEAR`` says when. It is the
