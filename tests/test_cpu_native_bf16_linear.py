@@ -22,13 +22,13 @@ UNIT_ROUNDOFF = {torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11, torch.float32
 def test_kernel_is_built_exactly_on_avx512():
     """Built in with AVX-512 F/BW/VL; its AVX512-BF16 tiles (from 3 rows of bf16 x)
     exactly where the CPU has them; batches handed to oneDNN exactly where the CPU has
-    bf16 units (from 16 rows with AMX, 64 with AVX512-BF16 alone), never for float32 x:
+    bf16 units (from 10 rows with AMX, 64 with AVX512-BF16 alone), never for float32 x:
     dispatch on what the CPU reports."""
     built = native.library() is not None and cpu_has("avx512f", "avx512bw", "avx512vl")
     assert bf16_linear.available() == built
     assert bf16_linear.cpu_has_bf16_units() == (cpu_has("avx512_bf16") or cpu_has("amx_tile"))
     assert bf16_linear.dp_rows() == (3 if built and cpu_has("avx512_bf16") else 0)
-    expected_onednn = (16 if cpu_has("amx_tile", "amx_bf16") else 64 if cpu_has("avx512_bf16")
+    expected_onednn = (10 if cpu_has("amx_tile", "amx_bf16") else 64 if cpu_has("avx512_bf16")
                        else 0) if built else 0
     assert bf16_linear.onednn_rows(torch.bfloat16) == expected_onednn
     assert bf16_linear.onednn_rows(torch.float32) == 0

@@ -204,7 +204,16 @@ inline __mmask32 tail_mask32(int64_t k, int64_t kk) {
   return left >= kStep ? __mmask32(0xffffffffu) : __mmask32((1u << left) - 1);
 }
 
-template <int NB, int MR>
+// Whether tiles prefetch far (kFar below): on AMD CPUs. AMD EPYC Zen 4, the default
+// model's 30 layers, one core, the two patterns alternated in one process: far 1.13-1.45x
+// at 3-4 rows, 0.97-1.15x at 5-64; an Intel Xeon with AMX, the same way: 0.96-1.01x at
+// 3-4 rows, 0.89-0.95x at 6-16 (it keeps the near pattern).
+inline bool prefetch_far() {
+  static const bool amd = __builtin_cpu_is("amd");
+  return amd;
+}
+
+template <int NB, int MR, bool kFar>
 void tile(const accel::bf16* xb, int64_t kp, const accel::bf16* w, int64_t w_stride, int64_t k,
           float out[MR][NB]) {
   __m512 acc[MR][NB];
@@ -214,17 +223,20 @@ void tile(const accel::bf16* xb, int64_t kp, const accel::bf16* w, int64_t w_str
     const __mmask32 mask = tail_mask32(k, kk);
     __m512i wv[NB];
     ACCEL_UNROLL for (int j = 0; j < NB; ++j) {
-      // Two blocks ahead into L1 and four into L2, each line asked for twice (at both
-      // halves, as the float32 tile's 32-byte steps do). One request a line, one block
-      // ahead, streamed 15-19 GB/s of the ~30 a core reads; this 22-27 (3-4 rows, AMD
-      // EPYC Zen 4, the default model's 30 layers, alternated in one process: 1.13-1.43x,
-      // 1.06-1.15x at 5-64 rows).
       const char* here = (const char*)(w + j * w_stride + kk);
       const int64_t block_bytes = NB * w_stride * int64_t(sizeof(accel::bf16));
-      _mm_prefetch(here + 2 * block_bytes, _MM_HINT_T0);
-      _mm_prefetch(here + 2 * block_bytes + 32, _MM_HINT_T0);
-      _mm_prefetch(here + 4 * block_bytes, _MM_HINT_T1);
-      _mm_prefetch(here + 4 * block_bytes + 32, _MM_HINT_T1);
+      if constexpr (kFar) {
+        // two blocks ahead into L1 and four into L2, each line asked for twice (at both
+        // halves, as the float32 tile's 32-byte steps do): with the near pattern an AMD
+        // EPYC Zen 4 core streamed 15-19 GB/s of the ~30 it reads, with this 22-27
+        _mm_prefetch(here + 2 * block_bytes, _MM_HINT_T0);
+        _mm_prefetch(here + 2 * block_bytes + 32, _MM_HINT_T0);
+        _mm_prefetch(here + 4 * block_bytes, _MM_HINT_T1);
+        _mm_prefetch(here + 4 * block_bytes + 32, _MM_HINT_T1);
+      } else {  // the next block into L1 and the one after into L2, as the float32 tile
+        _mm_prefetch(here + block_bytes, _MM_HINT_T0);
+        _mm_prefetch(here + 2 * block_bytes, _MM_HINT_T1);
+      }
       wv[j] = _mm512_maskz_loadu_epi16(mask, w + j * w_stride + kk);
     }
     ACCEL_UNROLL for (int m = 0; m < MR; ++m) {
@@ -237,35 +249,36 @@ void tile(const accel::bf16* xb, int64_t kp, const accel::bf16* w, int64_t w_str
     sum_lanes<NB>(acc[m], out[m]);
 }
 
-template <int NB, int MR>
+template <int NB, int MR, bool kFar>
 void tile_store(const accel::bf16* xb, int64_t kp, const accel::bf16* w, int64_t w_stride,
                 int64_t k, const Target<accel::bf16>& t, int64_t row, int64_t n0) {
   float out[MR][NB];
-  tile<NB, MR>(xb, kp, w, w_stride, k, out);
+  tile<NB, MR, kFar>(xb, kp, w, w_stride, k, out);
   store_tile<NB, MR>(out, t, row, n0);
 }
 
 // All rows of the x block against NB weight rows starting at n0 (from memory in the
 // first tile, from L1 in the others).
-template <int NB>
+template <int NB, bool kFar>
 void weight_rows(const accel::bf16* xb, int64_t kp, int64_t rows, int64_t row0,
                  const accel::bf16* w, int64_t w_stride, int64_t k,
                  const Target<accel::bf16>& t, int64_t n0) {
   const accel::bf16* wn = w + n0 * w_stride;
   int64_t r = 0;
   for (; r + kRowsX <= rows; r += kRowsX)
-    tile_store<NB, kRowsX>(xb + r * kp, kp, wn, w_stride, k, t, row0 + r, n0);
+    tile_store<NB, kRowsX, kFar>(xb + r * kp, kp, wn, w_stride, k, t, row0 + r, n0);
   switch (rows - r) {
 #define ACCEL_TILE(R) \
-  case R: tile_store<NB, R>(xb + r * kp, kp, wn, w_stride, k, t, row0 + r, n0); break;
+  case R: tile_store<NB, R, kFar>(xb + r * kp, kp, wn, w_stride, k, t, row0 + r, n0); break;
     ACCEL_TILE(1) ACCEL_TILE(2) ACCEL_TILE(3) ACCEL_TILE(4) ACCEL_TILE(5)
 #undef ACCEL_TILE
   }
 }
 
-void linear(const accel::bf16* x, int64_t x_stride, const accel::bf16* w, int64_t w_stride,
-            const float* bias, accel::bf16* y, int64_t y_stride, int64_t m, int64_t n,
-            int64_t k) {
+template <bool kFar>
+void linear_with(const accel::bf16* x, int64_t x_stride, const accel::bf16* w, int64_t w_stride,
+                 const float* bias, accel::bf16* y, int64_t y_stride, int64_t m, int64_t n,
+                 int64_t k) {
   const int64_t kp = (k + kStep - 1) / kStep * kStep;
   const Target<accel::bf16> t{y, y_stride, bias};
   std::vector<accel::bf16> xb(size_t(std::min(m, kBlockM)) * kp);
@@ -281,11 +294,21 @@ void linear(const accel::bf16* x, int64_t x_stride, const accel::bf16* w, int64_
     for (int64_t b = 0; b < blocks; ++b) {
       const int64_t n0 = b * kRowsW;
       if (n0 + kRowsW <= n)
-        weight_rows<kRowsW>(xb.data(), kp, rows, row0, w, w_stride, k, t, n0);
+        weight_rows<kRowsW, kFar>(xb.data(), kp, rows, row0, w, w_stride, k, t, n0);
       else
-        for (int64_t j = n0; j < n; ++j) weight_rows<1>(xb.data(), kp, rows, row0, w, w_stride, k, t, j);
+        for (int64_t j = n0; j < n; ++j)
+          weight_rows<1, kFar>(xb.data(), kp, rows, row0, w, w_stride, k, t, j);
     }
   }
+}
+
+void linear(const accel::bf16* x, int64_t x_stride, const accel::bf16* w, int64_t w_stride,
+            const float* bias, accel::bf16* y, int64_t y_stride, int64_t m, int64_t n,
+            int64_t k) {
+  if (prefetch_far())
+    linear_with<true>(x, x_stride, w, w_stride, bias, y, y_stride, m, n, k);
+  else
+    linear_with<false>(x, x_stride, w, w_stride, bias, y, y_stride, m, n, k);
 }
 
 }  // namespace dp
@@ -310,11 +333,13 @@ int accel_bf16_linear_available() {
 // these rows a batch is weight-bound and the kernels here stream the weight faster:
 //   AVX512-BF16 (AMD EPYC Zen 4, one core, the default model's 30 layers, bf16 x): 64
 //     rows 98-99 ms here vs 89-104 ms in torch's linear, 16 rows 27-32 vs 43-51 ms;
-//   AMX: 16, where its tiles start to fill (not measured: no AMX CPU was at hand).
+//   AMX (an Intel Xeon with AMX, one core, the same 30 layers, two hosts): torch's linear
+//     takes 28-29 ms at any of 1-16 rows (40-57 ms on a busier host), these kernels
+//     14.8 ms at 1 row, 26.0 at 8, 31.8 at 10, 37.9 at 12: the crossover is 8-12 rows.
 // Without them oneDNN emulates bf16 at 4-5x below float32: never.
 int accel_bf16_linear_onednn_rows(int32_t x_dtype) {
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
-  if (x_dtype == accel::kBFloat16) return 16;
+  if (x_dtype == accel::kBFloat16) return 10;
 #endif
 #ifdef __AVX512BF16__
   if (x_dtype == accel::kBFloat16) return 64;
