@@ -334,7 +334,11 @@ def hf_oracle(model_dir: Path, prompts: list[list[int]], max_new_tokens: int,
     from conftest import greedy_batch
 
     model = _hf_model(model_dir, layers, dynamic, symmetric)
-    greedy = greedy_batch(model, prompts, max_new_tokens)
+    # One prompt at a time under activation fake-quant: its rounding to int8 codes turns
+    # the padded batch's last-bit differences into different codes (a tiny model's
+    # static-asym case then lost a sequence); plain fp32 runs as one batch.
+    greedy = (greedy_batch(model, prompts, max_new_tokens) if layers is None
+              else [greedy_batch(model, [ids], max_new_tokens)[0] for ids in prompts])
     logps, tf_argmax = [], []
     with torch.no_grad():
         for i, ids in enumerate(prompts):
