@@ -21,9 +21,14 @@ from pathlib import Path
 
 import torch
 
+from roofline import read_bandwidth
+
 CSRC = Path(__file__).resolve().parent.parent / "vllm_accel" / "ops" / "cpu_native" / "csrc"
 #: (out, in) features of a SmolLM2-135M decoder layer's qkv, o, gate_up and down
 SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)] * 30
+#: cpu_native/build.py's FLAGS (that module imports the plugin, which needs vLLM;
+#: tests/test_cpu_native_bf16_linear.py keeps the two equal)
+FLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp", "-std=c++17", "-fPIC")
 _ARGS = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_void_p, ctypes.c_int64,
          ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
          ctypes.c_int64]
@@ -31,18 +36,11 @@ _ARGS = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_void_p, ctypes.
 
 def build(source: Path, out_dir: Path, name: str) -> ctypes.CDLL:
     out = out_dir / f"{name}.so"
-    subprocess.run(["c++", "-O3", "-march=native", "-ffast-math", "-fopenmp", "-std=c++17",
-                    "-fPIC", "-shared", "-w", f"-I{CSRC}", str(source), "-o", str(out)],
+    subprocess.run(["c++", *FLAGS, "-shared", "-w", f"-I{CSRC}", str(source), "-o", str(out)],
                    check=True)
     lib = ctypes.CDLL(str(out))
     lib.accel_bf16_linear.argtypes = _ARGS
     return lib
-
-
-def read_bandwidth() -> float:
-    buf = torch.ones(1 << 28)
-    best = min(_timed(buf.sum) for _ in range(5))
-    return buf.numel() * 4 / best
 
 
 def _timed(fn) -> float:

@@ -6,7 +6,9 @@ against HF transformers on the same bf16 weights. (The patch that routes vLLM's 
 linears to it: test_patches.py.)"""
 
 import random
+import sys
 import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -235,3 +237,19 @@ def test_compiled_engine_runs_the_kernel_and_matches_hf(tmp_path):
         assert not layer_calls
 
     assert_bf16_tokens_near_hf(model, prompts, results["outputs"])
+
+
+def test_kernel_benchmark_builds_with_the_plugins_flags():
+    """benchmarks/bf16_linear_rows.py builds the kernel without importing the plugin:
+    its copy of the flags must be build.py's, or its numbers are another kernel's."""
+    import importlib.util
+
+    path = Path(__file__).resolve().parent.parent / "benchmarks" / "bf16_linear_rows.py"
+    spec = importlib.util.spec_from_file_location("bf16_linear_rows", path)
+    bench = importlib.util.module_from_spec(spec)
+    sys.path.insert(0, str(path.parent))
+    try:
+        spec.loader.exec_module(bench)
+    finally:
+        sys.path.remove(str(path.parent))
+    assert bench.FLAGS == native.FLAGS

@@ -333,9 +333,10 @@ int accel_bf16_linear_available() {
 // these rows a batch is weight-bound and the kernels here stream the weight faster:
 //   AVX512-BF16 (AMD EPYC Zen 4, one core, the default model's 30 layers, bf16 x): 64
 //     rows 98-99 ms here vs 89-104 ms in torch's linear, 16 rows 27-32 vs 43-51 ms;
-//   AMX (an Intel Xeon with AMX, one core, the same 30 layers, two hosts): torch's linear
-//     takes 28-29 ms at any of 1-16 rows (40-57 ms on a busier host), these kernels
-//     14.8 ms at 1 row, 26.0 at 8, 31.8 at 10, 37.9 at 12: the crossover is 8-12 rows.
+//   AMX (an Intel Xeon with AMX, one core, the same 30 layers, benchmarks/
+//     bf16_linear_rows.py on two hosts): torch's linear takes 28-32 ms at any of 1-12
+//     rows, these kernels 14.8-15.8 ms at 1 row, 26.0-27.2 at 8, 31.8-33.7 at 10,
+//     37.9-39.0 at 12: the crossover is at 10 rows.
 // Without them oneDNN emulates bf16 at 4-5x below float32: never.
 int accel_bf16_linear_onednn_rows(int32_t x_dtype) {
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
