@@ -7,7 +7,9 @@ this CPU, and how fast the kernel streams the weights.
 Needs only torch and a C++ compiler (no vLLM): the kernel is built here with the
 plugin's flags, so it runs on any x86 machine with AVX-512, e.g. a device machine's
 host. ``--baseline FILE`` builds another version of the source as well and alternates
-the two in this process (A/B of a kernel change). Pin it to one core for stable
+the two in this process (A/B of a kernel change). Where vLLM is installed it also times
+what stock vLLM CPU runs: oneDNN on a weight copy prepacked at load
+(``create_onednn_mm`` / ``onednn_mm``). Pin it to one core for stable
 numbers: ``taskset -c 0 python benchmarks/bf16_linear_rows.py``.
 """
 
@@ -68,6 +70,11 @@ def main() -> None:
               f"AVX512-BF16 tiles from {lib.accel_bf16_linear_dp_rows() or 'no'} rows")
         torch.manual_seed(0)
         weights = [(torch.randn(n, k) * 0.05).to(torch.bfloat16) for n, k in SHAPES]
+        try:
+            from vllm import _custom_ops as vllm_ops
+            prepacked = [vllm_ops.create_onednn_mm(w.t(), 32) for w in weights]
+        except ImportError:  # no vLLM here: the kernel and torch only
+            prepacked = []
         gigabytes = sum(w.numel() * 2 for w in weights) / 1e9
         for m in (int(r) for r in args.rows.split(",")):
             x = torch.randn(m, 1536).to(torch.bfloat16)
@@ -84,8 +91,14 @@ def main() -> None:
                 for w in weights:
                     torch.nn.functional.linear(x[:, :w.shape[1]], w)
 
+            def vllm_prepacked():
+                for w, handle in zip(weights, prepacked):
+                    vllm_ops.onednn_mm(handle, x[:, :w.shape[1]], None)
+
             calls = {name: functools.partial(run, lib) for name, lib in kernels.items()}
             calls["torch"] = torch_linear
+            if prepacked:
+                calls["vllm"] = vllm_prepacked
             best = dict.fromkeys(calls, float("inf"))
             for _ in range(args.repeats):  # alternated: each kind once a repeat
                 for name, fn in calls.items():
@@ -93,6 +106,9 @@ def main() -> None:
             line = (f"rows {m:3d}: kernel {best['kernel'] * 1e3:7.2f} ms "
                     f"({gigabytes / best['kernel']:.1f} GB/s), torch {best['torch'] * 1e3:7.2f} ms "
                     f"(torch/kernel {best['torch'] / best['kernel']:.2f})")
+            if "vllm" in best:
+                line += (f", vLLM prepacked {best['vllm'] * 1e3:7.2f} ms "
+                         f"(vllm/kernel {best['vllm'] / best['kernel']:.2f})")
             if "baseline" in best:
                 line += (f", baseline {best['baseline'] * 1e3:7.2f} ms "
                          f"(kernel speed {best['baseline'] / best['kernel']:.2f}x)")

@@ -5,8 +5,9 @@ One engine (``--engine accel``: our plugin; ``stock``: vLLM's CPU platform, the 
 excluded through ``VLLM_PLUGINS``) runs in this process
 (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, so the scheduler, the runner and the model are
 all visible to the profiler) with one torch thread, generates ``--output-len`` tokens
-for one random ``--input-len``-token prompt (greedy, ``ignore_eos``: issue 13's W3),
-and prints milliseconds per decode step by kind:
+for ``--num-prompts`` random ``--input-len``-token prompts (greedy, ``ignore_eos``; the
+defaults are issue 13's W3, ``--num-prompts 64 --input-len 128`` its W1's batch), and
+prints milliseconds per decode step by kind:
 
 - scheduler: ``Scheduler.schedule`` + ``update_from_output``;
 - input prep: the runner's ``_update_states`` + ``_prepare_inputs``;
@@ -20,13 +21,15 @@ and prints milliseconds per decode step by kind:
 - other: the rest of the step (engine loop, output processing).
 
 The profiler adds its own overhead per op, so the split is what matters; the
-unprofiled wall time per step is printed beside it. Prefill is left out: the
-profile starts after the first generated token.
+unprofiled wall time per step is printed beside it. Prefill is left out of the split
+(the profile starts after the first generated token); its unprofiled wall time, the
+one-token run, is printed on its own line.
 
 Usage::
 
     python benchmarks/step_profile.py [--engine accel|stock] [--model DIR] [--compile]
-                                      [--output-len 128] [--top N] [--json out.json]
+                                      [--num-prompts 1] [--input-len 32] [--output-len 128]
+                                      [--top N] [--json out.json]
 """
 
 from __future__ import annotations
@@ -131,6 +134,7 @@ def main() -> None:
     ap.add_argument("--engine", choices=("accel", "stock"), default="accel")
     ap.add_argument("--model", default=None, help="HF model dir (default model)")
     ap.add_argument("--compile", action="store_true", help="vLLM's default torch.compile")
+    ap.add_argument("--num-prompts", type=int, default=1)
     ap.add_argument("--input-len", type=int, default=32)
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--json", type=Path, default=None)
@@ -155,12 +159,13 @@ def main() -> None:
     _instrument()
     llm = LLM(model=model, dtype="bfloat16", seed=0, max_model_len=1024,
               kv_cache_memory_bytes=1 << 30, enforce_eager=not args.compile,
+              enable_prefix_caching=False,  # each generate() repeats the prompts
               skip_tokenizer_init=True)
     platform = type(current_platform).__name__
     if platform != engine["platform"]:
         raise SystemExit(f"--engine {args.engine} runs on {platform}, expected "
                          f"{engine['platform']}")
-    prompt = throughput.random_prompts(1, args.input_len, throughput.vocab_size(model), 0)
+    prompt = throughput.random_prompts(args.num_prompts, args.input_len, throughput.vocab_size(model), 0)
     prompts = throughput._token_prompts(prompt)
 
     def generate(n: int) -> float:
@@ -171,7 +176,8 @@ def main() -> None:
 
     generate(args.output_len)  # warm-up
     steps = args.output_len - 1
-    wall_ms = (generate(args.output_len) - generate(1)) / steps * 1e3  # prefill excluded
+    prefill_s = generate(1)
+    wall_ms = (generate(args.output_len) - prefill_s) / steps * 1e3  # prefill excluded
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         seconds = generate(args.output_len)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof_one:
@@ -186,7 +192,9 @@ def main() -> None:
     cpu, flags = roofline.cpu_model(), " ".join(roofline.cpu_flags())
     print(f"CPU: {cpu}; flags: {flags}")
     print(f"engine {args.engine} ({platform}), {'compiled' if args.compile else 'eager'}, "
-          f"{Path(model).name}, 1 x {args.input_len} in / {args.output_len} out")
+          f"{Path(model).name}, {args.num_prompts} x {args.input_len} in / "
+          f"{args.output_len} out")
+    print(f"unprofiled prefill (the one-token run): {prefill_s * 1e3:.1f} ms")
     print(f"unprofiled: {wall_ms:.2f} ms per decode step ({1e3 / wall_ms:.1f} tok/s); "
           f"profiled: {profiled_ms:.2f}")
     print("profiled, ms per decode step:")
@@ -204,6 +212,8 @@ def main() -> None:
     if args.json:
         args.json.write_text(json.dumps({"cpu": cpu, "flags": flags, "engine": args.engine,
                                          "compiled": args.compile, "model": model,
+                                         "num_prompts": args.num_prompts,
+                                         "prefill_ms": prefill_s * 1e3,
                                          "wall_ms_per_step": wall_ms,
                                          "profiled_ms_per_step": profiled_ms, "split_ms": split},
                                         indent=2))

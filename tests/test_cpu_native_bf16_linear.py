@@ -24,14 +24,13 @@ UNIT_ROUNDOFF = {torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11, torch.float32
 def test_kernel_is_built_exactly_on_avx512():
     """Built in with AVX-512 F/BW/VL; its AVX512-BF16 tiles (from 3 rows of bf16 x)
     exactly where the CPU has them; batches handed to oneDNN exactly where the CPU has
-    bf16 units (from 10 rows with AMX, 64 with AVX512-BF16 alone), never for float32 x:
-    dispatch on what the CPU reports."""
+    AMX (from 10 rows; with AVX512-BF16 alone the kernel's packed-panel GEMM keeps every
+    batch), never for float32 x: dispatch on what the CPU reports."""
     built = native.library() is not None and cpu_has("avx512f", "avx512bw", "avx512vl")
     assert bf16_linear.available() == built
     assert bf16_linear.cpu_has_bf16_units() == (cpu_has("avx512_bf16") or cpu_has("amx_tile"))
     assert bf16_linear.dp_rows() == (3 if built and cpu_has("avx512_bf16") else 0)
-    expected_onednn = (10 if cpu_has("amx_tile", "amx_bf16") else 64 if cpu_has("avx512_bf16")
-                       else 0) if built else 0
+    expected_onednn = 10 if built and cpu_has("amx_tile", "amx_bf16") else 0
     assert bf16_linear.onednn_rows(torch.bfloat16) == expected_onednn
     assert bf16_linear.onednn_rows(torch.float32) == 0
 
@@ -74,8 +73,9 @@ def test_python_kernel_matches_the_cpp_kernel(m, n, k, monkeypatch):
     assert rows == ([m] if bf16_linear.available() and not handed_over else [])
 
 
-# (bf16 x from 3 rows runs the AVX512-BF16 tiles where the CPU has them, and 70 rows go
-# to torch's linear where it has bf16 units: test_c_kernel_... covers those in the kernel)
+# (bf16 x from 3 rows runs the AVX512-BF16 tiles where the CPU has them, from 24 their
+# packed-panel GEMM, and 70 rows go to torch's linear where it has AMX:
+# test_c_kernel_... covers those in the kernel)
 # rows: 1 and 5 stream the weight (one tile), 7/13 widen it into the buffer (tiles of 6 +
 # tails), 70 spans two 64-row blocks of x; outputs 9 and 130 end in a partial block of
 # 4, inputs 37 and 100 in a partial 16-column chunk
@@ -114,9 +114,12 @@ def _c_kernel(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> to
 
 
 # rows: 1 and 2 stream through the float32 tile; from 3, bf16 x runs the AVX512-BF16
-# tiles where built (3 and 6 one tile, 13 two of 6 and a tail, 70 two 64-row blocks);
-# inputs 37 and 100 end in a partial 32-column step, 64 does not
-C_SHAPES = [(1, 9, 37), (2, 130, 100), (3, 130, 64), (6, 8, 100), (13, 130, 37), (70, 9, 100)]
+# tiles where built (3 and 6 one tile, 13 two of 6 and a tail), from 24 their packed-
+# panel GEMM (27: two tiles of 12 and a tail; 270: two 256-row blocks); outputs 9 and 130
+# end in a partial panel of 32, 130's in its second half; inputs 37 and 100 end in a
+# partial 32-column step, 64 does not
+C_SHAPES = [(1, 9, 37), (2, 130, 100), (3, 130, 64), (6, 8, 100), (13, 130, 37),
+            (27, 130, 100), (270, 9, 64)]
 
 
 @pytest.mark.skipif(not bf16_linear.available(), reason="needs AVX-512 F/BW/VL (kernel not built)")

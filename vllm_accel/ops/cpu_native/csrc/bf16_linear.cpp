@@ -275,6 +275,15 @@ void weight_rows(const accel::bf16* xb, int64_t kp, int64_t rows, int64_t row0,
   }
 }
 
+// Rows row0.. of x into dst, each padded with zeros from k to kp columns.
+inline void copy_rows(const accel::bf16* x, int64_t x_stride, int64_t row0, int64_t rows,
+                      int64_t k, int64_t kp, accel::bf16* dst) {
+  for (int64_t r = 0; r < rows; ++r, dst += kp) {
+    std::memcpy(dst, x + (row0 + r) * x_stride, size_t(k) * sizeof(accel::bf16));
+    std::fill(dst + k, dst + kp, accel::bf16{0});
+  }
+}
+
 template <bool kFar>
 void linear_with(const accel::bf16* x, int64_t x_stride, const accel::bf16* w, int64_t w_stride,
                  const float* bias, accel::bf16* y, int64_t y_stride, int64_t m, int64_t n,
@@ -285,11 +294,7 @@ void linear_with(const accel::bf16* x, int64_t x_stride, const accel::bf16* w, i
   const int64_t blocks = (n + kRowsW - 1) / kRowsW;
   for (int64_t row0 = 0; row0 < m; row0 += kBlockM) {
     const int64_t rows = std::min(kBlockM, m - row0);
-    for (int64_t r = 0; r < rows; ++r) {
-      accel::bf16* dst = xb.data() + r * kp;
-      std::memcpy(dst, x + (row0 + r) * x_stride, size_t(k) * sizeof(accel::bf16));
-      std::fill(dst + k, dst + kp, accel::bf16{0});
-    }
+    copy_rows(x, x_stride, row0, rows, k, kp, xb.data());
 #pragma omp parallel for schedule(static) if (rows * n * k >= kParallelMinWork)
     for (int64_t b = 0; b < blocks; ++b) {
       const int64_t n0 = b * kRowsW;
@@ -302,9 +307,162 @@ void linear_with(const accel::bf16* x, int64_t x_stride, const accel::bf16* w, i
   }
 }
 
+// Batches of kGemmMinRows rows or more are compute-bound: the tiles above spend a fifth
+// of their instructions summing lanes and read x once per 4 outputs. Here 32 weight rows
+// at a time are transposed into a panel of K/2 x 32 bf16 pairs (per thread, L2), the
+// layout VDPBF16PS multiplies against one broadcast pair of x: 12 rows of x by those 32
+// outputs are 24 accumulators that need no lane sums, 2 panel loads and 12 broadcasts a
+// pair step. The weight stays in the checkpoint's layout; each call packs what it reads
+// while the previous panel's FMAs run. AMD EPYC Zen 4, one core, the default model's 30
+// layers (benchmarks/bf16_linear_rows.py; ms, this vs the tiles above vs torch's linear
+// vs vLLM's oneDNN on its prepacked copy): 24 rows 31 / 33 / 47, 64 rows 71-72 / 87-90 /
+// 85-89 / 71-74, 512 rows 510 / - / 538-551 / 505-523.
+constexpr int kPanel = 32;           // outputs per panel: two 16-lane accumulators a row
+constexpr int kGemmRows = 12;        // rows of x per tile: 24 accumulators
+constexpr int64_t kGemmMinRows = 24;  // (16 rows: 0.97x the tiles above, 24: 1.08x)
+constexpr int64_t kGemmBlockM = 256;  // rows of x per panel pass (512 rows: 1.07x 64)
+
+// The transpose of 16 rows of 16 dwords (in place): r[i][j] <- r[j][i].
+inline void transpose16(__m512i r[16]) {
+  __m512i t[16];
+  _Pragma("GCC unroll 16") for (int i = 0; i < 16; i += 2) {
+    t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+    t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+  }
+  // per 128-bit lane L, r[4q + c] holds column 4L + c of rows 4q..4q+3
+  _Pragma("GCC unroll 16") for (int q = 0; q < 16; q += 4) {
+    r[q] = _mm512_unpacklo_epi64(t[q], t[q + 2]);
+    r[q + 1] = _mm512_unpackhi_epi64(t[q], t[q + 2]);
+    r[q + 2] = _mm512_unpacklo_epi64(t[q + 1], t[q + 3]);
+    r[q + 3] = _mm512_unpackhi_epi64(t[q + 1], t[q + 3]);
+  }
+  _Pragma("GCC unroll 16") for (int c = 0; c < 4; ++c) {
+    t[c] = _mm512_shuffle_i32x4(r[c], r[c + 4], 0x88);
+    t[c + 4] = _mm512_shuffle_i32x4(r[c], r[c + 4], 0xdd);
+    t[c + 8] = _mm512_shuffle_i32x4(r[c + 8], r[c + 12], 0x88);
+    t[c + 12] = _mm512_shuffle_i32x4(r[c + 8], r[c + 12], 0xdd);
+  }
+  _Pragma("GCC unroll 16") for (int c = 0; c < 4; ++c) {
+    r[c] = _mm512_shuffle_i32x4(t[c], t[c + 8], 0x88);
+    r[c + 4] = _mm512_shuffle_i32x4(t[c + 4], t[c + 12], 0x88);
+    r[c + 8] = _mm512_shuffle_i32x4(t[c], t[c + 8], 0xdd);
+    r[c + 12] = _mm512_shuffle_i32x4(t[c + 4], t[c + 12], 0xdd);
+  }
+}
+
+// panel[p * 32 + c] = the bf16 pair W[n0 + c, 2p..2p+1] (zero past n and k), p < kp / 2.
+void pack_panel(const accel::bf16* w, int64_t w_stride, int64_t n0, int64_t n, int64_t k,
+                int64_t kp, uint32_t* panel) {
+  for (int half = 0; half < kPanel / 16; ++half) {
+    const int64_t c0 = n0 + half * 16;
+    for (int64_t kk = 0; kk < kp; kk += kStep) {
+      const __mmask32 mask = tail_mask32(k, kk);
+      __m512i r[16];
+      _Pragma("GCC unroll 16") for (int i = 0; i < 16; ++i)
+        r[i] = c0 + i < n ? _mm512_maskz_loadu_epi16(mask, w + (c0 + i) * w_stride + kk)
+                          : _mm512_setzero_si512();
+      transpose16(r);
+      _Pragma("GCC unroll 16") for (int i = 0; i < 16; ++i)
+        _mm512_storeu_si512(panel + (kk / 2 + i) * kPanel + half * 16, r[i]);
+    }
+  }
+}
+
+// float32 sums (+ bias) to bf16, rounded to nearest even as torch does (NaN stays NaN).
+inline __m256i to_bf16(__m512 v) {
+  const __m512i u = _mm512_castps_si512(v);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+  __m512i rounded = _mm512_srli_epi32(
+      _mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)), lsb), 16);
+  const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+  rounded = _mm512_mask_mov_epi32(rounded, nan, _mm512_set1_epi32(0x7fc0));
+  return _mm512_cvtepi32_epi16(rounded);
+}
+
+// MR rows of x (bf16 pairs, row stride kp / 2 pairs) against one panel: y[row.., n0..].
+// With ``next`` (the next panel's weight rows, ``next_rows`` of them), the tile also
+// prefetches those into L2, two lines a pair step: what packing that panel will read
+// (a panel is K lines, the steps K / 2), so the weight's stream overlaps the FMAs.
+template <int MR>
+void gemm_tile(const uint32_t* xp, int64_t pairs, const uint32_t* panel,
+               const Target<accel::bf16>& t, int64_t row, int64_t n0, int64_t n,
+               const accel::bf16* next, int64_t next_rows, int64_t w_stride, int64_t k) {
+  __m512 acc[MR][2];
+  _Pragma("GCC unroll 16") for (int m = 0; m < MR; ++m) acc[m][0] = acc[m][1] = _mm512_setzero_ps();
+  const int64_t row_bytes = k * int64_t(sizeof(accel::bf16));
+  const char* pf = reinterpret_cast<const char*>(next);
+  int64_t pf_row = next ? 0 : next_rows, pf_at = 0;
+  for (int64_t p = 0; p < pairs; ++p) {
+    for (int line = 0; line < 2 && pf_row < next_rows; ++line) {
+      _mm_prefetch(pf + pf_row * w_stride * int64_t(sizeof(accel::bf16)) + pf_at, _MM_HINT_T1);
+      pf_at += 64;
+      if (pf_at >= row_bytes) pf_at = 0, ++pf_row;
+    }
+    const __m512bh b0 = (__m512bh)_mm512_loadu_si512(panel + p * kPanel);
+    const __m512bh b1 = (__m512bh)_mm512_loadu_si512(panel + p * kPanel + 16);
+    _Pragma("GCC unroll 16") for (int m = 0; m < MR; ++m) {
+      const __m512bh a = (__m512bh)_mm512_set1_epi32(int(xp[m * pairs + p]));
+      acc[m][0] = _mm512_dpbf16_ps(acc[m][0], a, b0);
+      acc[m][1] = _mm512_dpbf16_ps(acc[m][1], a, b1);
+    }
+  }
+  ACCEL_UNROLL for (int j = 0; j < 2; ++j) {
+    const int64_t c0 = n0 + j * 16;
+    if (c0 >= n) break;
+    const __mmask16 mask = n - c0 >= 16 ? __mmask16(0xffff) : __mmask16((1u << (n - c0)) - 1);
+    const __m512 b = t.bias ? _mm512_maskz_loadu_ps(mask, t.bias + c0) : _mm512_setzero_ps();
+    _Pragma("GCC unroll 16") for (int m = 0; m < MR; ++m)
+      _mm256_mask_storeu_epi16(t.y + (row + m) * t.y_stride + c0, mask,
+                               to_bf16(_mm512_add_ps(acc[m][j], b)));
+  }
+}
+
+// y = x @ W.T (+ bias) for batches of kGemmMinRows rows or more.
+void gemm(const accel::bf16* x, int64_t x_stride, const accel::bf16* w, int64_t w_stride,
+          const float* bias, accel::bf16* y, int64_t y_stride, int64_t m, int64_t n,
+          int64_t k) {
+  const int64_t kp = (k + kStep - 1) / kStep * kStep, pairs = kp / 2;
+  const Target<accel::bf16> t{y, y_stride, bias};
+  std::vector<accel::bf16> xb(size_t(std::min(m, kGemmBlockM)) * kp);
+  const int64_t panels = (n + kPanel - 1) / kPanel;
+  for (int64_t row0 = 0; row0 < m; row0 += kGemmBlockM) {
+    const int64_t rows = std::min(kGemmBlockM, m - row0);
+    copy_rows(x, x_stride, row0, rows, k, kp, xb.data());
+    const auto* xp = reinterpret_cast<const uint32_t*>(xb.data());
+#pragma omp parallel if (rows * n * k >= kParallelMinWork)
+    {
+      std::vector<uint32_t> panel(size_t(pairs) * kPanel);
+#pragma omp for schedule(static)
+      for (int64_t b = 0; b < panels; ++b) {
+        const int64_t n0 = b * kPanel;
+        pack_panel(w, w_stride, n0, n, k, kp, panel.data());
+        // the first tile prefetches the panel this thread packs next (schedule(static):
+        // its chunk's next panel)
+        const int64_t next_rows = std::max<int64_t>(0, std::min<int64_t>(kPanel, n - n0 - kPanel));
+        const accel::bf16* next = next_rows ? w + (n0 + kPanel) * w_stride : nullptr;
+        int64_t r = 0;
+        for (; r + kGemmRows <= rows; r += kGemmRows, next = nullptr)
+          gemm_tile<kGemmRows>(xp + r * pairs, pairs, panel.data(), t, row0 + r, n0, n, next,
+                               next_rows, w_stride, k);
+        switch (rows - r) {
+#define ACCEL_TILE(R)                                                              \
+  case R:                                                                          \
+    gemm_tile<R>(xp + r * pairs, pairs, panel.data(), t, row0 + r, n0, n, next, next_rows, \
+                 w_stride, k);                                                     \
+    break;
+          ACCEL_TILE(1) ACCEL_TILE(2) ACCEL_TILE(3) ACCEL_TILE(4) ACCEL_TILE(5) ACCEL_TILE(6)
+          ACCEL_TILE(7) ACCEL_TILE(8) ACCEL_TILE(9) ACCEL_TILE(10) ACCEL_TILE(11)
+#undef ACCEL_TILE
+        }
+      }
+    }
+  }
+}
+
 void linear(const accel::bf16* x, int64_t x_stride, const accel::bf16* w, int64_t w_stride,
             const float* bias, accel::bf16* y, int64_t y_stride, int64_t m, int64_t n,
             int64_t k) {
+  if (m >= kGemmMinRows) return gemm(x, x_stride, w, w_stride, bias, y, y_stride, m, n, k);
   if (prefetch_far())
     linear_with<true>(x, x_stride, w, w_stride, bias, y, y_stride, m, n, k);
   else
@@ -329,10 +487,10 @@ int accel_bf16_linear_available() {
 }
 
 // Rows of x (dtype code x_dtype) from which torch's linear (oneDNN) beats these kernels,
-// 0 where it never does. CPUs with bf16 units run oneDNN's bf16 GEMM natively; below
-// these rows a batch is weight-bound and the kernels here stream the weight faster:
-//   AVX512-BF16 (AMD EPYC Zen 4, one core, the default model's 30 layers, bf16 x): 64
-//     rows 98-99 ms here vs 89-104 ms in torch's linear, 16 rows 27-32 vs 43-51 ms;
+// 0 where it never does. With AMX, oneDNN's bf16 GEMM runs on tiles these kernels lack;
+// below these rows a batch is weight-bound and the kernels here stream the weight faster:
+//   AVX512-BF16 alone (AMD EPYC Zen 4, one core, the default model's 30 layers, bf16
+//     x): never, with dp::gemm above (1.05-1.26x torch's linear at 64-512 rows);
 //   AMX (an Intel Xeon with AMX, one core, the same 30 layers, benchmarks/
 //     bf16_linear_rows.py on two hosts): torch's linear takes 28-32 ms at any of 1-12
 //     rows, these kernels 14.8-15.8 ms at 1 row, 26.0-27.2 at 8, 31.8-33.7 at 10,
@@ -341,9 +499,6 @@ int accel_bf16_linear_available() {
 int accel_bf16_linear_onednn_rows(int32_t x_dtype) {
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
   if (x_dtype == accel::kBFloat16) return 10;
-#endif
-#ifdef __AVX512BF16__
-  if (x_dtype == accel::kBFloat16) return 64;
 #endif
   (void)x_dtype;
   return 0;

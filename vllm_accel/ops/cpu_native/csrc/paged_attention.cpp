@@ -275,15 +275,28 @@ inline void store_pair_sums(const float* lanes, float scale, T* out) {
 }
 
 #ifdef __AVX512BF16__
+// A row of D bf16 (D * 2 bytes, whole 64-byte lines) asked for ahead of its use.
+template <int D, _mm_hint kHint>
+inline void prefetch_row(const bf16* row) {
+  const char* c = reinterpret_cast<const char*>(row);
+  for (int i = 0; i < D * 2; i += 64) _mm_prefetch(c + i, kHint);
+}
+
 // bf16 model and cache on a CPU with AVX512_BF16: dot products in bf16 (exact
 // products, float32 sums), reading the cache in place. The probabilities are
 // rounded to bf16 for the V sum (each pair of tokens is one bf16 dot), as matmul
-// kernels do.
+// kernels do. Decode of a batch is a walk over scattered pages that the hardware
+// prefetchers do not follow: the first query head's pass asks for each row of what
+// comes next as it reads a row (the next page's keys into L1, this page's values into
+// L2; in the value pass, the next page's values into L1), and the last page asks for
+// ``next_page`` (the next work item's first page, or null). One burst of a page's
+// 128 lines ahead instead stalled on the fill buffers: 8 GB/s of the ~26 an AMD EPYC
+// Zen 4 core reads, 64 requests x 192 tokens x 30 layers.
 template <int C>
 void attend_one_bf16(const bf16* query, int64_t q_head_stride, bf16* out, int64_t o_head_stride,
                      const Pages<bf16>& pages, const int32_t* blocks, int kv_head, int seq_len,
                      int group, float scale, std::vector<float>& acc, std::vector<float>& scores,
-                     std::vector<bf16>& probs) {
+                     std::vector<bf16>& probs, const bf16* next_page) {
   constexpr int D = 16 * C, R = C / 2;  // R: 32-element bf16 vectors per row
   const int bs = pages.block_size;
   const int padded = (seq_len + 15) / 16 * 16;
@@ -293,13 +306,20 @@ void attend_one_bf16(const bf16* query, int64_t q_head_stride, bf16* out, int64_
   for (int j = 0; j < num_blocks; ++j) {
     const bf16* page = pages.page(blocks[j], kv_head);
     const int n16 = (std::min(bs, seq_len - j * bs) + 15) / 16 * 16;  // extra rows: unused
-    if (j + 1 < num_blocks) prefetch(pages.keys(pages.page(blocks[j + 1], kv_head)), int64_t(bs) * D);
-    else prefetch(pages.values(pages.page(blocks[0], kv_head)), int64_t(bs) * D);
+    const bf16* ahead = j + 1 < num_blocks ? pages.keys(pages.page(blocks[j + 1], kv_head))
+                                           : next_page;
     const bf16* k = pages.keys(page);
+    const bf16* v = pages.values(page);
     for (int g = 0; g < group; ++g) {
       __m512bh q[R];
       for (int r = 0; r < R; ++r) q[r] = (__m512bh)_mm512_loadu_si512(query + g * q_head_stride + 32 * r);
       for (int t0 = 0; t0 < n16; t0 += 16) {
+        if (g == 0) {
+          for (int t = t0; t < t0 + 16; ++t) {
+            if (ahead) prefetch_row<D, _MM_HINT_T0>(ahead + size_t(t) * D);
+            prefetch_row<D, _MM_HINT_T1>(v + size_t(t) * D);
+          }
+        }
         __m512 a[16];
         for (int t = 0; t < 16; ++t) {
           const bf16* row = k + size_t(t0 + t) * D;
@@ -325,7 +345,8 @@ void attend_one_bf16(const bf16* query, int64_t q_head_stride, bf16* out, int64_
   for (int j = 0; j < num_blocks; ++j) {
     const bf16* page = pages.page(blocks[j], kv_head);
     const int n = std::min(bs, seq_len - j * bs);
-    if (j + 1 < num_blocks) prefetch(pages.values(pages.page(blocks[j + 1], kv_head)), int64_t(bs) * D);
+    const bf16* ahead = j + 1 < num_blocks ? pages.values(pages.page(blocks[j + 1], kv_head))
+                                           : next_page;
     const bf16* v = pages.values(page);
     for (int g = 0; g < group; ++g) {
       // Summed over pairs of tokens (unpacklo/hi of rows t, t+1): see store_pair_sums.
@@ -333,6 +354,10 @@ void attend_one_bf16(const bf16* query, int64_t q_head_stride, bf16* out, int64_
       __m512 a[C];
       for (int c = 0; c < C; ++c) a[c] = _mm512_loadu_ps(&acc[g * D + 16 * c]);
       for (int t = 0; t < n; t += 2) {
+        if (g == 0 && ahead) {
+          prefetch_row<D, _MM_HINT_T0>(ahead + size_t(t) * D);
+          prefetch_row<D, _MM_HINT_T0>(ahead + size_t(t + 1) * D);
+        }
         uint32_t pair;  // (p[t], p[t+1]); p past the end is 0
         std::memcpy(&pair, pg + t, 4);
         if (t + 1 == n) pair &= 0xffffu;
@@ -500,7 +525,7 @@ bool attend_one_fast(const QT* query, int64_t q_head_stride, QT* out, int64_t o_
                      int group, float scale, std::vector<float>& qf, std::vector<float>& acc,
                      std::vector<float>& scores, std::vector<float>& rows,
                      std::vector<bf16>& probs, std::vector<int16_t>& codes,
-                     std::vector<int16_t>& int16_rows) {
+                     std::vector<int16_t>& int16_rows, const void* next_page) {
   if (seq_len <= 0 || pages.head_size % 16) return false;
   const int c = pages.head_size / 16;
 #ifdef __AVX512VNNI__
@@ -520,7 +545,7 @@ bool attend_one_fast(const QT* query, int64_t q_head_stride, QT* out, int64_t o_
     if (with_vectors<2, 4, 6, 8, 16>(c, [&](auto C) {
           attend_one_bf16<decltype(C)::value>(query, q_head_stride, out, o_head_stride, pages,
                                               blocks, kv_head, seq_len, group, scale, acc,
-                                              scores, probs);
+                                              scores, probs, static_cast<const bf16*>(next_page));
         }))
       return true;
   }
@@ -563,10 +588,15 @@ void paged_attention(const QT* query, int64_t q_tok_stride, int64_t q_head_strid
       const int visible = seq_lens[r] - q_len + int(i - query_start_loc[r]) + 1;
       const int h0 = kv_head * group;
 #ifdef __AVX512F__
+      // the next item's first page (this thread's next item, but at a chunk's end)
+      const void* next_page = item + 1 < items
+          ? pages.page(block_table[row_req[(item + 1) / num_kv_heads] * bt_stride],
+                       int((item + 1) % num_kv_heads))
+          : nullptr;
       if (attend_one_fast(query + i * q_tok_stride + h0 * q_head_stride, q_head_stride,
                           out + i * o_tok_stride + h0 * o_head_stride, o_head_stride, pages,
                           block_table + r * bt_stride, kv_head, visible, group, scale, qf,
-                          acc, scores, row, probs, codes, int16_rows))
+                          acc, scores, row, probs, codes, int16_rows, next_page))
         continue;
 #endif
       attend_one(query + i * q_tok_stride + h0 * q_head_stride, q_head_stride,
