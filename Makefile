@@ -1,6 +1,7 @@
 # make setup | make serve [PORT=8000] | make test | make bench
 VENV ?= .venv
 PORT ?= 8000
+TEST_WORKERS ?= 2
 PY := $(VENV)/bin/python
 
 .PHONY: setup serve test bench
@@ -15,8 +16,10 @@ serve: setup
 	echo "[serve] vllm serve $$model --device gcu --dtype float32 --port $(PORT)" && \
 	. $(VENV)/bin/activate && exec vllm serve "$$model" --device gcu --dtype float32 --port $(PORT)
 
+# two pytest-xdist workers, each taking whole files (module-scoped engines and
+# servers start once): an engine test keeps one core busy, so two fit 2 cores
 test: setup
-	$(VENV)/bin/python -m pytest -q -rs --durations=25 tests
+	$(VENV)/bin/python -m pytest -q -rs -n $(TEST_WORKERS) --dist loadfile --durations=25 tests
 
 # both modes: compiled (vLLM's default), then eager; then the batch-size sweep
 # (compiled) with its plot. matplotlib alone: installing the package again would
