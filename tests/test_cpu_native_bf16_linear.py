@@ -1,6 +1,7 @@
 """The ``cpu_native`` bf16 linear (``csrc/bf16_linear.cpp``): float32 FMAs on bf16
-weights, AVX512-BF16 dot products for batches of bf16 x where the CPU has them, and
-big batches handed to torch's linear where the CPU has bf16 units. The op and the C
+weights, AVX512-BF16 dot products for batches of bf16 x where the CPU has them (a
+packed-panel GEMM for big ones), and big batches handed to torch's linear where the CPU
+has AMX. The op and the C
 kernel vs ``x @ W.T`` in float64, and a compiled engine whose linears run it, scored
 against HF transformers on the same bf16 weights. (The patch that routes vLLM's CPU
 linears to it: test_patches.py.)"""
@@ -139,10 +140,10 @@ def test_c_kernel_matches_float64_at_every_batch(m, n, k, dtype):
 
 
 @pytest.mark.skipif(not bf16_linear.available(), reason="needs AVX-512 F/BW/VL (kernel not built)")
-def test_op_hands_big_bf16_batches_to_onednn_only_where_the_cpu_has_bf16_units(linear_calls):
+def test_op_hands_big_bf16_batches_to_onednn_only_where_the_cpu_has_amx(linear_calls):
     """From ``onednn_rows`` rows of bf16 x the op's answer is torch's linear, bit for
-    bit, without the kernel; on a CPU without bf16 units (0: never) every batch runs
-    the kernel."""
+    bit, without the kernel; on a CPU without AMX (0: never) every batch runs the
+    kernel."""
     rows = bf16_linear.onednn_rows(torch.bfloat16) or 300
     w = torch.randn(40, 96).to(torch.bfloat16)
     x = torch.randn(rows, 96).to(torch.bfloat16)

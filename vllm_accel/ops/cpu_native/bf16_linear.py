@@ -8,11 +8,11 @@ decode reads weights at ~10 GB/s of a 13 GB/s core. There the kernel widens each
 weight to float32 exactly (two integer instructions) and runs float32 FMAs: per layer
 of the default model on an Intel Xeon without BF16, one core, weights cold: 1.2-1.7x
 oneDNN at 1 row, 2.4-3.6x at 4, 16, 64 and 256 rows. Where the CPU has AVX512-BF16,
-batches of 3 rows or more run VDPBF16PS tiles instead, and from the rows
-``onednn_rows`` gives (where oneDNN's native bf16 GEMM wins) the op calls torch's
-linear; decode-sized batches stay here. AMD EPYC Zen 4, one core, the default model's
-30 layers: 1 row 10.6-10.8 ms vs 17-20 ms in vLLM's prepacked oneDNN, 4 rows 10.1-10.5
-vs 15-17 ms (README, "How it is built").
+batches of 3 rows or more run VDPBF16PS tiles instead (a packed-panel GEMM from 24
+rows), and from the rows ``onednn_rows`` gives (with AMX, where oneDNN's AMX GEMM
+wins) the op calls torch's linear. AMD EPYC Zen 4, one core, the default model's 30
+layers: 1 row 10.6-10.8 ms vs 17-20 ms in vLLM's prepacked oneDNN, 4 rows 10.1-10.5 vs
+15-17 ms, 64 rows 71-72 vs 71-74 ms (README, "How it is built").
 
 The simulator routes vLLM's unquantized CPU linears here (``patches.py``, "bf16
 linears on the simulator's kernel"); ``ACCEL_BF16_LINEAR`` says when. It is the
@@ -52,7 +52,7 @@ def wanted() -> bool:
 @functools.cache
 def onednn_rows(dtype: torch.dtype) -> int:
     """Rows of x from which the op hands a batch to torch's linear (oneDNN), 0 for
-    never: on CPUs with bf16 units oneDNN's bf16 GEMM wins once a batch is compute-bound
+    never: with AMX, oneDNN's AMX GEMM wins once a batch is compute-bound
     (``csrc/bf16_linear.cpp`` has the numbers)."""
     code = native.dtype_code(dtype)
     return native.library().accel_bf16_linear_onednn_rows(code) if available() and code is not None else 0

@@ -613,15 +613,15 @@ void paged_attention(const QT* query, int64_t q_tok_stride, int64_t q_head_strid
       const int visible = seq_lens[r] - q_len + int(i - query_start_loc[r]) + 1;
       const int h0 = kv_head * group;
 #ifdef __AVX512F__
-      // this thread's next item (but at the end of a chunk of the schedule)
+      // this thread's next item (but at the end of a chunk of the schedule), when it is
+      // a decode row: a prefill's rows reread their request's pages, which stay cached
       NextItem<Pages> next;
       if (item + 1 < items) {
         const int64_t i2 = (item + 1) / num_kv_heads;
         const int r2 = row_req[i2];
-        const int visible2 = seq_lens[r2] - (query_start_loc[r2 + 1] - query_start_loc[r2]) +
-                             int(i2 - query_start_loc[r2]) + 1;
-        next = NextItem<Pages>(pages, block_table + r2 * bt_stride, visible2,
-                               int((item + 1) % num_kv_heads));
+        if (query_start_loc[r2 + 1] - query_start_loc[r2] == 1)
+          next = NextItem<Pages>(pages, block_table + r2 * bt_stride, seq_lens[r2],
+                                 int((item + 1) % num_kv_heads));
       }
       if (attend_one_fast(query + i * q_tok_stride + h0 * q_head_stride, q_head_stride,
                           out + i * o_tok_stride + h0 * o_head_stride, o_head_stride, pages,
