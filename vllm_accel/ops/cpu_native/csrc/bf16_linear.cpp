@@ -368,17 +368,6 @@ void pack_panel(const accel::bf16* w, int64_t w_stride, int64_t n0, int64_t n, i
   }
 }
 
-// float32 sums (+ bias) to bf16, rounded to nearest even as torch does (NaN stays NaN).
-inline __m256i to_bf16(__m512 v) {
-  const __m512i u = _mm512_castps_si512(v);
-  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-  __m512i rounded = _mm512_srli_epi32(
-      _mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)), lsb), 16);
-  const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
-  rounded = _mm512_mask_mov_epi32(rounded, nan, _mm512_set1_epi32(0x7fc0));
-  return _mm512_cvtepi32_epi16(rounded);
-}
-
 // MR rows of x (bf16 pairs, row stride kp / 2 pairs) against one panel: y[row.., n0..].
 // With ``next`` (the next panel's weight rows, ``next_rows`` of them), the tile also
 // prefetches those into L2, two lines a pair step: what packing that panel will read
@@ -413,7 +402,7 @@ void gemm_tile(const uint32_t* xp, int64_t pairs, const uint32_t* panel,
     const __m512 b = t.bias ? _mm512_maskz_loadu_ps(mask, t.bias + c0) : _mm512_setzero_ps();
     _Pragma("GCC unroll 16") for (int m = 0; m < MR; ++m)
       _mm256_mask_storeu_epi16(t.y + (row + m) * t.y_stride + c0, mask,
-                               to_bf16(_mm512_add_ps(acc[m][j], b)));
+                               accel::to_bf16(_mm512_add_ps(acc[m][j], b)));
   }
 }
 

@@ -2,6 +2,10 @@
 // that round like torch (to nearest even).
 #pragma once
 
+#ifdef __AVX512F__
+#include <immintrin.h>
+#endif
+
 #include <cstdint>
 #include <cstring>
 
@@ -29,6 +33,20 @@ inline void store(float x, bf16* dst) {  // branch-free, so loops vectorize
   const uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
   dst->bits = uint16_t((u & 0x7fffffffu) > 0x7f800000u ? 0x7fc0u : rounded);  // NaN stays NaN
 }
+
+#ifdef __AVX512F__
+// store(x, bf16*) for 16 lanes at once: the same rounding (to nearest even, NaN stays
+// NaN), as 16 bf16 in the low 256 bits.
+inline __m256i to_bf16(__m512 v) {
+  const __m512i u = _mm512_castps_si512(v);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+  __m512i rounded = _mm512_srli_epi32(
+      _mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)), lsb), 16);
+  const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+  rounded = _mm512_mask_mov_epi32(rounded, nan, _mm512_set1_epi32(0x7fc0));
+  return _mm512_cvtepi32_epi16(rounded);
+}
+#endif
 
 // Calls f(T{}) for the dtype code; returns 0, or -1 for an unknown code.
 template <typename F>
