@@ -57,9 +57,12 @@ FORWARD_GEMMS = ("_C::onednn_mm", "vllm_accel::bf16_linear", "vllm_accel::int4pa
                  "aten::_weight_int4pack_mm_for_cpu", "aten::_weight_int8pack_mm", "aten::_int_mm",
                  "aten::mm", "aten::addmm")
 FORWARD_ATTENTION = ("vllm::unified_attention_with_output", "vllm::unified_kv_cache_update")
-#: a whole decoder layer in one C++ op (models/llama.py): its GEMMs, attention, norms
-#: and rotary are inside it, invisible to the profiler
+#: a whole decoder layer in one C++ op (models/llama.py); its own time is what its
+#: phases leave
 FORWARD_LAYERS = ("vllm_accel::cpu_decoder_layer",)
+#: the phases of that op, profiler ranges it opens itself (``accel_layer::qkv_proj``,
+#: ``::attention``, ...), each reported as ``forward: layer <phase>``
+LAYER_PHASE = "accel_layer::"
 
 
 def _wrap(cls, name: str, label: str) -> None:
@@ -103,10 +106,17 @@ def _split(events) -> dict[str, float]:
     out = {kind: 0.0 for kind, _ in SPANS}
     out.update({"forward: linear GEMMs": 0.0, "forward: attention + KV write": 0.0,
                 "forward: one-op decoder layers": 0.0})
+    phases = 0.0
     for e in events:
         if e.name in span_of:
             out[span_of[e.name]] += e.cpu_time_total
-        elif e.name in FORWARD_GEMMS and _inside(e, "step_profile::model_forward"):
+        elif e.name.startswith(LAYER_PHASE) and _inside(e, "step_profile::model_forward"):
+            kind = "forward: layer " + e.name[len(LAYER_PHASE):]
+            out[kind] = out.get(kind, 0.0) + e.cpu_time_total
+            phases += e.cpu_time_total
+        elif (e.name in FORWARD_GEMMS and _inside(e, "step_profile::model_forward")
+              and not any(_inside(e, LAYER_PHASE + p) for p in ("qkv_proj", "o_proj",
+                                                               "gate_up_proj", "down_proj"))):
             out["forward: linear GEMMs"] += e.self_cpu_time_total
         elif e.name in FORWARD_ATTENTION and _inside(e, "step_profile::model_forward"):
             out["forward: attention + KV write"] += e.cpu_time_total
@@ -114,7 +124,7 @@ def _split(events) -> dict[str, float]:
             out["forward: one-op decoder layers"] += e.self_cpu_time_total
     out["forward: rest"] = (out["forward"] - out["forward: linear GEMMs"]
                             - out["forward: attention + KV write"]
-                            - out["forward: one-op decoder layers"])
+                            - out["forward: one-op decoder layers"] - phases)
     return out
 
 
@@ -184,7 +194,7 @@ def main() -> None:
         seconds -= generate(1)
     # the decode steps: the long run's events less the one-token run's (its prefill)
     whole, first = _split(prof.events()), _split(prof_one.events())
-    split = {kind: (whole[kind] - first[kind]) / steps / 1e3 for kind in whole}
+    split = {kind: (whole[kind] - first.get(kind, 0.0)) / steps / 1e3 for kind in whole}
     profiled_ms = seconds / steps * 1e3
     split["other (engine loop, outputs)"] = profiled_ms - sum(
         ms for kind, ms in split.items() if not kind.startswith("forward:"))

@@ -99,6 +99,8 @@ def _probe_worker(worker: Any = None) -> dict[str, Any]:
     return {
         "pid": _os.getpid(),
         "torch_threads": _torch.get_num_threads(),
+        # the plugin's worker runs more threads for big steps (ACCEL_SIM_SHARE_SCHEDULER_CORE)
+        "torch_threads_big_steps": getattr(worker, "_threads_all", None),
         "omp_num_threads": _os.environ.get("OMP_NUM_THREADS"),
         "cpu_affinity": affinity,
     }
@@ -327,7 +329,9 @@ def run_worker_process(spec: dict[str, Any], env_update: dict[str, str | None], 
 def fmt_threads(r: dict[str, Any]) -> str:
     probe = r.get("engine_worker") or {}
     if "torch_threads" in probe:
-        return f"{probe['torch_threads']}/{probe.get('cpu_affinity')}"
+        threads, big = probe["torch_threads"], probe.get("torch_threads_big_steps")
+        threads = f"{threads}-{big}" if big and big != threads else f"{threads}"
+        return f"{threads}/{probe.get('cpu_affinity')}"
     return "?"
 
 
@@ -562,7 +566,7 @@ def main(argv: list[str] | None = None) -> int:
         for wl, ratio in ratios.items():
             print(f"  {wl}: {ratio:.3f}x")
     threads = sorted({fmt_threads(r) for r in results})
-    print(f"\nengine worker torch threads/cpu affinity: {', '.join(threads) or '?'}; "
+    print(f"\nengine worker torch threads (small steps-big steps)/cpu affinity: {', '.join(threads) or '?'}; "
           f"host cpu_count={host['os_cpu_count']}, affinity={affinity}")
 
     if args.json_path:

@@ -19,8 +19,12 @@ TESTS = Path(__file__).parent
 # vLLM while the others start). Tokens do not depend on it; the server tests,
 # tensor parallel (worker processes) and tests that pass "1" keep vLLM's default
 # multiprocess engine.
+# Multiprocess engines keep vLLM's reserved EngineCore core (`make test` runs two
+# engines at once on 2 cores, where a worker's second thread would wait on cores
+# the other test holds); test_cpu_native_bf16_linear's compiled engine runs the
+# default, shared core.
 ENGINE_ENV = {"ACCEL_SIM_DEVICE_MEMORY_GB": "4", "VLLM_LOGGING_LEVEL": "INFO",
-              "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+              "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "ACCEL_SIM_SHARE_SCHEDULER_CORE": "off"}
 #: every public torch.cuda entry point raises for vLLM / vllm_accel callers
 #: (tests/forbid_cuda/sitecustomize.py): proves the card path makes no CUDA call
 FORBID_CUDA_ENV = {"ACCEL_TEST_FORBID_CUDA": "1", "PYTHONPATH": str(TESTS / "forbid_cuda")}

@@ -6,6 +6,7 @@ kernel vs ``x @ W.T`` in float64, and a compiled engine whose linears run it, sc
 against HF transformers on the same bf16 weights. (The patch that routes vLLM's CPU
 linears to it: test_patches.py.)"""
 
+import os
 import random
 import sys
 import re
@@ -209,7 +210,10 @@ def test_compiled_engine_runs_the_kernel_and_matches_hf(tmp_path):
     models/llama.py; no oneDNN GEMM), and the
     engine's greedy tokens, teacher-forced through HF transformers on the same bf16
     weights (float32 math), are HF's top token or within 0.05 nats of it, with the
-    engine's logprob of each within 0.05 of HF's."""
+    engine's logprob of each within 0.05 of HF's. vLLM's multiprocess engine, as a
+    user runs it: on 2+ cores its worker shares EngineCore's core for big steps
+    (ACCEL_SIM_SHARE_SCHEDULER_CORE=on) and is back to its own thread after the
+    last, 3-token decode step."""
     model = build_tiny_model(tmp_path / "tiny", num_heads=4, num_kv_heads=2, head_dim=32,
                              hidden_size=128, norm_spread=0.3)
     rng = random.Random(3)
@@ -220,10 +224,17 @@ def test_compiled_engine_runs_the_kernel_and_matches_hf(tmp_path):
          "prompts": prompts,
          "sampling": {"temperature": 0.0, "max_tokens": 16, "ignore_eos": True,
                       "detokenize": False, "logprobs": 1},
-         "worker_kernel_calls": ["bf16_linear", "cpu_decoder_layer"]},
+         "worker_kernel_calls": ["bf16_linear", "cpu_decoder_layer"], "worker_threads": True},
         tmp_path, env={"ACCEL_SIM_DEVICE_MEMORY_GB": "1", "TORCH_LOGS": "output_code",
-                       "VLLM_DISABLE_COMPILE_CACHE": "1"})
+                       "VLLM_DISABLE_COMPILE_CACHE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "1",
+                       "ACCEL_SIM_SHARE_SCHEDULER_CORE": "on",
+                       "VLLM_ALLOW_INSECURE_SERIALIZATION": "1"})
     assert "Warming up model for the compilation" in log
+    cores = len(os.sched_getaffinity(0))
+    if cores > 1:
+        assert (f"Worker threads: {cores} for steps of 8 tokens or more (sharing "
+                f"EngineCore's core), {cores - 1} below") in log
+        assert [w["threads"] for w in results["worker_threads"]] == [cores - 1]
     code = [line.split("[__output_code]", 1)[1] for line in log.splitlines()
             if "[__output_code]" in line]
     layer_calls = [line for line in code if LLAMA_LAYER_CALL.match(line)]

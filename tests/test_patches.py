@@ -168,6 +168,72 @@ def test_simulator_splits_cores_only_for_vllms_automatic_binding(monkeypatch):
     assert "VLLM_CPU_SIM_MULTI_NUMA" not in CpuSimBackend().process_env(2)
 
 
+def test_lone_simulated_device_shares_enginecores_core_unless_told_not_to(monkeypatch):
+    """One device process on a host of 2+ cores: vLLM's reserved EngineCore core goes
+    to the worker too (the worker then runs 2 threads only for big steps); more ranks,
+    a 1-core host, explicit core lists, an exported reservation or the switch off keep
+    vLLM's binding."""
+    from vllm_accel.backends.cpu_sim import SHARED_SCHEDULER_CORES_ENV, CpuSimBackend
+
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "auto")
+    monkeypatch.delenv("VLLM_CPU_NUM_OF_RESERVED_CPU", raising=False)
+    monkeypatch.delenv("ACCEL_SIM_SHARE_SCHEDULER_CORE", raising=False)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
+    env = CpuSimBackend().process_env(1)
+    assert env["VLLM_CPU_NUM_OF_RESERVED_CPU"] == "0"
+    assert env[SHARED_SCHEDULER_CORES_ENV] == "1"
+    assert "VLLM_CPU_NUM_OF_RESERVED_CPU" not in CpuSimBackend().process_env(2)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0})
+    assert "VLLM_CPU_NUM_OF_RESERVED_CPU" not in CpuSimBackend().process_env(1)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
+    monkeypatch.setenv("ACCEL_SIM_SHARE_SCHEDULER_CORE", "off")
+    assert SHARED_SCHEDULER_CORES_ENV not in CpuSimBackend().process_env(1)
+    monkeypatch.setenv("ACCEL_SIM_SHARE_SCHEDULER_CORE", "on")
+    monkeypatch.setenv("VLLM_CPU_NUM_OF_RESERVED_CPU", "1")
+    assert SHARED_SCHEDULER_CORES_ENV not in CpuSimBackend().process_env(1)
+    monkeypatch.delenv("VLLM_CPU_NUM_OF_RESERVED_CPU")
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")
+    assert SHARED_SCHEDULER_CORES_ENV not in CpuSimBackend().process_env(1)
+
+
+@pytest.mark.parametrize("backend, shared, expected", [
+    ("mp", "1", {40: 2, 8: 2, 7: 1, 1: 1}),
+    ("mp", "0", {40: 2, 1: 2}),  # a worker of vLLM's own binding keeps all its threads
+    ("uni", "1", {40: 2, 1: 2}),  # in-process: no binding, no reserved core
+])
+def test_worker_runs_its_shared_thread_only_for_big_steps(backend, shared, expected,
+                                                           monkeypatch):
+    """The thread count torch (and our OpenMP kernels) run each step with, read
+    inside the step, for steps of each size."""
+    from types import SimpleNamespace
+
+    import torch
+    from vllm.v1.worker.cpu_worker import CPUWorker
+
+    from vllm_accel.backends.cpu_sim import SHARED_SCHEDULER_CORES_ENV
+    from vllm_accel.worker import sim_worker
+
+    before = torch.get_num_threads()
+    monkeypatch.setenv(SHARED_SCHEDULER_CORES_ENV, shared)
+    seen = []
+    monkeypatch.setattr(CPUWorker, "init_device", lambda self: None)
+    monkeypatch.setattr(sim_worker, "AccelSimModelRunner", lambda config, device: None)
+    monkeypatch.setattr(CPUWorker, "execute_model",
+                        lambda self, out: seen.append(torch.get_num_threads()))
+    worker = object.__new__(sim_worker.AccelSimWorker)
+    worker.parallel_config = SimpleNamespace(distributed_executor_backend=backend, use_ray=False)
+    worker.vllm_config = worker.device = None
+    worker._log_classes = lambda: None
+    torch._C.set_num_threads(2)  # (CPUWorker.init_device may have replaced the setter)
+    try:
+        worker.init_device()
+        for tokens in expected:
+            worker.execute_model(SimpleNamespace(total_num_scheduled_tokens=tokens))
+    finally:
+        torch._C.set_num_threads(before)
+    assert seen == list(expected.values())
+
+
 def test_model_runner_v1_pin_keeps_an_explicit_setting(monkeypatch):
     monkeypatch.delenv("VLLM_USE_V2_MODEL_RUNNER", raising=False)
     _patch("Model Runner V1").apply()

@@ -16,6 +16,7 @@ if TYPE_CHECKING:  # what ``envs.NAME`` returns, for readers and type checkers
     ACCEL_SIM_DEVICE_MEMORY_GB: float = 48.0
     ACCEL_SIM_HOST_MEMORY_FRACTION: float = 0.6
     ACCEL_SIM_HUGE_PAGES: bool = True
+    ACCEL_SIM_SHARE_SCHEDULER_CORE: bool = True
     ACCEL_VIRTUAL_DEVICE_COUNT: int = 8
     ACCEL_KERNEL_PROVIDER: str = ""
     ACCEL_KV_SCALES: str = ""
@@ -96,6 +97,15 @@ environment_variables: dict[str, tuple[Callable[[], Any], str]] = {
         "with 2 MiB transparent huge pages (`MADV_HUGEPAGE` + `MADV_COLLAPSE`, Linux >= "
         "6.1, in place), so decode's weight stream does not stall on 4 KiB page walks; "
         "`off` keeps 4 KiB pages.",
+    ),
+    "ACCEL_SIM_SHARE_SCHEDULER_CORE": (
+        _switch("ACCEL_SIM_SHARE_SCHEDULER_CORE", True),
+        "`on` (default): with one simulated device on the host, its worker also runs "
+        "on the core vLLM's CPU binding keeps for EngineCore, but only for steps of at "
+        "least 8 tokens (prefill chunks, decode batches of 8 or more: compute-bound, "
+        "and EngineCore is idle for ~98% of such a step), so small, memory-bound steps "
+        "keep one core to themselves; `off`: vLLM's binding as is. An exported "
+        "`VLLM_CPU_NUM_OF_RESERVED_CPU` wins over either.",
     ),
     "ACCEL_VIRTUAL_DEVICE_COUNT": (
         lambda: int(os.environ.get("ACCEL_VIRTUAL_DEVICE_COUNT", "8")),

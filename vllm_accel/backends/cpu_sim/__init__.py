@@ -15,6 +15,11 @@ from vllm_accel import envs
 from vllm_accel.envs import GiB
 
 
+#: How many of vLLM's reserved EngineCore cores the worker may also run on
+#: (``process_env`` -> ``AccelSimWorker``; the API process sets it for its children).
+SHARED_SCHEDULER_CORES_ENV = "_ACCEL_SIM_SHARED_SCHEDULER_CORES"
+
+
 def _numa_nodes() -> list[int]:
     """NUMA nodes this process may allocate on (what vLLM's CPU binding counts)."""
     from vllm.utils.cpu_resource_utils import get_memory_affinity
@@ -52,6 +57,11 @@ class CpuSimBackend:
         share of the host's cores. vLLM's CPU path binds one NUMA node per local
         rank and refuses more ranks than nodes; on a host with fewer nodes its
         ``VLLM_CPU_SIM_MULTI_NUMA`` mode splits the cores evenly instead.
+
+        One device on the host (``ACCEL_SIM_SHARE_SCHEDULER_CORE``): vLLM keeps one
+        core for EngineCore, which on a 2-core host is half the machine idle through
+        a compute-bound step. The worker is bound to every core instead and runs
+        only its own share of threads for small steps (``AccelSimWorker``).
         """
         env = {
             "MALLOC_MMAP_THRESHOLD_": str(32 << 20),
@@ -62,6 +72,13 @@ class CpuSimBackend:
         auto_bind = os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "auto") == "auto"
         if auto_bind and local_world_size > 1 and local_world_size > len(_numa_nodes()):
             env["VLLM_CPU_SIM_MULTI_NUMA"] = "1"
+        # vLLM reserves local_world_size cores (here 1) for EngineCore, unless the
+        # host has no more cores than that
+        if (auto_bind and local_world_size == 1 and envs.ACCEL_SIM_SHARE_SCHEDULER_CORE
+                and "VLLM_CPU_NUM_OF_RESERVED_CPU" not in os.environ
+                and len(os.sched_getaffinity(0)) > 1):
+            env["VLLM_CPU_NUM_OF_RESERVED_CPU"] = "0"
+            env[SHARED_SCHEDULER_CORES_ENV] = "1"
         return env
 
     def describe(self) -> str:

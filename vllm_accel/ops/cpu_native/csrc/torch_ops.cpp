@@ -12,6 +12,7 @@
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
 #include <ATen/ops/linear.h>
+#include <ATen/record_function.h>
 #include <c10/util/Exception.h>
 #include <torch/library.h>
 
@@ -427,6 +428,21 @@ std::tuple<at::Tensor, at::Tensor> cpu_rotary_embedding(
 }
 
 
+// The current phase of a decoder layer op as a torch.profiler range (a child of the
+// op's own event), so benchmarks/step_profile.py can split the op by kernel; with no
+// profiler running, each phase costs a flag check.
+class LayerPhases {
+ public:
+  void next(const char* name) {
+    current_.reset();
+    current_.emplace(at::RecordScope::USER_SCOPE);
+    current_->before(std::string_view(name), c10::ArrayRef<const c10::IValue>{});
+  }
+
+ private:
+  std::optional<at::RecordFunction> current_;
+};
+
 // vllm_accel::cpu_decoder_layer: a pre-norm decoder layer (Llama's: RMSNorm, QKV, rotary,
 // cache write + attention, O, add + RMSNorm, gate/up, SiLU * up, down) in one call, with
 // the kernels of the ops above and no Python between them: a decode step of the default
@@ -459,15 +475,20 @@ std::tuple<at::Tensor, at::Tensor> cpu_decoder_layer(
       cpu_of(post_norm, hidden.scalar_type());
   if (!shapes_ok) return {};
   const int64_t tokens = hidden.size(0);
+  LayerPhases phase;
+  phase.next("accel_layer::norm");
   auto [h, new_residual] = cpu_rms_norm(hidden, input_norm, eps, residual);
   if (!h.defined()) return {};
   const at::Tensor res = residual.has_value() ? new_residual : hidden;
+  phase.next("accel_layer::qkv_proj");
   const at::Tensor qkv = bf16_linear(h, qkv_weight, qkv_bias);
   const at::Tensor q = qkv.narrow(1, 0, q_size), k = qkv.narrow(1, q_size, kv_size),
                    v = qkv.narrow(1, q_size + kv_size, kv_size);
+  phase.next("accel_layer::rotary");
   auto [q_rot, k_rot] =
       cpu_rotary_embedding(positions, q, k, cos_sin_cache, head_size, rotary_dim, is_neox);
   if (!q_rot.defined()) return {};
+  phase.next("accel_layer::attention");
   at::Tensor attn = at::empty({tokens, num_heads, head_size}, hidden.options());
   if (!cpu_attention_step(q_rot.view({tokens, num_heads, head_size}),
                           k_rot.view({tokens, num_kv_heads, head_size}),
@@ -476,12 +497,18 @@ std::tuple<at::Tensor, at::Tensor> cpu_decoder_layer(
                           max_prefill_pairs)) {
     return {};
   }
+  phase.next("accel_layer::o_proj");
   const at::Tensor o = bf16_linear(attn.view({tokens, q_size}), o_weight, o_bias);
+  phase.next("accel_layer::norm");
   auto [h2, residual_out] = cpu_rms_norm(o, post_norm, eps, res);
   TORCH_CHECK(h2.defined(), "cpu_decoder_layer: the post-attention RMSNorm declined");
-  const at::Tensor act = cpu_silu_and_mul(bf16_linear(h2, gate_up_weight, std::nullopt));
+  phase.next("accel_layer::gate_up_proj");
+  const at::Tensor gate_up = bf16_linear(h2, gate_up_weight, std::nullopt);
+  phase.next("accel_layer::silu_and_mul");
+  const at::Tensor act = cpu_silu_and_mul(gate_up);
   TORCH_CHECK(act.defined(), "cpu_decoder_layer: SiluAndMul declined");
   decoder_layer_calls.add(tokens);
+  phase.next("accel_layer::down_proj");
   return {bf16_linear(act, down_weight, std::nullopt), residual_out};
 }
 
