@@ -254,10 +254,11 @@ BF16_LOGPROB_BOUND = 0.1
 
 @pytest.mark.engine
 def test_compiled_bf16_engine_runs_the_gemv_and_matches_hf(tmp_path):
-    """vLLM's default mode, bf16, a GPTQ 4-bit model on the simulator: inductor's
-    code calls the op for every quantized layer, whose batches (decode and these
-    prompts' prefills, all up to 64 rows) take the C++ kernel, and the logprobs of the generated tokens match HF
-    transformers' fp32 logprobs on the dequantized weights."""
+    """vLLM's default mode, bf16, a GPTQ 4-bit model on the simulator: each decoder
+    layer runs as one C++ op (inductor's code calls it once a layer and no int4 op)
+    whose four linears take the C++ kernel for every batch (decode and these
+    prompts' prefills, all up to 64 rows), and the logprobs of the generated tokens
+    match HF transformers' fp32 logprobs on the dequantized weights."""
     import random
     import re
 
@@ -277,13 +278,25 @@ def test_compiled_bf16_engine_runs_the_gemv_and_matches_hf(tmp_path):
         "prompts": prompts,
         "sampling": {"temperature": 0.0, "max_tokens": 16, "ignore_eos": True,
                      "detokenize": False, "logprobs": 1},
+        "worker_kernel_calls": ["int4pack_linear", "cpu_decoder_layer"],
     }, tmp_path, env={"TORCH_LOGS": "output_code", "VLLM_DISABLE_COMPILE_CACHE": "1"})
     assert "Warming up model for the compilation" in log
     assert "wint_prepared_linear[cpu_native]" in log and "serves 8 gcu_gptq layers" in log
-    calls = [line for line in log.splitlines() if "[__output_code]" in line
-             and re.match(r"^(?!\s*#).*?\bvllm_accel\.int4pack_linear\.default\(",
-                          line.split("[__output_code]", 1)[1])]
-    assert len(calls) == 8, calls
+    code = [line.split("[__output_code]", 1)[1] for line in log.splitlines()
+            if "[__output_code]" in line]
+    int4_calls = [line for line in code
+                  if re.match(r"^(?!\s*#).*?\bvllm_accel\.int4pack_linear\.default\(", line)]
+    layer_calls = [line for line in code
+                   if re.match(r"^(?!\s*#).*?\bvllm_accel\.llama_layer\.default\(", line)]
+    if native.torch_ops() is None:  # no C++ ops library: vLLM's layers, the op a linear
+        assert len(int4_calls) == 8 and not layer_calls, (layer_calls, int4_calls)
+    else:
+        assert "each runs as one C++ op (vllm_accel::cpu_decoder_layer), 2 layers" in log
+        assert len(layer_calls) == 2 and not int4_calls, (layer_calls, int4_calls)
+        (counts,) = results["worker_kernel_calls"]
+        assert counts["cpu_decoder_layer"][0] >= 2 * 15, counts  # each decode step's 2 layers
+        if wint_gemv.gemv_available():  # the four linears inside each layer op
+            assert counts["int4pack_linear"][0] >= 4 * counts["cpu_decoder_layer"][0], counts
     gap = logprob_gap(tmp_path / "dequant", prompts, results)
     print(f"bf16 compiled GPTQ engine: max logprob gap vs HF fp32 {gap:.3e}")
     assert gap <= BF16_LOGPROB_BOUND

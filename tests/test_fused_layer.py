@@ -11,6 +11,7 @@ from conftest import assert_bf16_tokens_near_hf, build_tiny_model, kernel_calls,
 from paged_cases import HKV, batch_mix, build, kernel_args, make_case, read_kv, reference
 from vllm_accel.ops.cpu_native import bf16_linear
 from vllm_accel.ops.cpu_native import build as native
+from vllm_accel.ops.cpu_native import wint_gemv
 
 pytestmark = pytest.mark.skipif(native.torch_ops() is None,
                                 reason="the C++ ops library builds only with a C++ compiler")
@@ -145,6 +146,68 @@ def test_op_equals_the_kernels_one_by_one(kv, with_residual):
                            w["down"], None)
     assert torch.equal(out, want) and torch.equal(new_residual, r)
     assert torch.equal(fused_cache.view(torch.uint8), split_cache.view(torch.uint8))
+
+
+def _int4_linears(seed=9, group=64):
+    """The four linears as 4-bit asymmetric group-64 weights in torch's CPU int4 layout
+    (what the cpu_native int4 provider prepares from a GPTQ/AWQ checkpoint) and their
+    exact dequantized values."""
+    g = torch.Generator().manual_seed(seed)
+    packed, sz, dense = {}, {}, {}
+    for name, (n, k) in {"qkv": ((HEADS + 2 * HKV) * HEAD, HIDDEN), "o": (HIDDEN, HEADS * HEAD),
+                         "gate_up": (2 * INTER, HIDDEN), "down": (HIDDEN, INTER)}.items():
+        codes = torch.randint(0, 16, (n, k), generator=g)
+        zeros = torch.randint(4, 12, (n, k // group), generator=g).double()
+        scales = (torch.rand(n, k // group, generator=g) * 0.02 / k**0.5 * 16 + 1e-3).to(
+            torch.bfloat16).double()
+        packed[name] = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.int(), 1)
+        sz[name] = torch.stack((scales.t(), ((8 - zeros) * scales).t()), -1).to(
+            torch.bfloat16).contiguous()
+        dense[name] = (codes - zeros.repeat_interleave(group, 1)) * scales.repeat_interleave(
+            group, 1)
+    return packed, sz, dense
+
+
+def test_int4_layer_matches_float64_and_the_kernels_one_by_one():
+    """A layer whose four linears are int4 (a GPTQ/AWQ model on the cpu_native int4
+    layout): within bf16's rounding of a float64 layer on the dequantized weights, and
+    the same bits as vLLM's layer op by op (``int4pack_linear`` for each linear)."""
+    case, w = _case("mixed", torch.bfloat16, "auto"), _weights(torch.bfloat16)
+    packed, sz, dense = _int4_linears()
+    fused_cache, split_cache = case["cache"].clone(), case["cache"].clone()
+    out, new_residual = ops.cpu_decoder_layer(
+        case["hidden"], case["residual"], case["positions"], w["input_norm"], packed["qkv"],
+        None, packed["o"], None, w["post_norm"], packed["gate_up"], packed["down"], EPS,
+        w["cos_sin"], HEAD, True, HEADS, HKV, HEAD, fused_cache, *case["md"], SCALE, 0.0, 0.0,
+        1 << 20, sz["qkv"], sz["o"], sz["gate_up"], sz["down"])
+    assert out is not None
+
+    want_out, want_residual, _ = _float64_layer(case, {**w, **dense}, True)
+    for got, want in ((out, want_out), (new_residual, want_residual)):
+        assert (got.double() - want).abs().max() <= 2e-2 * want.abs().max()
+
+    def linear(x, name):
+        return ops.int4pack_linear(x, packed[name], 64, sz[name])
+
+    h, r = ops.cpu_rms_norm(case["hidden"], w["input_norm"], EPS, case["residual"])
+    q, k, v = linear(h, "qkv").split([HEADS * HEAD, HKV * HEAD, HKV * HEAD], -1)
+    q, k = ops.cpu_rotary_embedding(case["positions"], q, k, w["cos_sin"], HEAD, HEAD, True)
+    attn = torch.empty(len(q), HEADS, HEAD, dtype=torch.bfloat16)
+    assert ops.cpu_attention_step(q.view(-1, HEADS, HEAD), k.view(-1, HKV, HEAD),
+                                  v.view(-1, HKV, HEAD), split_cache, *case["md"], attn, SCALE,
+                                  0.0, 0.0, 1 << 20)
+    h, r = ops.cpu_rms_norm(linear(attn.flatten(1), "o"), w["post_norm"], EPS, r)
+    want = linear(ops.cpu_silu_and_mul(linear(h, "gate_up")), "down")
+    assert torch.equal(out, want) and torch.equal(new_residual, r)
+    assert torch.equal(fused_cache.view(torch.uint8), split_cache.view(torch.uint8))
+    # an int4 weight whose scales do not fit it is declined, nothing written
+    assert ops.cpu_decoder_layer(
+        case["hidden"], case["residual"], case["positions"], w["input_norm"], packed["qkv"],
+        None, packed["o"], None, w["post_norm"], packed["gate_up"], packed["down"], EPS,
+        w["cos_sin"], HEAD, True, HEADS, HKV, HEAD, fused_cache, *case["md"], SCALE, 0.0, 0.0,
+        1 << 20, sz["qkv"][:, :HEAD], sz["o"], sz["gate_up"], sz["down"]) == (None, None)
+    assert torch.equal(fused_cache.view(torch.uint8), split_cache.view(torch.uint8))
+    assert wint_gemv.gemv_available() == bool(native.library().accel_int4pack_gemv_available())
 
 
 def test_op_declines_without_side_effects():

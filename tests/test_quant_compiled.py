@@ -23,6 +23,7 @@ from vllm_accel.quant import (
     AccelW8A16LinearMethod,
     w8a8,
 )
+from vllm_accel.ops.cpu_native import build as native
 from vllm_accel.quant.packed import install_resident, resident_from_codes
 from vllm_accel.quant.wint_method import WIntLinearMethod
 
@@ -142,6 +143,9 @@ QUANT_GEMM_CALL = re.compile(
 #: a float GEMM in the graph: a quantized layer that fell back to a dequantized weight
 FLOAT_GEMM_CALL = re.compile(r"^(?!\s*#).*?\b(extern_kernels\.(?:mm|addmm|bmm)|aten\.(?:mm|addmm"
                              r"|bmm)\.default|onednn_mm)\(")
+#: a decoder layer as one C++ op (models/llama.py), whose four linears run the int4
+#: GEMM inside it
+LAYER_CALL = re.compile(r"^(?!\s*#).*?\bvllm_accel\.llama_layer\.default\(")
 OUTPUT_CODE = "[__output_code]"
 
 
@@ -184,7 +188,8 @@ def test_compiled_engine_gives_the_eager_tokens(family, tmp_path):
     """vLLM's default mode (torch.compile, inductor) on a tiny 2-layer model whose 8
     linear layers are quantized, with an INT8 KV cache: the greedy tokens equal
     the eager engine's, and inductor's generated code calls torch's quantized
-    GEMM once per quantized layer and no float GEMM (no dequantized fallback)."""
+    GEMM once per quantized layer (or, for AWQ's 4-bit layers, the one-op decoder
+    layer that runs them) and no float GEMM (no dequantized fallback)."""
     write, extra, served = FAMILIES[family]
     src = build_tiny_model(tmp_path / "float", num_heads=4, num_kv_heads=2, head_dim=32,
                            hidden_size=128)
@@ -210,6 +215,10 @@ def test_compiled_engine_gives_the_eager_tokens(family, tmp_path):
     assert code, "inductor generated no code: the model was not compiled"
     quant_calls = [line for line in code if QUANT_GEMM_CALL.match(line)]
     float_calls = [line for line in code if FLOAT_GEMM_CALL.match(line)]
-    assert len(quant_calls) == 8 and not float_calls, (quant_calls, float_calls)
+    layer_calls = [line for line in code if LAYER_CALL.match(line)]
+    # 4-bit without act-order runs each layer as one op where the C++ ops build
+    fused = family == "awq-w4-g32" and native.torch_ops() is not None
+    assert len(layer_calls) == (2 if fused else 0), layer_calls
+    assert len(quant_calls) == (0 if fused else 8) and not float_calls, (quant_calls, float_calls)
     tokens = [o["token_ids"] for o in compiled["outputs"]]
     assert tokens == [o["token_ids"] for o in eager["outputs"]]

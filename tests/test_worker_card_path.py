@@ -53,7 +53,8 @@ def _worker(cls, backend):
     worker.backend = backend
     worker.local_rank, worker.rank = 1, 3
     worker.distributed_init_method = "tcp://127.0.0.1:1234"
-    worker.parallel_config = SimpleNamespace(world_size=4, use_ray=False)
+    worker.parallel_config = SimpleNamespace(world_size=4, use_ray=False,
+                                             distributed_executor_backend="mp")
     worker.model_config = SimpleNamespace(seed=7)
     worker.vllm_config = SimpleNamespace(device_config=SimpleNamespace(device=None))
     return worker

@@ -6,10 +6,11 @@ Xeon, where the kernels themselves take a few us apart from the weight reads. Th
 simulator has a C++ kernel for each of them, so ``vllm_accel::cpu_decoder_layer``
 (``csrc/torch_ops.cpp``) runs the whole layer in one call where every part of it
 would take the simulator's kernel anyway: bf16 linears routed to
-``vllm_accel::bf16_linear``, ACCEL_ATTN with its one-call attention step, vLLM's
-rotary formula, one world rank. Every other layer (quantized or LoRA linears, oneDNN
-linears on CPUs with bf16 units, tensor parallel, rope variants with their own
-forward, a card) keeps vLLM's forward: the choice is made once per model after its
+``vllm_accel::bf16_linear`` or 4-bit weight-only ones on the ``cpu_native`` int4
+layout (``vllm_accel::int4pack_linear``, no act-order permutation), ACCEL_ATTN with
+its one-call attention step, vLLM's rotary formula, one world rank. Every other
+layer (other quantized or LoRA linears, oneDNN linears, tensor parallel, rope
+variants with their own forward, a card) keeps vLLM's forward: the choice is made once per model after its
 weights load (``prepare_fused_layers``) and logged.
 
 In a compiled model the layer is one opaque op, ``vllm_accel::llama_layer``: it
@@ -44,7 +45,10 @@ from vllm_accel.ops.attention import INT8_KV, AccelAttentionImpl
 from vllm_accel.ops.cpu_native import bf16_linear
 from vllm_accel.ops.cpu_native import build as native
 from vllm_accel.ops.cpu_native.attention import PREFILL_NATIVE_MAX_PAIRS
+from vllm_accel.ops.cpu_native.wint_gemv import NATIVE
 from vllm_accel.ops.custom_ops import AccelRotaryEmbedding
+from vllm_accel.quant.packed import InstalledWInt
+from vllm_accel.quant.wint_method import WIntLinearMethod
 
 logger = init_logger(__name__)
 
@@ -54,13 +58,38 @@ _BASE_ROPE_FORWARDS = {getattr(cls, name) for cls in (RotaryEmbedding, AccelRota
                        for name in ("forward_native", "forward_cpu", "forward_oot")}
 
 
-def _routed_linear(linear: torch.nn.Module, linear_type: type, bias_ok: bool) -> bool:
-    """Whether vLLM's ``linear`` computes ``x @ weight.T (+ bias)`` through
-    ``vllm_accel::bf16_linear``."""
-    return (type(linear) is linear_type
-            and type(linear.quant_method) is UnquantizedLinearMethod
-            and getattr(linear, "cpu_linear", None) is bf16_linear.cpu_linear
-            and not linear.skip_bias_add and (bias_ok or linear.bias is None))
+#: the int4 layout's tensors the C++ layer op reads (ops/torch_fast/wint_gemm.py prepare)
+_INT4_PREPARED = {"int4_weight", "int4_scales_zeros"}
+
+
+def _layer_weight(linear: torch.nn.Module, linear_type: type, bias_ok: bool
+                  ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+    """What the C++ layer op computes vLLM's ``linear`` from: (bf16 weight, None) where
+    it runs ``vllm_accel::bf16_linear``, (int4 weight, scales and zeros) where a
+    weight-only method runs ``vllm_accel::int4pack_linear`` on them; else None."""
+    if (type(linear) is not linear_type or linear.skip_bias_add
+            or not (bias_ok or linear.bias is None)):
+        return None
+    if type(linear.quant_method) is UnquantizedLinearMethod:
+        routed = getattr(linear, "cpu_linear", None) is bf16_linear.cpu_linear
+        return (linear.weight, None) if routed else None
+    wint = getattr(linear, "wint", None)
+    if (isinstance(linear.quant_method, WIntLinearMethod)
+            and type(linear.quant_method).apply is WIntLinearMethod.apply
+            and isinstance(wint, InstalledWInt) and wint.provider == NATIVE
+            and set(wint.names) == _INT4_PREPARED):
+        return wint.int4_weight, wint.int4_scales_zeros
+    return None
+
+
+def _layer_weights(layer: "AccelLlamaDecoderLayer") -> list | None:
+    """``_layer_weight`` of the QKV, O, gate/up and down linears, or None."""
+    attn_layer, mlp = layer.self_attn, layer.mlp
+    weights = [_layer_weight(attn_layer.qkv_proj, QKVParallelLinear, True),
+               _layer_weight(attn_layer.o_proj, RowParallelLinear, True),
+               _layer_weight(mlp.gate_up_proj, MergedColumnParallelLinear, False),
+               _layer_weight(mlp.down_proj, RowParallelLinear, False)]
+    return None if None in weights else weights
 
 
 def _why_not_fused(layer: "AccelLlamaDecoderLayer") -> str | None:
@@ -74,12 +103,10 @@ def _why_not_fused(layer: "AccelLlamaDecoderLayer") -> str | None:
         return "a KV connector (it hooks vLLM's attention op)"
     if type(attn_layer) is not LlamaAttention or type(mlp) is not LlamaMLP:
         return "a Llama variant with its own attention or MLP"
-    if not (_routed_linear(attn_layer.qkv_proj, QKVParallelLinear, True)
-            and _routed_linear(attn_layer.o_proj, RowParallelLinear, True)
-            and _routed_linear(mlp.gate_up_proj, MergedColumnParallelLinear, False)
-            and _routed_linear(mlp.down_proj, RowParallelLinear, False)):
-        return ("a linear that is not a plain bf16 one on vllm_accel::bf16_linear "
-                "(float32/float16 weights, quantized, LoRA, or ACCEL_BF16_LINEAR=off)")
+    if _layer_weights(layer) is None:
+        return ("a linear that is neither a plain bf16 one on vllm_accel::bf16_linear nor "
+                "a 4-bit one on the cpu_native int4 kernel (float32/float16 weights, "
+                "another quantization, act-order, LoRA, or ACCEL_BF16_LINEAR=off)")
     norms = (layer.input_layernorm, layer.post_attention_layernorm)
     if not all(isinstance(n, RMSNorm) and n.has_weight and n.variance_size_override is None
                for n in norms) or norms[0].variance_epsilon != norms[1].variance_epsilon:
@@ -122,6 +149,8 @@ class AccelLlamaDecoderLayer(LlamaDecoderLayer):
         self.kv_transfer = vllm_config.kv_transfer_config is not None
         #: the C++ op's per-layer arguments; None until prepare_fused, () for vLLM's forward
         self._fused_args: tuple | None = None
+        #: its trailing ones: each linear's int4 scales and zeros (None: a bf16 linear)
+        self._fused_int4: tuple = ()
 
     def prepare_fused(self) -> str | None:
         """Decide (after the weights load) whether this layer runs as one C++ op;
@@ -136,13 +165,13 @@ class AccelLlamaDecoderLayer(LlamaDecoderLayer):
         # the cache in the activations' dtype, as the rope kernel wants it (vLLM's helper
         # casts it once and keeps it)
         cos_sin_cache = rope._match_cos_sin_cache_dtype(norm.weight.new_empty(0))
+        (qkv, _), (o, _), (gate_up, _), (down, _) = weights = _layer_weights(self)
         self._fused_args = (
-            norm.weight, attn_layer.qkv_proj.weight, attn_layer.qkv_proj.bias,
-            attn_layer.o_proj.weight, attn_layer.o_proj.bias,
-            self.post_attention_layernorm.weight, mlp.gate_up_proj.weight,
-            mlp.down_proj.weight, norm.variance_epsilon, cos_sin_cache, rope.rotary_dim,
-            rope.is_neox_style, attn_layer.num_heads, attn_layer.num_kv_heads,
-            attn_layer.head_dim)
+            norm.weight, qkv, attn_layer.qkv_proj.bias, o, attn_layer.o_proj.bias,
+            self.post_attention_layernorm.weight, gate_up, down, norm.variance_epsilon,
+            cos_sin_cache, rope.rotary_dim, rope.is_neox_style, attn_layer.num_heads,
+            attn_layer.num_kv_heads, attn_layer.head_dim)
+        self._fused_int4 = tuple(int4 for _, int4 in weights)
         return None
 
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor,
@@ -170,7 +199,8 @@ class AccelLlamaDecoderLayer(LlamaDecoderLayer):
             out, new_residual = torch.ops.vllm_accel.cpu_decoder_layer(
                 hidden_states, residual, positions, *self._fused_args, attn.kv_cache,
                 md.slot_mapping, md.block_table, md.query_start_loc_cpu, md.seq_lens,
-                attn.impl.scale, k_scale or 0.0, v_scale or 0.0, PREFILL_NATIVE_MAX_PAIRS)
+                attn.impl.scale, k_scale or 0.0, v_scale or 0.0, PREFILL_NATIVE_MAX_PAIRS,
+                *self._fused_int4)
             if out is not None:
                 return out, new_residual
         # (new tensors, as an op's outputs must be: the post-attention norm makes the
