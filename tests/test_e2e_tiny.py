@@ -56,7 +56,7 @@ def test_tiny_model_matches_hf(case, tmp_path):
     assert f"vllm_accel.ops.{KERNEL_MODULES[provider]}.paged_decode" in log
     assert ("Warming up model for the compilation" in log) == compiled
     if arch == "llama":  # fp32 linears are not the one-op layer's (models/llama.py)
-        assert ("Llama decoder layers: vLLM's forward for 2 of 2 (a linear that is not a "
+        assert ("Llama decoder layers: vLLM's forward for 2 of 2 (a linear that is neither a "
                 "plain bf16 one") in log
     expected = hf_greedy(model, prompts, 16)
     got = [o["token_ids"] for o in results["outputs"]]
