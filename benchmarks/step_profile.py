@@ -91,10 +91,11 @@ def _instrument() -> None:
     _wrap(LogitsProcessor, "forward", "step_profile::compute_logits")
 
 
-def _inside(event, name: str) -> bool:
+def _inside(event, name: str, prefix: bool = False) -> bool:
+    """Whether an enclosing event is ``name`` (with ``prefix``: starts with it)."""
     parent = event.cpu_parent
     while parent is not None:
-        if parent.name == name:
+        if parent.name == name or (prefix and parent.name.startswith(name)):
             return True
         parent = parent.cpu_parent
     return False
@@ -115,8 +116,7 @@ def _split(events) -> dict[str, float]:
             out[kind] = out.get(kind, 0.0) + e.cpu_time_total
             phases += e.cpu_time_total
         elif (e.name in FORWARD_GEMMS and _inside(e, "step_profile::model_forward")
-              and not any(_inside(e, LAYER_PHASE + p) for p in ("qkv_proj", "o_proj",
-                                                               "gate_up_proj", "down_proj"))):
+              and not _inside(e, LAYER_PHASE, prefix=True)):  # (counted in its phase)
             out["forward: linear GEMMs"] += e.self_cpu_time_total
         elif e.name in FORWARD_ATTENTION and _inside(e, "step_profile::model_forward"):
             out["forward: attention + KV write"] += e.cpu_time_total

@@ -168,19 +168,23 @@ def _int4_linears(seed=9, group=64):
     return packed, sz, dense
 
 
-def test_int4_layer_matches_float64_and_the_kernels_one_by_one():
+def test_int4_layer_matches_float64_and_the_kernels_one_by_one(monkeypatch):
     """A layer whose four linears are int4 (a GPTQ/AWQ model on the cpu_native int4
     layout): within bf16's rounding of a float64 layer on the dequantized weights, and
     the same bits as vLLM's layer op by op (``int4pack_linear`` for each linear)."""
     case, w = _case("mixed", torch.bfloat16, "auto"), _weights(torch.bfloat16)
     packed, sz, dense = _int4_linears()
     fused_cache, split_cache = case["cache"].clone(), case["cache"].clone()
+    gemv_calls = kernel_calls(monkeypatch, "int4pack_linear", "accel_int4pack_gemv", 6)
     out, new_residual = ops.cpu_decoder_layer(
         case["hidden"], case["residual"], case["positions"], w["input_norm"], packed["qkv"],
         None, packed["o"], None, w["post_norm"], packed["gate_up"], packed["down"], EPS,
         w["cos_sin"], HEAD, True, HEADS, HKV, HEAD, fused_cache, *case["md"], SCALE, 0.0, 0.0,
         1 << 20, sz["qkv"], sz["o"], sz["gate_up"], sz["down"])
     assert out is not None
+    # the four linears took the C++ int4 kernel inside the op, where it is built
+    tokens = len(case["hidden"])
+    assert gemv_calls() == ((4, 4 * tokens) if wint_gemv.gemv_available() else (0, 0))
 
     want_out, want_residual, _ = _float64_layer(case, {**w, **dense}, True)
     for got, want in ((out, want_out), (new_residual, want_residual)):
@@ -207,7 +211,20 @@ def test_int4_layer_matches_float64_and_the_kernels_one_by_one():
         w["cos_sin"], HEAD, True, HEADS, HKV, HEAD, fused_cache, *case["md"], SCALE, 0.0, 0.0,
         1 << 20, sz["qkv"][:, :HEAD], sz["o"], sz["gate_up"], sz["down"]) == (None, None)
     assert torch.equal(fused_cache.view(torch.uint8), split_cache.view(torch.uint8))
-    assert wint_gemv.gemv_available() == bool(native.library().accel_int4pack_gemv_available())
+
+
+def test_op_shows_its_phases_to_the_profiler():
+    """Each kernel of the op runs inside a profiler range of its own, in the layer's
+    order, nested in the op's event (what benchmarks/step_profile.py splits by)."""
+    case, w = _case("mixed", torch.bfloat16, "auto"), _weights(torch.bfloat16)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        _op(case, w, case["residual"], case["cache"].clone())
+    phases = [e for e in prof.events() if e.name.startswith("accel_layer::")]
+    assert [e.name.split("::")[1] for e in sorted(phases, key=lambda e: e.time_range.start)] == [
+        "norm", "qkv_proj", "rotary", "attention", "o_proj", "norm", "gate_up_proj",
+        "silu_and_mul", "down_proj"]
+    assert all(e.cpu_parent is not None and e.cpu_parent.name == "vllm_accel::cpu_decoder_layer"
+               for e in phases)
 
 
 def test_op_declines_without_side_effects():

@@ -67,7 +67,6 @@ class AccelSimWorker(AccelWorkerMixin, CPUWorker):
         shared = (int(os.environ.get(SHARED_SCHEDULER_CORES_ENV, "0"))
                   if self.parallel_config.distributed_executor_backend == "mp" else 0)
         self._threads_own = max(1, self._threads_all - shared)
-        self._threads_now = self._threads_all
         if shared:
             logger.info("Worker threads: %d for steps of %d tokens or more (sharing "
                         "EngineCore's core), %d below", self._threads_all,
@@ -78,11 +77,10 @@ class AccelSimWorker(AccelWorkerMixin, CPUWorker):
         threads = (self._threads_all
                    if scheduler_output.total_num_scheduled_tokens >= SHARED_CORE_MIN_TOKENS
                    else self._threads_own)
-        if threads != self._threads_now:
+        if threads != torch.get_num_threads():
             # torch's own setter: CPUWorker.init_device replaced torch.set_num_threads
             # with a warning; the OpenMP threads stay bound where vLLM put them
             torch._C.set_num_threads(threads)
-            self._threads_now = threads
         return super().execute_model(scheduler_output, *args, **kwargs)
 
     def _bind_cores_in_ray_actor(self) -> None:
