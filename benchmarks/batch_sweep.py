@@ -69,18 +69,6 @@ def run_worker(spec_path: str) -> None:
               flush=True)
 
 
-def w4a16_checkpoint(model: str) -> str:
-    """The default model as GPTQ 4-bit g64 (576 inputs: 128 does not divide them)."""
-    dst = Path.home() / ".cache" / "vllm-accel" / "bench" / (Path(model).name + "-gptq-4bit-g64")
-    if not (dst / "config.json").is_file():
-        sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-        from quantizer import quantize_checkpoint
-
-        print(f"writing the W4A16 checkpoint to {dst} ...", flush=True)
-        quantize_checkpoint(Path(model), dst, bits=4, group_size=64)
-    return str(dst)
-
-
 def plot(results: list[dict[str, Any]], title: str, path: Path) -> None:
     try:
         import matplotlib
@@ -143,7 +131,8 @@ def main() -> int:
     for config in configs:
         spec_config = CONFIGS[config]
         engine = throughput.ENGINES[spec_config["engine"]]
-        checkpoint = w4a16_checkpoint(model) if spec_config.get("w4a16_checkpoint") else model
+        checkpoint = (throughput.quantized_model(model, "w4a16")
+                      if spec_config.get("w4a16_checkpoint") else model)
         spec = {
             "config": config, "workload": f"sweep/{config}", "engine": spec_config["engine"],
             "expected_platform": engine["platform"], "batch_sizes": batches,

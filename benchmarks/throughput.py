@@ -14,6 +14,12 @@ Engines
   virtual  ACCEL_BACKEND=virtual: the card path (card worker, vLLM's GPU model
          runner) on the virtual GCU, a torch device on host memory running the
          CPU's kernels one aten op at a time; a correctness device, eager.
+  accel-int8   accel with --kv-cache-dtype int8 (compared with accel).
+  accel-w4a16  accel on the model as a GPTQ 4-bit group-64 checkpoint, and
+  accel-w8a8   accel on it as a compressed-tensors W8A8 checkpoint (int8 per
+         channel, dynamic per-token activations): the test quantizers' output,
+         written once under ~/.cache/vllm-accel/bench/; compared with stock on
+         the unquantized model, as issue 13's targets are.
 
 Both get the same model, dtype, seed, max_model_len, explicit KV-cache size
 (kv_cache_memory_bytes; stock CPU would otherwise read gpu_memory_utilization
@@ -76,7 +82,13 @@ ENGINES: dict[str, dict[str, Any]] = {
     "virtual": {"platform": "AccelPlatform",
                 "env": {"ACCEL_BACKEND": "virtual", "TORCH_DEVICE_BACKEND_AUTOLOAD": "0"},
                 "llm": {}},
+    # checkpoint: the model quantized by the test quantizers (quantized_model)
+    "accel-w4a16": {"platform": "AccelPlatform", "env": {}, "llm": {}, "checkpoint": "w4a16"},
+    "accel-w8a8": {"platform": "AccelPlatform", "env": {}, "llm": {}, "checkpoint": "w8a8"},
 }
+#: what each engine is compared with
+BASELINES = (("accel", "stock"), ("accel-int8", "accel"), ("virtual", "accel"),
+             ("accel-w4a16", "stock"), ("accel-w8a8", "stock"))
 
 WARMUP_PROMPTS = 2
 WARMUP_OUTPUT_LEN = 8
@@ -366,7 +378,7 @@ def print_roofline(results, workloads, model, args, bandwidth) -> None:
         return  # bytes per step of a quantized model depend on its format
     for r in results:
         w = workloads[r["workload"]]
-        if w["num_prompts"] != 1:
+        if w["num_prompts"] != 1 or ENGINES[r["engine"]].get("checkpoint"):
             continue
         context = w["input_len"] + w["output_len"] // 2
         step = roofline.decode_step_bytes(model, dtype_bytes, context)
@@ -375,6 +387,27 @@ def print_roofline(results, workloads, model, args, bandwidth) -> None:
         print(f"roofline {r['workload']}/{r['engine']}: {step / 1e6:.0f} MB per decode step "
               f"-> {r['roofline_tok_s']} tok/s; measured {r['out_tok_s']:.1f} = "
               f"{r['pct_of_roofline']}%")
+
+
+def quantized_model(model: str, kind: str) -> str:
+    """The float checkpoint ``model`` quantized by the test quantizers (``kind``
+    w4a16: GPTQ 4-bit sym group 64, since 128 does not divide SmolLM2's 576
+    inputs; w8a8: compressed-tensors int8 per channel, dynamic per-token
+    activations), written once under ~/.cache/vllm-accel/bench/."""
+    suffix = {"w4a16": "-gptq-4bit-g64", "w8a8": "-w8a8"}[kind]
+    dst = Path.home() / ".cache" / "vllm-accel" / "bench" / (Path(model).name + suffix)
+    if not (dst / "config.json").is_file():
+        sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+        print(f"writing the {kind.upper()} checkpoint to {dst} ...", flush=True)
+        if kind == "w4a16":
+            from quantizer import quantize_checkpoint
+
+            quantize_checkpoint(Path(model), dst, bits=4, group_size=64)
+        else:
+            from quantizer_int8 import quantize_checkpoint_int8
+
+            quantize_checkpoint_int8(Path(model), dst)
+    return str(dst)
 
 
 def quantized_checkpoint(model: str) -> bool:
@@ -386,7 +419,7 @@ def compute_ratios(results: list[dict[str, Any]]) -> dict[str, float]:
     by = {(r["workload"], r["engine"]): r for r in results}
     ratios = {}
     for wl in dict.fromkeys(r["workload"] for r in results):
-        for engine, base in (("accel", "stock"), ("accel-int8", "accel"), ("virtual", "accel")):
+        for engine, base in BASELINES:
             a, s = by.get((wl, engine)), by.get((wl, base))
             if a and s and s["out_tok_s"] > 0:
                 ratios[f"{wl} {engine}/{base}"] = a["out_tok_s"] / s["out_tok_s"]
@@ -400,7 +433,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="model path/name (default: vllm_accel.tools.models.default_model_path())")
     p.add_argument("--workloads", default="W1,W3",
                    help="comma list of W1, W3, LONG, custom (default: %(default)s)")
-    p.add_argument("--engines", default="accel,stock", help="comma list of accel, accel-int8, stock, virtual (default: %(default)s)")
+    p.add_argument("--engines", default="accel,stock", help=f"comma list of {', '.join(ENGINES)} (default: %(default)s)")
     p.add_argument("--num-prompts", type=int, default=None, help="custom workload: prompts (default 1)")
     p.add_argument("--input-len", type=int, default=None, help="custom workload: input tokens (default 32)")
     p.add_argument("--output-len", type=int, default=None, help="custom workload: output tokens (default 32)")
@@ -477,6 +510,8 @@ def main(argv: list[str] | None = None) -> int:
     }
     if args.block_size is not None:
         llm_kwargs["block_size"] = args.block_size
+    models = {e: quantized_model(model, ENGINES[e]["checkpoint"])
+              if ENGINES[e].get("checkpoint") else model for e in engines}
     if args.quantization is not None:
         llm_kwargs["quantization"] = args.quantization
 
@@ -525,7 +560,7 @@ def main(argv: list[str] | None = None) -> int:
                 "workload": wl,
                 "engine": engine,
                 "expected_platform": ENGINES[engine]["platform"],
-                "llm": {**llm_kwargs, **ENGINES[engine]["llm"]},
+                "llm": {**llm_kwargs, **ENGINES[engine]["llm"], "model": models[engine]},
                 "prompts": prompts,
                 "prompts_sha256": digest,
                 "warmup_prompts": warmup,

@@ -136,13 +136,14 @@ def test_weights_move_to_huge_pages_in_place():
     assert _huge_page_bytes(None) >= whole_pages
 
 
-def test_huge_pages_switch_is_a_clear_setting(monkeypatch):
+@pytest.mark.parametrize("name", ["ACCEL_SIM_HUGE_PAGES", "ACCEL_SIM_WEIGHT_ARENA"])
+def test_weight_placement_switches_are_clear_settings(monkeypatch, name):
     from vllm_accel import envs
 
-    monkeypatch.delenv("ACCEL_SIM_HUGE_PAGES", raising=False)
-    assert envs.ACCEL_SIM_HUGE_PAGES is True
-    monkeypatch.setenv("ACCEL_SIM_HUGE_PAGES", "off")
-    assert envs.ACCEL_SIM_HUGE_PAGES is False
-    monkeypatch.setenv("ACCEL_SIM_HUGE_PAGES", "maybe")
-    with pytest.raises(ValueError, match="use `on` or `off`"):
-        envs.ACCEL_SIM_HUGE_PAGES
+    monkeypatch.delenv(name, raising=False)
+    assert getattr(envs, name) is True
+    monkeypatch.setenv(name, "off")
+    assert getattr(envs, name) is False
+    monkeypatch.setenv(name, "maybe")
+    with pytest.raises(ValueError, match=f"{name}.*use `on` or `off`"):
+        getattr(envs, name)

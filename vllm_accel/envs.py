@@ -16,12 +16,14 @@ if TYPE_CHECKING:  # what ``envs.NAME`` returns, for readers and type checkers
     ACCEL_SIM_DEVICE_MEMORY_GB: float = 48.0
     ACCEL_SIM_HOST_MEMORY_FRACTION: float = 0.6
     ACCEL_SIM_HUGE_PAGES: bool = True
+    ACCEL_SIM_WEIGHT_ARENA: bool = True
     ACCEL_SIM_SHARE_SCHEDULER_CORE: bool = True
     ACCEL_VIRTUAL_DEVICE_COUNT: int = 8
     ACCEL_KERNEL_PROVIDER: str = ""
     ACCEL_KV_SCALES: str = ""
     ACCEL_MODEL_CACHE: str = "~/.cache/vllm-accel/models"
     ACCEL_NATIVE_CACHE: str = "~/.cache/vllm-accel/native"
+    ACCEL_NATIVE_MARCH: str = "native"
     ACCEL_REPACK_CACHE: str = "~/.cache/vllm-accel/repack"
     ACCEL_BF16_LINEAR: str = "auto"
 
@@ -98,6 +100,15 @@ environment_variables: dict[str, tuple[Callable[[], Any], str]] = {
         "6.1, in place), so decode's weight stream does not stall on 4 KiB page walks; "
         "`off` keeps 4 KiB pages.",
     ),
+    "ACCEL_SIM_WEIGHT_ARENA": (
+        _switch("ACCEL_SIM_WEIGHT_ARENA", True),
+        "`on` (default): after loading, the simulator copies the model's parameters "
+        "into one block in module order (a Llama layer's QKV, O, gate/up, down, layer "
+        "after layer) and points them there, so a decode step reads its weights as one "
+        "forward stream (in huge pages with ACCEL_SIM_HUGE_PAGES) instead of ~120 short "
+        "ones; a tensor also held outside the model stays where it loaded. `off` leaves "
+        "every tensor where it loaded.",
+    ),
     "ACCEL_SIM_SHARE_SCHEDULER_CORE": (
         _switch("ACCEL_SIM_SHARE_SCHEDULER_CORE", True),
         "`on` (default): with one simulated device on the host, its worker also runs "
@@ -138,6 +149,14 @@ environment_variables: dict[str, tuple[Callable[[], Any], str]] = {
         "Directory where the simulated GCU's C++ kernels (`cpu_native`) and the "
         "virtual GCU are built on first use, for this CPU, with `$CXX` (else `c++`/`g++`); "
         "`off` (or `0`, `none`, empty) disables them and the torch kernels run.",
+    ),
+    "ACCEL_NATIVE_MARCH": (
+        lambda: os.environ.get("ACCEL_NATIVE_MARCH", "").strip() or "native",
+        "The `-march` the simulator's C++ kernels are built with: `native` (default: "
+        "this CPU's extensions) or any GCC/Clang target, e.g. `x86-64-v3` (AVX2, no "
+        "AVX-512) to run the paths a CPU without AVX-512 takes on one that has it (with "
+        "`ATEN_CPU_CAPABILITY=avx2` and `ONEDNN_MAX_CPU_ISA=AVX2` for torch's and "
+        "oneDNN's kernels). Each target is its own build in ACCEL_NATIVE_CACHE.",
     ),
     "ACCEL_REPACK_CACHE": (
         _path("ACCEL_REPACK_CACHE", "~/.cache/vllm-accel/repack"),

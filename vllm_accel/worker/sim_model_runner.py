@@ -9,6 +9,7 @@ from vllm.v1.worker.cpu_model_runner import CPUModelRunner
 from vllm_accel import compile_cache, envs
 from vllm_accel.backends import get_backend
 from vllm_accel.backends.cpu_sim.huge_pages import HUGE_PAGE, back_with_huge_pages
+from vllm_accel.backends.cpu_sim.weight_arena import gather_weights
 from vllm_accel.logger import init_logger
 from vllm_accel.models.llama import prepare_fused_layers
 from vllm_accel.quant.base import log_load_summaries
@@ -25,7 +26,9 @@ class AccelSimModelRunner(CPUModelRunner):
         super().load_model(*args, **kwargs)
         model = self.get_model()
         tensors = {id(t): t for t in (*model.parameters(), *model.buffers())}
-        parameter_bytes = sum(t.numel() * t.element_size() for t in tensors.values())
+        # (a tied embedding and LM head can be two parameters on one storage: once)
+        parameter_bytes = sum(nbytes for _, nbytes in {
+            (t.data_ptr(), t.numel() * t.element_size()) for t in tensors.values()})
         # vLLM's CPU linear layers repack weights into oneDNN handles and drop
         # the parameters, so resident growth is the truer size of the weights.
         self._weight_bytes = max(parameter_bytes, psutil.Process().memory_info().rss - rss_before)
@@ -33,8 +36,23 @@ class AccelSimModelRunner(CPUModelRunner):
         prepare_fused_layers(model)
         # before the first forward, where vLLM hashes the config for its compile cache
         compile_cache.add_to_config(self.vllm_config)
-        if envs.ACCEL_SIM_HUGE_PAGES:
-            huge, problem = back_with_huge_pages(tensors.values())
+        self._place_weights(model, list(tensors.values()), parameter_bytes)
+
+    def _place_weights(self, model, tensors: list, parameter_bytes: int) -> None:
+        """Gather the weights into one block in forward order and back them with huge
+        pages, as configured, and log what that gave."""
+        huge_pages = envs.ACCEL_SIM_HUGE_PAGES
+        if envs.ACCEL_SIM_WEIGHT_ARENA:
+            gathered = gather_weights(model, huge_pages)
+            logger.info("Weights: %.1f MiB in one block in forward order%s, %.1f MiB left "
+                        "where they loaded (held outside the model)%s "
+                        "(ACCEL_SIM_WEIGHT_ARENA=off leaves all there)", gathered.moved / 2**20,
+                        f" ({gathered.huge / 2**20:.1f} MiB of it in {HUGE_PAGE >> 20} MiB pages)"
+                        if huge_pages else "", gathered.kept / 2**20,
+                        f"; {gathered.problem}" if gathered.problem else "")
+            tensors = gathered.left
+        if huge_pages and tensors:
+            huge, problem = back_with_huge_pages(tensors)
             logger.info("Weights in %d MiB pages: %.1f of %.1f MiB of parameters%s "
                         "(ACCEL_SIM_HUGE_PAGES=off keeps 4 KiB pages)", HUGE_PAGE >> 20,
                         huge / 2**20, parameter_bytes / 2**20,

@@ -108,13 +108,20 @@ def cpu_signature() -> str:
     return "\n".join([platform.machine(), platform.processor(), *seen.values()])
 
 
+def build_flags() -> tuple[str, ...]:
+    """FLAGS with ``-march`` set to ACCEL_NATIVE_MARCH (``native`` unless overridden)."""
+    march = f"-march={envs.ACCEL_NATIVE_MARCH}"
+    return tuple(march if f == "-march=native" else f for f in FLAGS)
+
+
 def _build(cxx: str) -> Path:
     version = subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout
-    # what -march=native turns on, as the compiler resolves it on this CPU
-    native_target = subprocess.run([cxx, "-march=native", "-Q", "--help=target"],
-                                   capture_output=True, text=True).stdout
+    flags = build_flags()
+    # what that -march turns on, as the compiler resolves it on this CPU
+    native_target = subprocess.run([cxx, *(f for f in flags if f.startswith("-march=")), "-Q",
+                                    "--help=target"], capture_output=True, text=True).stdout
     key = hashlib.sha256("\0".join(
-        [*(f.read_text() for f in SOURCES + HEADERS), cxx, version, " ".join(FLAGS),
+        [*(f.read_text() for f in SOURCES + HEADERS), cxx, version, " ".join(flags),
          " ".join(LINK_FLAGS), cpu_signature(), native_target]
     ).encode()).hexdigest()[:16]
     target = Path(envs.ACCEL_NATIVE_CACHE) / f"cpu_native-{key}.so"
@@ -124,7 +131,7 @@ def _build(cxx: str) -> Path:
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         objects = [str(Path(tmp) / f"{src.stem}.o") for src in SOURCES]
         built = Path(tmp) / target.name
-        steps = [[cxx, *FLAGS, "-c", str(src), "-o", obj] for src, obj in zip(SOURCES, objects)]
+        steps = [[cxx, *flags, "-c", str(src), "-o", obj] for src, obj in zip(SOURCES, objects)]
         steps.append([cxx, *LINK_FLAGS, *objects, "-o", str(built)])
         for step in steps:
             result = subprocess.run(step, capture_output=True, text=True)
@@ -209,4 +216,7 @@ def library() -> ctypes.CDLL | None:
     for name, argtypes in _SIGNATURES.items():
         fn = getattr(lib, name)
         fn.argtypes, fn.restype = argtypes, ctypes.c_int
+    if envs.ACCEL_NATIVE_MARCH != "native":  # (a warning: often logged before vLLM's logging is set up)
+        logger.warning("cpu_native kernels built for -march=%s, not for this CPU "
+                       "(ACCEL_NATIVE_MARCH)", envs.ACCEL_NATIVE_MARCH)
     return lib

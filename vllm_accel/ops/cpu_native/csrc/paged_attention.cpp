@@ -113,7 +113,7 @@ struct NextItem {
   }
   void ask() {
     for (int i = 0; i < per_call && base; ++i) {
-      _mm_prefetch(base + at, _MM_HINT_T1);
+      __builtin_prefetch(base + at, 0, 2);  // prefetcht1 on x86; any target builds it
       if ((at += 64) >= page_bytes) {
         at = 0;
         base = ++page < count ? reinterpret_cast<const char*>(pages->page(blocks[page], head))
