@@ -205,9 +205,13 @@ def test_compiled_engine_gives_the_eager_tokens(family, tmp_path):
     env = {"ACCEL_SIM_DEVICE_MEMORY_GB": "1"}
     eager, eager_log = run_engine({"llm": {**llm, "enforce_eager": True}, "prompts": prompts,
                                    "sampling": sampling}, tmp_path, env=env)
+    # W8A8 also restarts from vLLM's compile cache (its own here): its activation
+    # quantizer asks the kernel registry per call, inside the traced code
+    cache = ({"VLLM_CACHE_ROOT": str(tmp_path / "vllm-cache")} if family == "ct-w8a8-dynamic"
+             else {"VLLM_DISABLE_COMPILE_CACHE": "1"})
     compiled, log = run_engine(
         {"llm": llm, "prompts": prompts, "sampling": sampling}, tmp_path,
-        env={**env, "TORCH_LOGS": "output_code", "VLLM_DISABLE_COMPILE_CACHE": "1"})
+        env={**env, "TORCH_LOGS": "output_code", **cache})
     for run_log in (eager_log, log):
         assert served in run_log and "int8_per_token_head" in run_log
     assert "Warming up model for the compilation" in log
@@ -222,3 +226,8 @@ def test_compiled_engine_gives_the_eager_tokens(family, tmp_path):
     assert len(quant_calls) == (0 if fused else 8) and not float_calls, (quant_calls, float_calls)
     tokens = [o["token_ids"] for o in compiled["outputs"]]
     assert tokens == [o["token_ids"] for o in eager["outputs"]]
+    if "VLLM_CACHE_ROOT" in cache:
+        restarted, log = run_engine({"llm": llm, "prompts": prompts, "sampling": sampling},
+                                    tmp_path, env={**env, **cache})
+        assert "Directly load AOT compilation" in log, log[-4000:]
+        assert [o["token_ids"] for o in restarted["outputs"]] == tokens

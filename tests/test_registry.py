@@ -69,3 +69,25 @@ def test_resolved_kernels_follow_env_order_and_registrations(fresh_kernel, monke
     assert registry.get_kernel("k")() == "vendor"
     registry.register_kernel("k", "vendor")(lambda: "vendor v2")
     assert registry.get_kernel("k")() == "vendor v2"
+
+
+def test_a_kernel_asked_for_inside_a_compiled_function_leaves_no_side_effect(fresh_kernel):
+    """A kernel that asks the registry per call (W8A8's activation quantizer) is traced
+    by torch.compile. Memoizing the answer there made dynamo replay the dict write in
+    the compiled code, keyed by this process's id(): vLLM's compile cache then failed
+    to load in the next process (KeyError). The registry answers without memoizing
+    while tracing, so the compiled code has nothing to replay."""
+    registry.register_kernel("twice")(lambda x: 2 * x)
+    registry._resolved.clear()
+
+    def uses_the_kernel(x):
+        return registry.get_kernel("twice")(x) + 1
+
+    torch._dynamo.reset()
+    compiled = torch.compile(uses_the_kernel, backend="eager", fullgraph=True)
+    x = torch.arange(4.0)
+    assert torch.equal(compiled(x), 2 * x + 1)
+    assert registry._resolved == {}  # the traced call wrote nothing
+    assert torch.equal(uses_the_kernel(x), 2 * x + 1)  # an eager call still memoizes
+    assert list(registry._resolved) == [("twice", None, id(registry._KERNELS["twice"]), 1)]
+    torch._dynamo.reset()

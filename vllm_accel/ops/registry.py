@@ -17,6 +17,8 @@ import os
 from collections.abc import Callable
 from typing import Any
 
+import torch
+
 from vllm_accel import envs
 
 REFERENCE = "reference"
@@ -89,5 +91,11 @@ def get_kernel(name: str, provider: str | None = None) -> Callable[..., Any]:
     key = (name, os.environ.get("ACCEL_KERNEL_PROVIDER"), id(impls), len(impls))
     fn = _resolved.get(key)
     if fn is None:
-        fn = _resolved[key] = impls[resolve_provider(name)]
+        fn = impls[resolve_provider(name)]
+        # Not while torch.compile traces (a kernel that asks per call, e.g. W8A8's
+        # activation quantizer): dynamo replays a traced dict write in the compiled
+        # code, keyed by this process's id(), and the restart that loads that code
+        # from vLLM's compile cache then failed on it with a KeyError.
+        if not torch.compiler.is_compiling():
+            _resolved[key] = fn
     return fn
