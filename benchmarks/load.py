@@ -30,10 +30,13 @@ async def _one(client: httpx.AsyncClient, url: str, model: str, index: int, toke
                disconnect_after: int | None) -> dict:
     """One streaming completion; with ``disconnect_after``, drop the connection
     after that many chunks."""
+    # (the usage chunk counts the tokens: a chunk can carry several when the server
+    # streams faster than this client reads)
     body = {"model": model, "prompt": f"Request {index}: tell a long story about the sea.",
-            "max_tokens": tokens, "temperature": 0, "ignore_eos": True, "stream": True}
+            "max_tokens": tokens, "temperature": 0, "ignore_eos": True, "stream": True,
+            "stream_options": {"include_usage": True}}
     start = time.perf_counter()
-    ttft, chunks = None, 0
+    ttft, chunks, made = None, 0, None
     try:
         async with client.stream("POST", f"{url}/v1/completions", json=body) as response:
             if response.status_code != 200:
@@ -41,16 +44,19 @@ async def _one(client: httpx.AsyncClient, url: str, model: str, index: int, toke
             async for line in response.aiter_lines():
                 if not line.startswith("data: ") or line == "data: [DONE]":
                     continue
-                if json.loads(line[6:])["choices"][0].get("text") is not None:
+                chunk = json.loads(line[6:])
+                if chunk.get("usage"):
+                    made = chunk["usage"]["completion_tokens"]
+                if chunk["choices"] and chunk["choices"][0].get("text") is not None:
                     chunks += 1
                     ttft = ttft if ttft is not None else time.perf_counter() - start
                 if disconnect_after is not None and chunks >= disconnect_after:
                     return {"ok": True, "disconnected": True, "ttft": ttft, "tokens": chunks}
     except httpx.HTTPError as e:
         return {"ok": False, "error": repr(e)}
-    complete = chunks == tokens
-    return {"ok": complete, "disconnected": False, "ttft": ttft, "tokens": chunks,
-            "error": None if complete else f"{chunks} of {tokens} tokens"}
+    complete = made == tokens
+    return {"ok": complete, "disconnected": False, "ttft": ttft, "tokens": made or 0,
+            "error": None if complete else f"{made} of {tokens} tokens ({chunks} chunks)"}
 
 
 def _gauges(url: str) -> dict[str, float]:

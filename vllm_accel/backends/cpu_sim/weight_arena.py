@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from vllm_accel.backends.cpu_sim.huge_pages import HUGE_PAGE, MADV_HUGEPAGE, huge_page_bytes
+from vllm_accel.backends.cpu_sim.huge_pages import HUGE_PAGE, MADV_HUGEPAGE, back_with_huge_pages
 
 #: where each storage starts in the block (a cache line: every dtype's alignment)
 _ALIGN = 64
@@ -89,7 +89,7 @@ def gather_weights(model: torch.nn.Module, huge_pages: bool) -> Gathered:
         size += -(-storage.nbytes() // _ALIGN) * _ALIGN
     raw = torch.empty(size + HUGE_PAGE, dtype=torch.uint8)
     start = -raw.data_ptr() % HUGE_PAGE  # the block starts on a huge page
-    if huge_pages:  # before the copy touches the pages, so they fault in huge
+    if huge_pages:  # before the copy touches the pages, so they fault in huge where they can
         end = raw.data_ptr() + start + size + -size % HUGE_PAGE
         libc = ctypes.CDLL(None, use_errno=True)
         if libc.madvise(ctypes.c_void_p(raw.data_ptr() + start),
@@ -104,6 +104,7 @@ def gather_weights(model: torch.nn.Module, huge_pages: bool) -> Gathered:
             for t in tensors:
                 t.set_(block, at // t.element_size() + t.storage_offset(), t.size(), t.stride())
             result.moved += nbytes
-    if huge_pages:
-        result.huge = huge_page_bytes([(raw.data_ptr() + start, raw.data_ptr() + start + size)])
+    if huge_pages:  # and collapse what faulted in small (no huge page free then)
+        result.huge, collapse_problem = back_with_huge_pages([raw])
+        result.problem = result.problem or collapse_problem
     return result
