@@ -36,7 +36,7 @@ import throughput  # noqa: E402
 CONFIGS: dict[str, dict[str, Any]] = {
     "stock": {"engine": "stock", "llm": {}},
     "accel": {"engine": "accel", "llm": {}},
-    "accel-w4a16": {"engine": "accel", "llm": {}, "w4a16_checkpoint": True},
+    "accel-w4a16": {"engine": "accel", "llm": {}, "checkpoint": "w4a16"},
     "accel-int8kv": {"engine": "accel", "llm": {"kv_cache_dtype": "int8"}},
 }
 RESULT_TAG = throughput.RESULT_TAG
@@ -131,8 +131,8 @@ def main() -> int:
     for config in configs:
         spec_config = CONFIGS[config]
         engine = throughput.ENGINES[spec_config["engine"]]
-        checkpoint = (throughput.quantized_model(model, "w4a16")
-                      if spec_config.get("w4a16_checkpoint") else model)
+        checkpoint = (throughput.quantized_model(model, spec_config["checkpoint"])
+                      if spec_config.get("checkpoint") else model)
         spec = {
             "config": config, "workload": f"sweep/{config}", "engine": spec_config["engine"],
             "expected_platform": engine["platform"], "batch_sizes": batches,

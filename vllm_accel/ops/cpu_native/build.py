@@ -108,18 +108,14 @@ def cpu_signature() -> str:
     return "\n".join([platform.machine(), platform.processor(), *seen.values()])
 
 
-def build_flags() -> tuple[str, ...]:
-    """FLAGS with ``-march`` set to ACCEL_NATIVE_MARCH (``native`` unless overridden)."""
-    march = f"-march={envs.ACCEL_NATIVE_MARCH}"
-    return tuple(march if f == "-march=native" else f for f in FLAGS)
-
-
 def _build(cxx: str) -> Path:
     version = subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout
-    flags = build_flags()
+    # FLAGS with the -march ACCEL_NATIVE_MARCH names (native unless overridden)
+    march = f"-march={envs.ACCEL_NATIVE_MARCH}"
+    flags = tuple(march if f == "-march=native" else f for f in FLAGS)
     # what that -march turns on, as the compiler resolves it on this CPU
-    native_target = subprocess.run([cxx, *(f for f in flags if f.startswith("-march=")), "-Q",
-                                    "--help=target"], capture_output=True, text=True).stdout
+    native_target = subprocess.run([cxx, march, "-Q", "--help=target"],
+                                   capture_output=True, text=True).stdout
     key = hashlib.sha256("\0".join(
         [*(f.read_text() for f in SOURCES + HEADERS), cxx, version, " ".join(flags),
          " ".join(LINK_FLAGS), cpu_signature(), native_target]
