@@ -28,6 +28,7 @@ one-token run, is printed on its own line.
 Usage::
 
     python benchmarks/step_profile.py [--engine accel|stock] [--model DIR] [--compile]
+                                      [--kv-cache-dtype auto|int8]
                                       [--num-prompts 1] [--input-len 32] [--output-len 128]
                                       [--top N] [--json out.json]
 """
@@ -147,6 +148,8 @@ def main() -> None:
     ap.add_argument("--num-prompts", type=int, default=1)
     ap.add_argument("--input-len", type=int, default=32)
     ap.add_argument("--output-len", type=int, default=128)
+    ap.add_argument("--kv-cache-dtype", default="auto",
+                    help="vLLM's --kv-cache-dtype (e.g. int8: the INT8 KV cache)")
     ap.add_argument("--json", type=Path, default=None)
     ap.add_argument("--top", type=int, default=0,
                     help="also print the N ops with the most self time inside the forward")
@@ -170,6 +173,7 @@ def main() -> None:
     llm = LLM(model=model, dtype="bfloat16", seed=0, max_model_len=1024,
               kv_cache_memory_bytes=1 << 30, enforce_eager=not args.compile,
               enable_prefix_caching=False,  # each generate() repeats the prompts
+              kv_cache_dtype=args.kv_cache_dtype,
               skip_tokenizer_init=True)
     platform = type(current_platform).__name__
     if platform != engine["platform"]:
@@ -222,7 +226,7 @@ def main() -> None:
     if args.json:
         args.json.write_text(json.dumps({"cpu": cpu, "flags": flags, "engine": args.engine,
                                          "compiled": args.compile, "model": model,
-                                         "num_prompts": args.num_prompts,
+                                         "num_prompts": args.num_prompts, "kv_cache_dtype": args.kv_cache_dtype,
                                          "prefill_ms": prefill_s * 1e3,
                                          "wall_ms_per_step": wall_ms,
                                          "profiled_ms_per_step": profiled_ms, "split_ms": split},

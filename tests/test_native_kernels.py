@@ -235,6 +235,30 @@ def test_cache_write_int8_static_scales_bit_exact(dtype):
     assert torch.equal(ours, theirs)
 
 
+@pytest.mark.parametrize("d", [40, 80])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_cache_write_int8_vector_and_tail_bit_exact(dtype, d):
+    """The writer's AVX-512 part (whole vectors of 16) and its scalar tail (40 = 2 x 16
+    + 8) round exact halves to even, as the torch writer does."""
+    g = torch.Generator().manual_seed(d)
+    key = torch.randn(24, HKV, d, generator=g).to(dtype)
+    value = torch.randn(24, HKV, d, generator=g).to(dtype)
+    # max |x| 31.75 makes the scale exactly 0.25, so (m + 0.5) * 0.25 is a tie
+    ties = (torch.arange(d) - d // 2 + 0.5) * 0.25
+    ties[d // 3] = 31.75
+    key[0, :] = ties.to(dtype)
+    value[1, :] = -ties.to(dtype)
+    slots = torch.randperm(4 * 16, generator=g)[:24]
+    cache = torch.zeros(4, HKV, 16, 2 * d + 8, dtype=torch.int8)
+    ours, theirs = cache.clone(), cache.clone()
+    attention_native.cache_write_int8(key, value, ours, slots)
+    get_kernel("cache_write_int8", "reference")(key, value, theirs, slots)
+    assert torch.equal(ours, theirs)
+    page = ours[slots[0] // 16, 0].flatten()  # K rows [16, d], V rows, scales
+    codes = page[slots[0] % 16 * d:][:d].float()
+    assert torch.equal(codes[d // 2 - 1:d // 2 + 2], torch.tensor([0.0, 0.0, 2.0]))  # -0.5, 0.5, 1.5
+
+
 # ------------------------------------------------------------------ readers
 
 
