@@ -138,6 +138,7 @@ def test_per_forward_path_traces_as_one_graph(case, dtype, monkeypatch):
 QUANT_GEMM_CALL = re.compile(
     r"^(?!\s*#).*?\b(extern_kernels\._int_mm|extern_kernels\._weight_int8pack_mm|"
     r"vllm_accel\.int8_weight_mm\.default|vllm_accel\.int4pack_linear\.default|"
+    r"vllm_accel\.int8_linear_dynamic\.default|"
     r"int4mm_packed_weight_cpu\.default|aten\._weight_int4pack_mm_for_cpu\.default|"
     r"aten\._weight_int8pack_mm\.default)\(")
 #: a float GEMM in the graph: a quantized layer that fell back to a dequantized weight
@@ -188,8 +189,10 @@ def test_compiled_engine_gives_the_eager_tokens(family, tmp_path):
     """vLLM's default mode (torch.compile, inductor) on a tiny 2-layer model whose 8
     linear layers are quantized, with an INT8 KV cache: the greedy tokens equal
     the eager engine's, and inductor's generated code calls torch's quantized
-    GEMM once per quantized layer (or, for AWQ's 4-bit layers, the one-op decoder
-    layer that runs them) and no float GEMM (no dequantized fallback)."""
+    GEMM once per quantized layer (or our op around it: W8A8 with dynamic
+    activations on the simulator's cpu_native provider; or, for AWQ's 4-bit layers,
+    the one-op decoder layer that runs them) and no float GEMM (no dequantized
+    fallback)."""
     write, extra, served = FAMILIES[family]
     src = build_tiny_model(tmp_path / "float", num_heads=4, num_kv_heads=2, head_dim=32,
                            hidden_size=128)
@@ -224,6 +227,8 @@ def test_compiled_engine_gives_the_eager_tokens(family, tmp_path):
     fused = family == "awq-w4-g32" and native.torch_ops() is not None
     assert len(layer_calls) == (2 if fused else 0), layer_calls
     assert len(quant_calls) == (0 if fused else 8) and not float_calls, (quant_calls, float_calls)
+    if family == "ct-w8a8-dynamic" and native.torch_ops() is not None:  # one opaque op each
+        assert all("int8_linear_dynamic" in line for line in quant_calls), quant_calls
     tokens = [o["token_ids"] for o in compiled["outputs"]]
     assert tokens == [o["token_ids"] for o in eager["outputs"]]
     if "VLLM_CACHE_ROOT" in cache:

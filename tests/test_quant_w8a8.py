@@ -164,6 +164,48 @@ def test_int8_linear_kernel(shape, mode, dtype, method):
     assert bool((err <= act_bound + OUT_REL[dtype] * exact.abs() + 4e-7 * mag + 1e-6).all())
 
 
+@pytest.mark.parametrize("shape", SHAPES + [(64, 576, 3072), (0, 64, 48)],
+                         ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("with_bias", [True, False], ids=["bias", "no-bias"])
+def test_cpu_native_int8_linear_is_the_torch_kernel(shape, dtype, with_bias, monkeypatch):
+    """cpu_native's W8A8 op (C++ quantizer and epilogue around torch's int8 GEMM) gives
+    the torch kernel's bytes for dynamic symmetric activations (that kernel is held to
+    the float64 oracle above), through one op call per linear, and hands everything
+    else to it. Exact halves and an all-zero row exercise the rounding and the scale."""
+    from conftest import kernel_calls
+    from vllm_accel.ops.cpu_native import int8_linear as native_w8a8
+
+    m, k, n = shape
+    gen = torch.Generator().manual_seed(m * 7 + k + n)
+    codes, scale = quantize_weight_int8(torch.randn(n, k, generator=gen) * 0.05, "channel")
+    scale = scale.reshape(n)
+    x = (torch.randn(m, k, generator=gen) * 2).to(dtype)
+    if m >= 2:
+        x[0] = 0  # all-zero row: scale 1
+        x[1] = ((torch.arange(k) % 254) - 127 + 0.5) * 0.25  # |x| <= 31.625: halves of s
+        x[1, 0] = 31.75  # = 127 * 0.25, so s = 0.25 and (i + 0.5) * 0.25 / s ties
+    bias = torch.randn(n, generator=gen).to(dtype) if with_bias else None
+    calls = kernel_calls(monkeypatch, "int8_linear_dynamic", "", 0)
+    ours = get_kernel("int8_linear", "cpu_native")(x.reshape(1, m, k), codes, scale, bias=bias,
+                                                   mm_method="int_mm")
+    theirs = get_kernel("int8_linear", "reference")(x.reshape(1, m, k), codes, scale, bias=bias,
+                                                    mm_method="int_mm")
+    assert ours.shape == (1, m, n) and ours.dtype == dtype
+    assert torch.equal(ours.view(torch.uint8 if dtype != torch.float32 else torch.int32),
+                       theirs.view(torch.uint8 if dtype != torch.float32 else torch.int32))
+    assert native_w8a8.NATIVE_DISPATCH
+    assert calls() == (1, m)
+    # static, asymmetric or the fp32 GEMM path: the torch kernel's answer, no op call
+    for kwargs in ({"input_scale": torch.tensor(0.05)}, {"input_symmetric": False,
+                   "weight_col_sums": codes.to(torch.int32).sum(1, dtype=torch.int32)},
+                   {"mm_method": "fp32_exact"}):
+        kwargs = {"mm_method": "int_mm", **kwargs}
+        assert torch.equal(get_kernel("int8_linear", "cpu_native")(x, codes, scale, **kwargs),
+                           get_kernel("int8_linear", "reference")(x, codes, scale, **kwargs))
+    assert calls() == (1, m)
+
+
 def test_kernel_registry_and_int_mm_probe():
     assert "reference" in providers_of("int8_linear")
     assert "reference" in providers_of("int8_quant_act")

@@ -40,6 +40,7 @@ from vllm_accel.quant.compressed_tensors import (  # noqa: E402
 )
 from vllm_accel.quant import w8a16  # noqa: F401,E402  (registers w8a16 at import)
 from vllm_accel.quant.w8a8 import AccelW8A8LinearMethod  # noqa: E402
+from vllm_accel.ops.cpu_native import int8_linear  # noqa: F401,E402  (cpu_native's W8A8 GEMM)
 from vllm_accel.quant.w8a16 import AccelW8A16Config, AccelW8A16LinearMethod  # noqa: E402
 
 __all__ = ["AccelGPTQConfig", "AccelGPTQLinearMethod", "AccelAWQConfig",

@@ -35,6 +35,16 @@ inline void store(float x, bf16* dst) {  // branch-free, so loops vectorize
 }
 
 #ifdef __AVX512F__
+// 16 elements as float32 (exact)
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const bf16* p) {
+  const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(x), 16));
+}
+inline __m512 load16(const _Float16* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+
 // store(x, bf16*) for 16 lanes at once: the same rounding (to nearest even, NaN stays
 // NaN), as 16 bf16 in the low 256 bits.
 inline __m256i to_bf16(__m512 v) {

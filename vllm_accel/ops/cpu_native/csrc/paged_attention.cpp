@@ -183,14 +183,7 @@ void attend_one(const QT* query, int64_t q_head_stride, QT* out, int64_t o_head_
 // makes 16 scores at a time with 16 independent FMA chains, reduced together, and
 // adds the page's weighted V rows with its C accumulators in registers.
 
-inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 load16(const bf16* p) {
-  const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(x), 16));
-}
-inline __m512 load16(const _Float16* p) {
-  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-}
+using accel::load16;  // the float types' overloads (dtypes.h), beside this one
 inline __m512 load16(const int8_t* p) {
   const __m128i x = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
   return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(x));

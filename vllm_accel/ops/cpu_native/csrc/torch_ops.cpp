@@ -8,6 +8,7 @@
 // links the plain kernel library for the C entry points (entry_points.h).
 
 #include <ATen/core/Tensor.h>
+#include <ATen/ops/_int_mm.h>
 #include <ATen/ops/_weight_int4pack_mm_for_cpu.h>
 #include <ATen/ops/add.h>
 #include <ATen/ops/empty.h>
@@ -36,8 +37,8 @@ struct KernelCalls {
     rows.fetch_add(m, std::memory_order_relaxed);
   }
 };
-KernelCalls bf16_linear_calls, int4pack_linear_calls, attention_step_calls, rms_norm_calls,
-    silu_and_mul_calls, rotary_calls, decoder_layer_calls;
+KernelCalls bf16_linear_calls, int4pack_linear_calls, int8_linear_calls, attention_step_calls,
+    rms_norm_calls, silu_and_mul_calls, rotary_calls, decoder_layer_calls;
 
 // Whether torch packs int4 weights the way accel_int4pack_gemv reads them: torch picks
 // its layout by the CPU capability it runs with, so Python checks it once
@@ -132,6 +133,45 @@ at::Tensor int4pack_linear(const at::Tensor& x, const at::Tensor& weight, int64_
               weight.sizes(), ", group ", group_size);
   int4pack_linear_calls.add(m);
   return y;
+}
+
+// vllm_accel::int8_linear_dynamic: W8A8 with symmetric dynamic per-token activations,
+// quant/w8a8.py int8_linear's result bit for bit: the rows quantized in C++
+// (int8_linear.cpp), torch's int8 GEMM, the epilogue in C++. The Python kernel
+// (int8_linear.py) sends only inputs it takes: x float32/bf16/fp16 [..., K] on the
+// CPU, weight int8 [N, K], weight_scale float32 [N], bias [N].
+at::Tensor int8_linear_dynamic(const at::Tensor& x, const at::Tensor& weight,
+                               const at::Tensor& weight_scale,
+                               const std::optional<at::Tensor>& bias) {
+  const int code = dtype_code(x.scalar_type());
+  TORCH_CHECK(code >= 0 && x.device().is_cpu() && weight.dim() == 2 &&
+                  weight.scalar_type() == at::kChar && x.size(-1) == weight.size(1) &&
+                  weight_scale.numel() == weight.size(0),
+              "int8_linear_dynamic: unsupported inputs x ", x.sizes(), " ", x.scalar_type(),
+              ", weight ", weight.sizes(), " ", weight.scalar_type());
+  const int64_t n = weight.size(0), k = weight.size(1);
+  at::Tensor x2 = x.reshape({-1, k});
+  if (x2.stride(1) != 1) x2 = x2.contiguous();
+  const int64_t m = x2.size(0);
+  std::vector<int64_t> out_sizes = x.sizes().vec();
+  out_sizes.back() = n;
+  at::Tensor y = at::empty({m, n}, x.options());
+  if (m) {
+    at::Tensor q = at::empty({m, k}, x.options().dtype(at::kChar));
+    at::Tensor row_scales = at::empty({m}, x.options().dtype(at::kFloat));
+    accel_int8_quant_rows(code, x2.data_ptr(), x2.stride(0), m, k, q.data_ptr<int8_t>(),
+                          row_scales.data_ptr<float>());
+    const at::Tensor acc = at::_int_mm(q, weight.t());
+    const at::Tensor col_scales = weight_scale.to(at::kFloat).contiguous();
+    at::Tensor b;
+    if (bias.has_value()) b = bias->to(at::kFloat).contiguous();
+    accel_int8_dequant(acc.data_ptr<int32_t>(), acc.stride(0), m, n,
+                       row_scales.data_ptr<float>(), col_scales.data_ptr<float>(),
+                       b.defined() ? b.data_ptr<float>() : nullptr, code, y.data_ptr(),
+                       y.stride(0));
+  }
+  int8_linear_calls.add(m);
+  return y.view(out_sizes);
 }
 
 // Bytes of float32 (k_scale, v_scale) after each token's codes in an INT8 page
@@ -551,6 +591,7 @@ int64_t accel_torch_ops_kernel_calls(const char* op, int64_t* rows) {
   const std::string_view name(op);
   KernelCalls* counter = name == "bf16_linear"       ? &bf16_linear_calls
                          : name == "int4pack_linear" ? &int4pack_linear_calls
+                         : name == "int8_linear_dynamic" ? &int8_linear_calls
                          : name == "cpu_attention_step" ? &attention_step_calls
                          : name == "cpu_rms_norm" ? &rms_norm_calls
                          : name == "cpu_silu_and_mul" ? &silu_and_mul_calls
@@ -593,11 +634,13 @@ TORCH_LIBRARY_FRAGMENT(vllm_accel, m) {
         "-> (Tensor, Tensor)");
 }
 
-// Impls for ops whose schemas Python defines (bf16_linear.py, wint_gemv.py); the
+// Impls for ops whose schemas Python defines (bf16_linear.py, wint_gemv.py,
+// int8_linear.py); the
 // dispatcher takes an impl before its schema.
 TORCH_LIBRARY_IMPL(vllm_accel, CPU, m) {
   m.impl("bf16_linear", &bf16_linear);
   m.impl("int4pack_linear", &int4pack_linear);
+  m.impl("int8_linear_dynamic", &int8_linear_dynamic);
   m.impl("cpu_paged_attention", &cpu_paged_attention);
   m.impl("cpu_cache_write", &cpu_cache_write);
   m.impl("cpu_attention_step", &cpu_attention_step);
