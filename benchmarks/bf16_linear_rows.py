@@ -36,11 +36,16 @@ _ARGS = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_void_p, ctypes.
          ctypes.c_int64]
 
 
-def build(source: Path, out_dir: Path, name: str) -> ctypes.CDLL:
+def compile_source(source: Path, out_dir: Path, name: str) -> ctypes.CDLL:
+    """One csrc file built alone with the plugin's flags, loaded."""
     out = out_dir / f"{name}.so"
     subprocess.run(["c++", *FLAGS, "-shared", "-w", f"-I{CSRC}", str(source), "-o", str(out)],
                    check=True)
-    lib = ctypes.CDLL(str(out))
+    return ctypes.CDLL(str(out))
+
+
+def build(source: Path, out_dir: Path, name: str) -> ctypes.CDLL:
+    lib = compile_source(source, out_dir, name)
     lib.accel_bf16_linear.argtypes = _ARGS
     return lib
 

@@ -20,23 +20,18 @@ from pathlib import Path
 
 import torch
 
-from bf16_linear_rows import CSRC, FLAGS  # the plugin's build flags
+from bf16_linear_rows import CSRC, compile_source
 from roofline import cpu_flags, cpu_model, read_bandwidth
 
 #: the default model's attention: query heads, KV heads, head size, layers
 HEADS, KV_HEADS, HEAD_SIZE, LAYERS = 9, 3, 64, 30
 #: bytes of float32 (k_scale, v_scale) per token and head of an INT8 page
 INT8_SCALE_BYTES = 8
-BF16, INT8 = 1, 1  # the C ABI's dtype code of a bf16 query; its cache_int8 flag
+BF16 = 1  # the C ABI's dtype code of a bf16 query
 
 
 def build(source: Path, out_dir: Path, name: str) -> ctypes.CDLL:
-    import subprocess
-
-    out = out_dir / f"{name}.so"
-    subprocess.run(["c++", *FLAGS, "-shared", "-w", f"-I{CSRC}", str(source), "-o", str(out)],
-                   check=True)
-    lib = ctypes.CDLL(str(out))
+    lib = compile_source(source, out_dir, name)
     i64, i32, ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
     lib.accel_paged_attention.argtypes = [
         i32, ptr, i64, i64, ptr, i64, i64, ptr, i32, i64, i64, i32, i32, i64, ptr, i64, i64,

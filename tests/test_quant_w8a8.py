@@ -186,6 +186,7 @@ def test_cpu_native_int8_linear_is_the_torch_kernel(shape, dtype, with_bias, mon
         x[1] = ((torch.arange(k) % 254) - 127 + 0.5) * 0.25  # |x| <= 31.625: halves of s
         x[1, 0] = 31.75  # = 127 * 0.25, so s = 0.25 and (i + 0.5) * 0.25 / s ties
     bias = torch.randn(n, generator=gen).to(dtype) if with_bias else None
+    assert native_w8a8.NATIVE_DISPATCH  # (the op has no ctypes path to count)
     calls = kernel_calls(monkeypatch, "int8_linear_dynamic", "", 0)
     ours = get_kernel("int8_linear", "cpu_native")(x.reshape(1, m, k), codes, scale, bias=bias,
                                                    mm_method="int_mm")
@@ -194,7 +195,6 @@ def test_cpu_native_int8_linear_is_the_torch_kernel(shape, dtype, with_bias, mon
     assert ours.shape == (1, m, n) and ours.dtype == dtype
     assert torch.equal(ours.view(torch.uint8 if dtype != torch.float32 else torch.int32),
                        theirs.view(torch.uint8 if dtype != torch.float32 else torch.int32))
-    assert native_w8a8.NATIVE_DISPATCH
     assert calls() == (1, m)
     # static, asymmetric or the fp32 GEMM path: the torch kernel's answer, no op call
     for kwargs in ({"input_scale": torch.tensor(0.05)}, {"input_symmetric": False,

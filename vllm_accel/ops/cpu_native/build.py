@@ -37,7 +37,7 @@ logger = init_logger(__name__)
 CSRC = Path(__file__).parent / "csrc"
 SOURCES = (CSRC / "paged_attention.cpp", CSRC / "elementwise.cpp", CSRC / "int4_gemv.cpp",
            CSRC / "bf16_linear.cpp", CSRC / "int8_linear.cpp")
-HEADERS = (CSRC / "dtypes.h", CSRC / "entry_points.h")
+HEADERS = (CSRC / "dtypes.h", CSRC / "entry_points.h", CSRC / "int8_codes.h")
 #: the dispatcher kernels of vllm_accel's torch.library ops (built against torch)
 TORCH_OPS_SOURCE = CSRC / "torch_ops.cpp"
 TORCH_OPS_FLAGS = ("-O2", "-std=c++17", "-fPIC", "-shared", "-w")
@@ -73,8 +73,6 @@ _SIGNATURES = {
     "accel_bf16_linear_onednn_rows": (_i32,),
     "accel_bf16_linear_dp_rows": (),
     "accel_bf16_linear": (_ptr, _i64, _i32, _ptr, _i64, _ptr, _ptr, _i64, _i64, _i64, _i64),
-    "accel_int8_quant_rows": (_i32, _ptr, _i64, _i64, _i64, _ptr, _ptr),
-    "accel_int8_dequant": (_ptr, _i64, _i64, _i64, _ptr, _ptr, _ptr, _i32, _ptr, _i64),
     "accel_rotary": (_i32, _ptr, _i64, _ptr, _i64, _ptr, _i64, _i32, _i32, _i32, _i32, _ptr, _i64,
                      _i64),
 }

@@ -37,7 +37,7 @@ int accel_int4pack_gemv(const void* x, int64_t x_stride, const void* packed,
                         const void* scales_zeros, void* y, int64_t y_stride, int32_t m,
                         int64_t n, int64_t k, int64_t group, int32_t variant);
 
-// int8_linear.cpp
+// int8_linear.cpp (called by torch_ops.cpp only: no ctypes path)
 int accel_int8_quant_rows(int32_t dtype, const void* x, int64_t x_stride, int64_t m, int64_t k,
                           int8_t* q, float* scales);
 int accel_int8_dequant(const int32_t* acc, int64_t acc_stride, int64_t m, int64_t n,

@@ -18,6 +18,7 @@
 
 #include "dtypes.h"
 #include "entry_points.h"
+#include "int8_codes.h"
 
 #pragma GCC push_options
 #pragma GCC optimize("no-fast-math", "fp-contract=off")
@@ -35,52 +36,31 @@ inline void store16(__m512 v, _Float16* p) {
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(p),
                       _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
 }
-constexpr int kVector = 16;
-#else
-constexpr int kVector = 0;
 #endif
 
 // One row: its scale, its codes into q.
 template <typename T>
 float quantize_row(const T* x, int64_t k, int8_t* q) {
-  const int64_t whole = kVector ? k / 16 * 16 : 0;  // AVX-512 part; the rest scalar
-  float amax = 0.f;
-#ifdef __AVX512F__
-  __m512 m = _mm512_setzero_ps();
-  for (int64_t i = 0; i < whole; i += 16) m = _mm512_max_ps(_mm512_abs_ps(load16(x + i)), m);
-  if (whole) amax = _mm512_reduce_max_ps(m);
-#endif
-  for (int64_t i = whole; i < k; ++i) amax = std::max(amax, std::fabs(to_float(x[i])));
-  float s = amax / 127.f;
+  float s = abs_max(x, k) / 127.f;
   if (s == 0.f) s = 1.f;
-#ifdef __AVX512F__
-  const __m512 sv = _mm512_set1_ps(s), lo = _mm512_set1_ps(-127.f), hi = _mm512_set1_ps(127.f);
-  for (int64_t i = 0; i < whole; i += 16) {
-    __m512 v = _mm512_roundscale_ps(_mm512_div_ps(load16(x + i), sv),
-                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    v = _mm512_min_ps(_mm512_max_ps(v, lo), hi);
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + i), _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(v)));
-  }
-#endif
-  for (int64_t i = whole; i < k; ++i)
-    q[i] = int8_t(std::min(127.f, std::max(-127.f, std::nearbyint(to_float(x[i]) / s))));
+  int8_codes(x, k, s, q);
   return s;
 }
 
 template <typename T>
 void dequantize_row(const int32_t* acc, int64_t n, float row_scale, const float* col_scales,
                     const float* bias, T* y) {
-  const int64_t whole = kVector ? n / 16 * 16 : 0;
+  int64_t j = 0;
 #ifdef __AVX512F__
   const __m512 rs = _mm512_set1_ps(row_scale);
-  for (int64_t j = 0; j < whole; j += 16) {
+  for (; j + 16 <= n; j += 16) {
     __m512 v = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_loadu_si512(acc + j)), rs);
     v = _mm512_mul_ps(v, _mm512_loadu_ps(col_scales + j));
     if (bias) v = _mm512_add_ps(v, _mm512_loadu_ps(bias + j));
     store16(v, y + j);
   }
 #endif
-  for (int64_t j = whole; j < n; ++j) {
+  for (; j < n; ++j) {
     float v = float(acc[j]) * row_scale;
     v = v * col_scales[j];
     if (bias) v = v + bias[j];

@@ -22,6 +22,7 @@
 
 #include "dtypes.h"
 #include "entry_points.h"
+#include "int8_codes.h"
 
 #ifdef __AVX512F__
 #include <immintrin.h>
@@ -715,42 +716,11 @@ void write_float(const T* key, const T* value, const Strides& src, T* cache,
 
 // Symmetric per-(token, head) quantization, the same arithmetic as the torch
 // writer (reference/cache_write.py _quantize): scale = max|x| / 127 (floored), or a
-// static scale; q = round_half_even(x / scale) clipped to [-127, 127].
-// AVX-512 for whole vectors of 16 (the same IEEE division and round-half-even, and
-// max/min operand orders that treat NaN as std::max/min do), scalar for the rest: a
-// decode step's 64 tokens x 3 heads x 30 layers took 10.5 ms in scalar nearbyint
-// calls (0.9 ms for the bf16 cache's copy; AMD EPYC Zen 4).
+// static scale; the codes as int8_codes.h makes them.
 template <typename T>
 float quantize_row(const T* x, int8_t* q, int n, float static_scale) {
-#ifdef __AVX512F__
-  const int whole = n / 16 * 16;
-#else
-  const int whole = 0;
-#endif
-  float scale = static_scale;
-  if (scale <= 0.f) {
-    float amax = 0.f;
-#ifdef __AVX512F__
-    __m512 m = _mm512_setzero_ps();  // (|x| > m ? |x| : m): a NaN is skipped
-    for (int i = 0; i < whole; i += 16) m = _mm512_max_ps(_mm512_abs_ps(load16(x + i)), m);
-    if (whole) amax = _mm512_reduce_max_ps(m);
-#endif
-    for (int i = whole; i < n; ++i) amax = std::max(amax, std::fabs(to_float(x[i])));
-    scale = std::max(amax / 127.f, 1e-8f);
-  }
-#ifdef __AVX512F__
-  const __m512 s = _mm512_set1_ps(scale), lo = _mm512_set1_ps(-127.f), hi = _mm512_set1_ps(127.f);
-  for (int i = 0; i < whole; i += 16) {
-    __m512 v = _mm512_roundscale_ps(_mm512_div_ps(load16(x + i), s),
-                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    v = _mm512_min_ps(_mm512_max_ps(v, lo), hi);  // a NaN becomes -127, as below
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + i), _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(v)));
-  }
-#endif
-  for (int i = whole; i < n; ++i) {
-    const float v = std::nearbyint(to_float(x[i]) / scale);
-    q[i] = int8_t(std::min(127.f, std::max(-127.f, v)));
-  }
+  const float scale = static_scale > 0.f ? static_scale : std::max(abs_max(x, n) / 127.f, 1e-8f);
+  int8_codes(x, n, scale, q);
   return scale;
 }
 
