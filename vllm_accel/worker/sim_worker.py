@@ -26,14 +26,6 @@ from vllm_accel.worker.sim_model_runner import AccelSimModelRunner
 
 logger = init_logger(__name__)
 
-#: Steps of at least this many tokens also run on EngineCore's core where the worker
-#: shares it (cpu_sim process_env): from about 8 rows a step's GEMMs take as long in
-#: arithmetic as in weight reads, so a second core pays; smaller steps stream weights
-#: and lose more waiting on a core EngineCore is using than they gain (AMD EPYC Zen 4,
-#: eager, decode out tok/s with / without the second core: 4 requests 185 / 199,
-#: 16 requests 355 / 315).
-SHARED_CORE_MIN_TOKENS = 8
-
 
 class AccelSimWorker(AccelWorkerMixin, CPUWorker):
     def __init__(self, vllm_config, local_rank: int, rank: int,
@@ -61,27 +53,12 @@ class AccelSimWorker(AccelWorkerMixin, CPUWorker):
         # CPUWorker.init_device builds vLLM's CPUModelRunner by name; replace it
         # with ours (the first one holds no model or KV cache yet).
         self.model_runner = AccelSimModelRunner(self.vllm_config, self.device)
-        self._threads_all = torch.get_num_threads()
-        # only vLLM's multiprocess executor binds the worker's threads (an in-process
-        # engine runs EngineCore in the worker's own thread and torch's default threads)
-        shared = (int(os.environ.get(SHARED_SCHEDULER_CORES_ENV, "0"))
-                  if self.parallel_config.distributed_executor_backend == "mp" else 0)
-        self._threads_own = max(1, self._threads_all - shared)
-        if shared:
-            logger.info("Worker threads: %d for steps of %d tokens or more (sharing "
-                        "EngineCore's core), %d below", self._threads_all,
-                        SHARED_CORE_MIN_TOKENS, self._threads_own)
+        # (an in-process engine runs EngineCore in the worker's own thread: nothing shared)
+        if (self.parallel_config.distributed_executor_backend == "mp"
+                and os.environ.get(SHARED_SCHEDULER_CORES_ENV, "0") != "0"):
+            logger.info("Worker threads: %d, one on EngineCore's core (EngineCore sleeps "
+                        "while a step runs)", torch.get_num_threads())
         self._log_classes()
-
-    def execute_model(self, scheduler_output, *args, **kwargs):
-        threads = (self._threads_all
-                   if scheduler_output.total_num_scheduled_tokens >= SHARED_CORE_MIN_TOKENS
-                   else self._threads_own)
-        if threads != torch.get_num_threads():
-            # torch's own setter: CPUWorker.init_device replaced torch.set_num_threads
-            # with a warning; the OpenMP threads stay bound where vLLM put them
-            torch._C.set_num_threads(threads)
-        return super().execute_model(scheduler_output, *args, **kwargs)
 
     def _bind_cores_in_ray_actor(self) -> None:
         """vLLM's multiprocessing executor binds each CPU worker to its cores with

@@ -16,7 +16,8 @@ from vllm_accel.envs import GiB
 
 
 #: How many of vLLM's reserved EngineCore cores the worker may also run on
-#: (``process_env`` -> ``AccelSimWorker``; the API process sets it for its children).
+#: (``process_env``; the API process sets it for its children: the worker logs it,
+#: EngineCore then sleeps while it waits for the worker, patches.py).
 SHARED_SCHEDULER_CORES_ENV = "_ACCEL_SIM_SHARED_SCHEDULER_CORES"
 
 
@@ -59,9 +60,9 @@ class CpuSimBackend:
         ``VLLM_CPU_SIM_MULTI_NUMA`` mode splits the cores evenly instead.
 
         One device on the host (``ACCEL_SIM_SHARE_SCHEDULER_CORE``): vLLM keeps one
-        core for EngineCore, which on a 2-core host is half the machine idle through
-        a compute-bound step. The worker is bound to every core instead and runs
-        only its own share of threads for small steps (``AccelSimWorker``).
+        core for EngineCore, which on a 2-core host is half the machine spent waiting
+        for the worker. The worker is bound to every core instead, and EngineCore
+        sleeps while it waits (patches.py, "EngineCore sleeps ...").
         """
         env = {
             "MALLOC_MMAP_THRESHOLD_": str(32 << 20),
