@@ -4,7 +4,7 @@
 One engine (``--engine accel``: our plugin; ``stock``: vLLM's CPU platform, the plugin
 excluded through ``VLLM_PLUGINS``) runs in this process
 (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, so the scheduler, the runner and the model are
-all visible to the profiler) with one torch thread, generates ``--output-len`` tokens
+all visible to the profiler) with ``--threads`` torch threads (default one), generates ``--output-len`` tokens
 for ``--num-prompts`` random ``--input-len``-token prompts (greedy, ``ignore_eos``; the
 defaults are issue 13's W3, ``--num-prompts 64 --input-len 128`` its W1's batch), and
 prints milliseconds per decode step by kind:
@@ -29,7 +29,7 @@ Usage::
 
     python benchmarks/step_profile.py [--engine accel|stock] [--model DIR] [--compile]
                                       [--kv-cache-dtype auto|int8]
-                                      [--num-prompts 1] [--input-len 32] [--output-len 128]
+                                      [--threads 1] [--num-prompts 1] [--input-len 32] [--output-len 128]
                                       [--top N] [--json out.json]
 """
 
@@ -145,6 +145,8 @@ def main() -> None:
     ap.add_argument("--engine", choices=("accel", "stock"), default="accel")
     ap.add_argument("--model", default=None, help="HF model dir (default model)")
     ap.add_argument("--compile", action="store_true", help="vLLM's default torch.compile")
+    ap.add_argument("--threads", type=int, default=1,
+                    help="torch threads (the simulator's multiprocess worker runs one a core)")
     ap.add_argument("--num-prompts", type=int, default=1)
     ap.add_argument("--input-len", type=int, default=32)
     ap.add_argument("--output-len", type=int, default=128)
@@ -167,7 +169,7 @@ def main() -> None:
     from vllm import LLM, SamplingParams
     from vllm.platforms import current_platform
 
-    torch.set_num_threads(1)
+    torch.set_num_threads(args.threads)
     model = args.model or throughput.default_model()
     _instrument()
     llm = LLM(model=model, dtype="bfloat16", seed=0, max_model_len=1024,

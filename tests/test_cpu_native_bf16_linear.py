@@ -25,15 +25,18 @@ UNIT_ROUNDOFF = {torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11, torch.float32
 
 def test_kernel_is_built_exactly_on_avx512():
     """Built in with AVX-512 F/BW/VL; its AVX512-BF16 tiles (from 3 rows of bf16 x)
-    exactly where the CPU has them; batches handed to oneDNN exactly where the CPU has
-    AMX (from 10 rows; with AVX512-BF16 alone the kernel's packed-panel GEMM keeps every
-    batch), never for float32 x: dispatch on what the CPU reports."""
+    exactly where the CPU has them, its AMX tiles (from 4 rows) exactly where it has AMX
+    (Linux grants the tile state: kernel 5.16+); batches handed to oneDNN only where the
+    CPU has AMX (from 640 rows; from 10 where the kernel may not use the tiles; with
+    AVX512-BF16 alone the kernel's packed-panel GEMM keeps every batch), never for
+    float32 x: dispatch on what the CPU reports."""
     built = native.library() is not None and cpu_has("avx512f", "avx512bw", "avx512vl")
     assert bf16_linear.available() == built
     assert bf16_linear.cpu_has_bf16_units() == (cpu_has("avx512_bf16") or cpu_has("amx_tile"))
     assert bf16_linear.dp_rows() == (3 if built and cpu_has("avx512_bf16") else 0)
-    expected_onednn = 10 if built and cpu_has("amx_tile", "amx_bf16") else 0
-    assert bf16_linear.onednn_rows(torch.bfloat16) == expected_onednn
+    amx = built and cpu_has("amx_tile", "amx_bf16", "avx512_bf16")
+    assert bf16_linear.amx_rows() == (4 if amx else 0)
+    assert bf16_linear.onednn_rows(torch.bfloat16) == (640 if amx else 0)
     assert bf16_linear.onednn_rows(torch.float32) == 0
 
 
@@ -119,9 +122,13 @@ def _c_kernel(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> to
 # tiles where built (3 and 6 one tile, 13 two of 6 and a tail), from 24 their packed-
 # panel GEMM (27: two tiles of 12 and a tail; 270: two 256-row blocks); outputs 9 and 130
 # end in a partial panel of 32, 130's in its second half; inputs 37 and 100 end in a
-# partial 32-column step, 64 does not
+# partial 32-column step, 64 does not. With AMX, from 4 rows: 6 and 13 one 16-row tile
+# of x, 17 and 27 two (the second nearly empty), 40 a pair and one, 270 two 256-row
+# blocks; outputs 8 and 9 one partial weight tile, 48 a block of 32 and one of 16, 130 a
+# partial last block; inputs 576 and 64 whole 32-column steps (the weight read in place),
+# 37 and 100 a padded copy
 C_SHAPES = [(1, 9, 37), (2, 130, 100), (3, 130, 64), (6, 8, 100), (13, 130, 37),
-            (27, 130, 100), (270, 9, 64)]
+            (17, 48, 576), (27, 130, 100), (40, 48, 64), (270, 9, 64)]
 
 
 @pytest.mark.skipif(not bf16_linear.available(), reason="needs AVX-512 F/BW/VL (kernel not built)")

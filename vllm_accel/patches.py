@@ -266,8 +266,9 @@ def _bf16_linear_dispatch() -> None:
         layer.weight = torch.nn.Parameter(weight.data, requires_grad=False)
         onednn_rows = bf16_linear.onednn_rows(torch.bfloat16)
         logger.info_once("bf16 Linear layers run the cpu_native kernel (ACCEL_BF16_LINEAR=%s; "
-                         "AVX512-BF16 tiles from %s rows; oneDNN from %s rows; `off` keeps "
-                         "oneDNN).", envs.ACCEL_BF16_LINEAR, bf16_linear.dp_rows() or "no",
+                         "AVX512-BF16 tiles from %s rows; AMX tiles from %s rows; oneDNN "
+                         "from %s rows; `off` keeps oneDNN).", envs.ACCEL_BF16_LINEAR,
+                         bf16_linear.dp_rows() or "no", bf16_linear.amx_rows() or "no",
                          onednn_rows or "no")
 
     dispatch_cpu_unquantized_gemm.__accel_patched__ = True  # type: ignore[attr-defined]

@@ -9,10 +9,13 @@ weight to float32 exactly (two integer instructions) and runs float32 FMAs: per 
 of the default model on an Intel Xeon without BF16, one core, weights cold: 1.2-1.7x
 oneDNN at 1 row, 2.4-3.6x at 4, 16, 64 and 256 rows. Where the CPU has AVX512-BF16,
 batches of 3 rows or more run VDPBF16PS tiles instead (a packed-panel GEMM from 24
-rows), and from the rows ``onednn_rows`` gives (with AMX, where oneDNN's AMX GEMM
-wins) the op calls torch's linear. AMD EPYC Zen 4, one core, the default model's 30
-layers: 1 row 10.6-10.8 ms vs 17-20 ms in vLLM's prepacked oneDNN, 4 rows 10.1-10.5 vs
-15-17 ms, 64 rows 71-72 vs 71-74 ms (README, "How it is built").
+rows); where it has AMX, batches of 4 rows or more run AMX tiles on the weight in
+place, and from the rows ``onednn_rows`` gives (640 with AMX, where oneDNN's K-blocked
+AMX GEMM wins) the op calls torch's linear. AMD EPYC Zen 4, one core, the default
+model's 30 layers: 1 row 10.6-10.8 ms vs 17-20 ms in vLLM's prepacked oneDNN, 4 rows
+10.1-10.5 vs 15-17 ms, 64 rows 71-72 vs 71-74 ms; an Intel Xeon with AMX: 8-16 rows
+19.6-19.7 vs 22-24 ms (torch's linear 33-41), 64 rows 28.7-32.0 vs 29-30 (torch's
+linear 49-50) (README, "How it is built").
 
 The simulator routes vLLM's unquantized CPU linears here (``patches.py``, "bf16
 linears on the simulator's kernel"); ``ACCEL_BF16_LINEAR`` says when. It is the
@@ -56,6 +59,13 @@ def onednn_rows(dtype: torch.dtype) -> int:
     (``csrc/bf16_linear.cpp`` has the numbers)."""
     code = native.dtype_code(dtype)
     return native.library().accel_bf16_linear_onednn_rows(code) if available() and code is not None else 0
+
+
+@functools.cache
+def amx_rows() -> int:
+    """Rows of bf16 x from which the kernel's AMX tiles run, 0 where this CPU (or the
+    kernel's permission to use them) lacks them (``csrc/bf16_linear.cpp``)."""
+    return native.library().accel_bf16_linear_amx_rows() if available() else 0
 
 
 @functools.cache

@@ -71,6 +71,7 @@ _SIGNATURES = {
                             _i32),
     "accel_bf16_linear_available": (),
     "accel_bf16_linear_onednn_rows": (_i32,),
+    "accel_bf16_linear_amx_rows": (),
     "accel_bf16_linear_dp_rows": (),
     "accel_bf16_linear": (_ptr, _i64, _i32, _ptr, _i64, _ptr, _ptr, _i64, _i64, _i64, _i64),
     "accel_rotary": (_i32, _ptr, _i64, _ptr, _i64, _ptr, _i64, _i32, _i32, _i32, _i32, _ptr, _i64,

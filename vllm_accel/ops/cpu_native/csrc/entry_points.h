@@ -26,6 +26,7 @@ int accel_cache_write(int dtype, const void* key, const void* value, int64_t k_t
 // bf16_linear.cpp
 int accel_bf16_linear_available();
 int accel_bf16_linear_onednn_rows(int32_t x_dtype);
+int accel_bf16_linear_amx_rows();
 int accel_bf16_linear_dp_rows();
 int accel_bf16_linear(const void* x, int64_t x_stride, int32_t x_dtype, const void* w,
                       int64_t w_stride, const float* bias, void* y, int64_t y_stride, int64_t m,
