@@ -164,12 +164,13 @@ def test_int8_linear_kernel(shape, mode, dtype, method):
     assert bool((err <= act_bound + OUT_REL[dtype] * exact.abs() + 4e-7 * mag + 1e-6).all())
 
 
-@pytest.mark.parametrize("shape", SHAPES + [(64, 576, 3072), (0, 64, 48)],
+@pytest.mark.parametrize("shape", SHAPES + [(64, 576, 3072), (300, 64, 40), (0, 64, 48)],
                          ids=lambda s: "x".join(map(str, s)))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("with_bias", [True, False], ids=["bias", "no-bias"])
 def test_cpu_native_int8_linear_is_the_torch_kernel(shape, dtype, with_bias, monkeypatch):
-    """cpu_native's W8A8 op (C++ quantizer and epilogue around torch's int8 GEMM) gives
+    """cpu_native's W8A8 op (C++ quantizer and epilogue around the int8 GEMM: AMX tiles
+    where the CPU has them, torch's otherwise) gives
     the torch kernel's bytes for dynamic symmetric activations (that kernel is held to
     the float64 oracle above), through one op call per linear, and hands everything
     else to it. Exact halves and an all-zero row exercise the rounding and the scale."""
@@ -204,6 +205,42 @@ def test_cpu_native_int8_linear_is_the_torch_kernel(shape, dtype, with_bias, mon
         assert torch.equal(get_kernel("int8_linear", "cpu_native")(x, codes, scale, **kwargs),
                            get_kernel("int8_linear", "reference")(x, codes, scale, **kwargs))
     assert calls() == (1, m)
+
+
+# (m, k, n): one or two 16-row tiles of q (17: the second nearly empty; 300: two
+# 256-row blocks); K whole 64-column steps read in place (64, 576) or a padded copy (7,
+# 100); N a block of 32 and one of 16 (48), partial tiles (9, 40)
+AMX_SHAPES = [(1, 64, 48), (4, 100, 9), (17, 576, 40), (33, 7, 48), (300, 64, 40)]
+
+
+@pytest.mark.parametrize("shape", AMX_SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_amx_int8_gemm_gives_torchs_int32_sums(shape):
+    """The op's int8 GEMM on AMX tiles (csrc/int8_linear.cpp) runs exactly where the CPU
+    has AMX-INT8 (it answers -5 elsewhere) and gives the exact integer sums (what
+    torch._int_mm gives), on row-strided operands, with codes at both ends of the range."""
+    import ctypes
+
+    from conftest import cpu_has
+    from vllm_accel.ops.cpu_native import build as native
+
+    lib = native.library()
+    if lib is None:
+        pytest.skip("the native library did not build")
+    m, k, n = shape
+    gen = torch.Generator().manual_seed(m + 3 * k + 7 * n)
+    q = torch.randint(-127, 128, (m, k + 3), generator=gen, dtype=torch.int8)[:, 1:k + 1]
+    w = torch.randint(-127, 128, (n, k + 5), generator=gen, dtype=torch.int8)[:, 2:k + 2]
+    q[0, :] = 127
+    w[0, :] = -127
+    acc = torch.full((m, n + 2), 7, dtype=torch.int32)
+    gemm = lib.accel_int8_gemm
+    gemm.argtypes = [ctypes.c_void_p, ctypes.c_int64] * 3 + [ctypes.c_int64] * 3
+    rc = gemm(q.data_ptr(), q.stride(0), w.data_ptr(), w.stride(0), acc.data_ptr(),
+              acc.stride(0), m, n, k)
+    assert rc == (0 if cpu_has("amx_tile", "amx_int8", "avx512f") else -5)
+    if rc == 0:
+        assert torch.equal(acc[:, :n], (q.long() @ w.long().T).int())
+        assert bool((acc[:, n:] == 7).all())  # nothing written past n
 
 
 def test_kernel_registry_and_int_mm_probe():

@@ -37,7 +37,7 @@ logger = init_logger(__name__)
 CSRC = Path(__file__).parent / "csrc"
 SOURCES = (CSRC / "paged_attention.cpp", CSRC / "elementwise.cpp", CSRC / "int4_gemv.cpp",
            CSRC / "bf16_linear.cpp", CSRC / "int8_linear.cpp")
-HEADERS = (CSRC / "dtypes.h", CSRC / "entry_points.h", CSRC / "int8_codes.h")
+HEADERS = (CSRC / "dtypes.h", CSRC / "entry_points.h", CSRC / "int8_codes.h", CSRC / "tiles.h")
 #: the dispatcher kernels of vllm_accel's torch.library ops (built against torch)
 TORCH_OPS_SOURCE = CSRC / "torch_ops.cpp"
 TORCH_OPS_FLAGS = ("-O2", "-std=c++17", "-fPIC", "-shared", "-w")

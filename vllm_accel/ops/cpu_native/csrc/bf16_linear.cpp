@@ -17,8 +17,6 @@
 // Where the CPU has AVX512-BF16 (dp:: below), batches of bf16 x run its dot products
 // instead, and where it has AMX (dp::amx), batches of 4 to 639 rows run tiles.
 #include <immintrin.h>
-#include <sys/syscall.h>
-#include <unistd.h>
 
 #include <algorithm>
 #include <cstring>
@@ -27,6 +25,7 @@
 
 #include "dtypes.h"
 #include "entry_points.h"
+#include "tiles.h"
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #define ACCEL_BF16_LINEAR 1
@@ -326,34 +325,6 @@ constexpr int kGemmRows = 12;        // rows of x per tile: 24 accumulators
 constexpr int64_t kGemmMinRows = 24;  // (16 rows: 0.97x the tiles above, 24: 1.08x)
 constexpr int64_t kGemmBlockM = 256;  // rows of x per panel pass (512 rows: 1.07x 64)
 
-// The transpose of 16 rows of 16 dwords (in place): r[i][j] <- r[j][i].
-inline void transpose16(__m512i r[16]) {
-  __m512i t[16];
-  _Pragma("GCC unroll 16") for (int i = 0; i < 16; i += 2) {
-    t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
-    t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
-  }
-  // per 128-bit lane L, r[4q + c] holds column 4L + c of rows 4q..4q+3
-  _Pragma("GCC unroll 16") for (int q = 0; q < 16; q += 4) {
-    r[q] = _mm512_unpacklo_epi64(t[q], t[q + 2]);
-    r[q + 1] = _mm512_unpackhi_epi64(t[q], t[q + 2]);
-    r[q + 2] = _mm512_unpacklo_epi64(t[q + 1], t[q + 3]);
-    r[q + 3] = _mm512_unpackhi_epi64(t[q + 1], t[q + 3]);
-  }
-  _Pragma("GCC unroll 16") for (int c = 0; c < 4; ++c) {
-    t[c] = _mm512_shuffle_i32x4(r[c], r[c + 4], 0x88);
-    t[c + 4] = _mm512_shuffle_i32x4(r[c], r[c + 4], 0xdd);
-    t[c + 8] = _mm512_shuffle_i32x4(r[c + 8], r[c + 12], 0x88);
-    t[c + 12] = _mm512_shuffle_i32x4(r[c + 8], r[c + 12], 0xdd);
-  }
-  _Pragma("GCC unroll 16") for (int c = 0; c < 4; ++c) {
-    r[c] = _mm512_shuffle_i32x4(t[c], t[c + 8], 0x88);
-    r[c + 4] = _mm512_shuffle_i32x4(t[c + 4], t[c + 12], 0x88);
-    r[c + 8] = _mm512_shuffle_i32x4(t[c], t[c + 8], 0xdd);
-    r[c + 12] = _mm512_shuffle_i32x4(t[c + 4], t[c + 12], 0xdd);
-  }
-}
-
 // panel[p * 32 + c] = the bf16 pair W[n0 + c, 2p..2p+1] (zero past n and k), p < kp / 2.
 void pack_panel(const accel::bf16* w, int64_t w_stride, int64_t n0, int64_t n, int64_t k,
                 int64_t kp, uint32_t* panel) {
@@ -365,7 +336,7 @@ void pack_panel(const accel::bf16* w, int64_t w_stride, int64_t n0, int64_t n, i
       _Pragma("GCC unroll 16") for (int i = 0; i < 16; ++i)
         r[i] = c0 + i < n ? _mm512_maskz_loadu_epi16(mask, w + (c0 + i) * w_stride + kk)
                           : _mm512_setzero_si512();
-      transpose16(r);
+      accel::transpose16(r);
       _Pragma("GCC unroll 16") for (int i = 0; i < 16; ++i)
         _mm512_storeu_si512(panel + (kk / 2 + i) * kPanel + half * 16, r[i]);
     }
@@ -482,30 +453,6 @@ constexpr int64_t kAmxBlockM = 256;   // rows of x packed at a time (K = 1536: 7
 // rows 25.4 vs 47.3)
 constexpr int64_t kAmxMinRows = 4;
 
-// Linux gives a process AMX tile state only when it asks (arch_prctl
-// ARCH_REQ_XCOMP_PERM, kernel 5.16+); torch asks the same way once oneDNN runs AMX.
-inline bool ready() {
-  static const bool ok = [] {
-    constexpr long kReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
-    return syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) == 0;
-  }();
-  return ok;
-}
-
-// tmm0-3: sums (C, float32 [16 weight rows, 16 rows of x]); tmm4-5: weight (A, bf16
-// [16 rows, 32 columns]); tmm6-7: x (B, bf16 pairs [16 pair rows, 16 rows of x]).
-struct alignas(64) TileConfig {
-  uint8_t palette = 1, start_row = 0, reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
-
-inline void configure() {
-  TileConfig cfg;
-  for (int t = 0; t < 8; ++t) cfg.rows[t] = kTile, cfg.colsb[t] = 64;
-  _tile_loadconfig(&cfg);
-}
-
 // x rows row0..row0+rows into the B layout: xp[(b * pairs + p) * 16 + i] = the bf16 pair
 // (x[row0 + 16b + i, 2p], x[.., 2p + 1]), zero past the rows and past k.
 void pack_x(const accel::bf16* x, int64_t x_stride, int64_t row0, int64_t rows, int64_t k,
@@ -520,7 +467,7 @@ void pack_x(const accel::bf16* x, int64_t x_stride, int64_t row0, int64_t rows, 
         r[i] = row < rows ? _mm512_maskz_loadu_epi16(mask, x + (row0 + row) * x_stride + kk)
                           : _mm512_setzero_si512();
       }
-      transpose16(r);  // r[j] = pair j of this step for the 16 rows
+      accel::transpose16(r);  // r[j] = pair j of this step for the 16 rows
       _Pragma("GCC unroll 16") for (int j = 0; j < 16; ++j)
         _mm512_storeu_si512(xp + (b * pairs + kk / 2 + j) * kTile, r[j]);
     }
@@ -534,7 +481,7 @@ void store_sums(const float* sums, const Target<accel::bf16>& t, int64_t row,
                 int64_t rows_left, int64_t n0, int64_t n) {
   __m512i r[16];
   _Pragma("GCC unroll 16") for (int i = 0; i < 16; ++i) r[i] = _mm512_load_si512(sums + i * kTile);
-  transpose16(r);  // r[j]: row row + j of y, columns n0..n0+15
+  accel::transpose16(r);  // r[j]: row row + j of y, columns n0..n0+15
   const __mmask16 mask = n - n0 >= 16 ? __mmask16(0xffff) : __mmask16((1u << (n - n0)) - 1);
   const __m512 b = t.bias ? _mm512_maskz_loadu_ps(mask, t.bias + n0) : _mm512_setzero_ps();
   const int64_t rows = std::min<int64_t>(kTile, rows_left);
@@ -630,7 +577,7 @@ void linear(const accel::bf16* x, int64_t x_stride, const accel::bf16* w, int64_
     pack_x(x, x_stride, row0, rows, k, kp, xp.data());
 #pragma omp parallel if (rows * n * k >= kParallelMinWork)
     {
-      configure();
+      accel::amx::configure();
       std::vector<accel::bf16> wpad(size_t(2 * kTile) * kp);
 #pragma omp for schedule(static)
       for (int64_t b = 0; b < blocks; ++b) {
@@ -685,7 +632,7 @@ int accel_bf16_linear_available() {
 int accel_bf16_linear_onednn_rows(int32_t x_dtype) {
 #if defined(ACCEL_BF16_LINEAR) && defined(__AVX512BF16__) && defined(__AMX_TILE__) && \
     defined(__AMX_BF16__)
-  if (x_dtype == accel::kBFloat16) return dp::amx::ready() ? 640 : 10;
+  if (x_dtype == accel::kBFloat16) return accel::amx::ready() ? 640 : 10;
 #endif
   (void)x_dtype;
   return 0;
@@ -696,7 +643,7 @@ int accel_bf16_linear_onednn_rows(int32_t x_dtype) {
 int accel_bf16_linear_amx_rows() {
 #if defined(ACCEL_BF16_LINEAR) && defined(__AVX512BF16__) && defined(__AMX_TILE__) && \
     defined(__AMX_BF16__)
-  return dp::amx::ready() ? int(dp::amx::kAmxMinRows) : 0;
+  return accel::amx::ready() ? int(dp::amx::kAmxMinRows) : 0;
 #else
   return 0;
 #endif
@@ -720,7 +667,7 @@ int accel_bf16_linear(const void* x, int64_t x_stride, int32_t x_dtype, const vo
 #ifdef ACCEL_BF16_LINEAR
   const auto* wb = static_cast<const accel::bf16*>(w);
 #if defined(__AVX512BF16__) && defined(__AMX_TILE__) && defined(__AMX_BF16__)
-  if (x_dtype == accel::kBFloat16 && m >= dp::amx::kAmxMinRows && dp::amx::ready()) {
+  if (x_dtype == accel::kBFloat16 && m >= dp::amx::kAmxMinRows && accel::amx::ready()) {
     dp::amx::linear(static_cast<const accel::bf16*>(x), x_stride, wb, w_stride, bias,
                     static_cast<accel::bf16*>(y), y_stride, m, n, k);
     return 0;
