@@ -168,31 +168,30 @@ def _int4_linears(seed=9, group=64):
     return packed, sz, dense
 
 
-def test_int4_layer_matches_float64_and_the_kernels_one_by_one(monkeypatch):
-    """A layer whose four linears are int4 (a GPTQ/AWQ model on the cpu_native int4
-    layout): within bf16's rounding of a float64 layer on the dequantized weights, and
-    the same bits as vLLM's layer op by op (``int4pack_linear`` for each linear)."""
-    case, w = _case("mixed", torch.bfloat16, "auto"), _weights(torch.bfloat16)
-    packed, sz, dense = _int4_linears()
+def _int8_linears(seed=11):
+    """The four linears as int8 weights with float32 per-channel scales (a W8A8
+    checkpoint as AccelW8A8LinearMethod keeps it) and their exact dequantized values."""
+    g = torch.Generator().manual_seed(seed)
+    codes, scales, dense = {}, {}, {}
+    for name, (n, k) in {"qkv": ((HEADS + 2 * HKV) * HEAD, HIDDEN), "o": (HIDDEN, HEADS * HEAD),
+                         "gate_up": (2 * INTER, HIDDEN), "down": (HIDDEN, INTER)}.items():
+        codes[name] = torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8)
+        scales[name] = torch.rand(n, generator=g) * 0.02 / k**0.5 + 1e-4
+        dense[name] = codes[name].double() * scales[name].double()[:, None]
+    return codes, scales, dense
+
+
+def _fused_and_split(case, w, weights, quant, linear):
+    """The layer through the op with ``weights`` and their quantization tensors, and
+    the same kernels one by one with ``linear(x, name)``: (op's output, residual and
+    cache, the split one's)."""
     fused_cache, split_cache = case["cache"].clone(), case["cache"].clone()
-    gemv_calls = kernel_calls(monkeypatch, "int4pack_linear", "accel_int4pack_gemv", 6)
     out, new_residual = ops.cpu_decoder_layer(
-        case["hidden"], case["residual"], case["positions"], w["input_norm"], packed["qkv"],
-        None, packed["o"], None, w["post_norm"], packed["gate_up"], packed["down"], EPS,
+        case["hidden"], case["residual"], case["positions"], w["input_norm"], weights["qkv"],
+        None, weights["o"], None, w["post_norm"], weights["gate_up"], weights["down"], EPS,
         w["cos_sin"], HEAD, True, HEADS, HKV, HEAD, fused_cache, *case["md"], SCALE, 0.0, 0.0,
-        1 << 20, sz["qkv"], sz["o"], sz["gate_up"], sz["down"])
+        1 << 20, quant["qkv"], quant["o"], quant["gate_up"], quant["down"])
     assert out is not None
-    # the four linears took the C++ int4 kernel inside the op, where it is built
-    tokens = len(case["hidden"])
-    assert gemv_calls() == ((4, 4 * tokens) if wint_gemv.gemv_available() else (0, 0))
-
-    want_out, want_residual, _ = _float64_layer(case, {**w, **dense}, True)
-    for got, want in ((out, want_out), (new_residual, want_residual)):
-        assert (got.double() - want).abs().max() <= 2e-2 * want.abs().max()
-
-    def linear(x, name):
-        return ops.int4pack_linear(x, packed[name], 64, sz[name])
-
     h, r = ops.cpu_rms_norm(case["hidden"], w["input_norm"], EPS, case["residual"])
     q, k, v = linear(h, "qkv").split([HEADS * HEAD, HKV * HEAD, HKV * HEAD], -1)
     q, k = ops.cpu_rotary_embedding(case["positions"], q, k, w["cos_sin"], HEAD, HEAD, True)
@@ -202,15 +201,61 @@ def test_int4_layer_matches_float64_and_the_kernels_one_by_one(monkeypatch):
                                   0.0, 0.0, 1 << 20)
     h, r = ops.cpu_rms_norm(linear(attn.flatten(1), "o"), w["post_norm"], EPS, r)
     want = linear(ops.cpu_silu_and_mul(linear(h, "gate_up")), "down")
-    assert torch.equal(out, want) and torch.equal(new_residual, r)
-    assert torch.equal(fused_cache.view(torch.uint8), split_cache.view(torch.uint8))
-    # an int4 weight whose scales do not fit it is declined, nothing written
+    return (out, new_residual, fused_cache), (want, r, split_cache)
+
+
+def _declined_with_bad_quant(case, w, weights, quant, bad_qkv):
+    """A quantized weight whose quantization tensor does not fit it is declined,
+    nothing written."""
+    cache = case["cache"].clone()
     assert ops.cpu_decoder_layer(
-        case["hidden"], case["residual"], case["positions"], w["input_norm"], packed["qkv"],
-        None, packed["o"], None, w["post_norm"], packed["gate_up"], packed["down"], EPS,
-        w["cos_sin"], HEAD, True, HEADS, HKV, HEAD, fused_cache, *case["md"], SCALE, 0.0, 0.0,
-        1 << 20, sz["qkv"][:, :HEAD], sz["o"], sz["gate_up"], sz["down"]) == (None, None)
-    assert torch.equal(fused_cache.view(torch.uint8), split_cache.view(torch.uint8))
+        case["hidden"], case["residual"], case["positions"], w["input_norm"], weights["qkv"],
+        None, weights["o"], None, w["post_norm"], weights["gate_up"], weights["down"], EPS,
+        w["cos_sin"], HEAD, True, HEADS, HKV, HEAD, cache, *case["md"], SCALE, 0.0, 0.0,
+        1 << 20, bad_qkv, quant["o"], quant["gate_up"], quant["down"]) == (None, None)
+    assert torch.equal(cache.view(torch.uint8), case["cache"].view(torch.uint8))
+
+
+def test_int4_layer_matches_float64_and_the_kernels_one_by_one(monkeypatch):
+    """A layer whose four linears are int4 (a GPTQ/AWQ model on the cpu_native int4
+    layout): within bf16's rounding of a float64 layer on the dequantized weights, and
+    the same bits as vLLM's layer op by op (``int4pack_linear`` for each linear)."""
+    case, w = _case("mixed", torch.bfloat16, "auto"), _weights(torch.bfloat16)
+    packed, sz, dense = _int4_linears()
+    gemv_calls = kernel_calls(monkeypatch, "int4pack_linear", "accel_int4pack_gemv", 6)
+    (out, new_residual, fused_cache), split = _fused_and_split(
+        case, w, packed, sz, lambda x, name: ops.int4pack_linear(x, packed[name], 64, sz[name]))
+    # the four linears took the C++ int4 kernel inside the op, where it is built (then
+    # once more each, one by one)
+    tokens = len(case["hidden"])
+    assert gemv_calls() == ((8, 8 * tokens) if wint_gemv.gemv_available() else (0, 0))
+    want_out, want_residual, _ = _float64_layer(case, {**w, **dense}, True)
+    for got, want in ((out, want_out), (new_residual, want_residual)):
+        assert (got.double() - want).abs().max() <= 2e-2 * want.abs().max()
+    assert torch.equal(out, split[0]) and torch.equal(new_residual, split[1])
+    assert torch.equal(fused_cache.view(torch.uint8), split[2].view(torch.uint8))
+    _declined_with_bad_quant(case, w, packed, sz, sz["qkv"][:, :HEAD])
+
+
+def test_w8a8_layer_matches_float64_and_the_kernels_one_by_one(monkeypatch):
+    """A layer whose four linears are W8A8 with dynamic per-token activations: within
+    the activations' int8 rounding of a float64 layer on the dequantized weights, and
+    the same bits as vLLM's layer op by op (``int8_linear_dynamic`` for each linear,
+    which the op ran inside)."""
+    case, w = _case("mixed", torch.bfloat16, "auto"), _weights(torch.bfloat16)
+    codes, scales, dense = _int8_linears()
+    calls = kernel_calls(monkeypatch, "int8_linear_dynamic", "", 0)
+    (out, new_residual, fused_cache), split = _fused_and_split(
+        case, w, codes, scales,
+        lambda x, name: ops.int8_linear_dynamic(x, codes[name], scales[name], None))
+    tokens = len(case["hidden"])
+    assert calls() == (8, 8 * tokens)  # four in the op, four one by one
+    want_out, want_residual, _ = _float64_layer(case, {**w, **dense}, True)
+    for got, want in ((out, want_out), (new_residual, want_residual)):
+        assert (got.double() - want).abs().max() <= 5e-2 * want.abs().max()
+    assert torch.equal(out, split[0]) and torch.equal(new_residual, split[1])
+    assert torch.equal(fused_cache.view(torch.uint8), split[2].view(torch.uint8))
+    _declined_with_bad_quant(case, w, codes, scales, scales["qkv"][:HEAD])
 
 
 def test_op_shows_its_phases_to_the_profiler():

@@ -6,8 +6,9 @@ Xeon, where the kernels themselves take a few us apart from the weight reads. Th
 simulator has a C++ kernel for each of them, so ``vllm_accel::cpu_decoder_layer``
 (``csrc/torch_ops.cpp``) runs the whole layer in one call where every part of it
 would take the simulator's kernel anyway: bf16 linears routed to
-``vllm_accel::bf16_linear`` or 4-bit weight-only ones on the ``cpu_native`` int4
-layout (``vllm_accel::int4pack_linear``, no act-order permutation), ACCEL_ATTN with
+``vllm_accel::bf16_linear``, 4-bit weight-only ones on the ``cpu_native`` int4
+layout (``vllm_accel::int4pack_linear``, no act-order permutation) or W8A8 ones with
+dynamic per-token activations (``vllm_accel::int8_linear_dynamic``), ACCEL_ATTN with
 its one-call attention step, vLLM's rotary formula, one world rank. Every other
 layer (other quantized or LoRA linears, oneDNN linears, tensor parallel, rope
 variants with their own forward, a card) keeps vLLM's forward: the choice is made once per model after its
@@ -44,10 +45,12 @@ from vllm_accel.logger import init_logger
 from vllm_accel.ops.attention import INT8_KV, AccelAttentionImpl
 from vllm_accel.ops.cpu_native import bf16_linear
 from vllm_accel.ops.cpu_native import build as native
+from vllm_accel.ops.cpu_native import int8_linear as native_w8a8
 from vllm_accel.ops.cpu_native.attention import PREFILL_NATIVE_MAX_PAIRS
 from vllm_accel.ops.cpu_native.wint_gemv import NATIVE
 from vllm_accel.ops.custom_ops import AccelRotaryEmbedding
 from vllm_accel.quant.packed import InstalledWInt
+from vllm_accel.quant.w8a8 import AccelW8A8LinearMethod, InstalledW8A8
 from vllm_accel.quant.wint_method import WIntLinearMethod
 
 logger = init_logger(__name__)
@@ -66,7 +69,9 @@ def _layer_weight(linear: torch.nn.Module, linear_type: type, bias_ok: bool
                   ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
     """What the C++ layer op computes vLLM's ``linear`` from: (bf16 weight, None) where
     it runs ``vllm_accel::bf16_linear``, (int4 weight, scales and zeros) where a
-    weight-only method runs ``vllm_accel::int4pack_linear`` on them; else None."""
+    weight-only method runs ``vllm_accel::int4pack_linear`` on them, (int8 weight,
+    per-channel scales) where W8A8 with dynamic symmetric activations runs
+    ``vllm_accel::int8_linear_dynamic``; else None."""
     if (type(linear) is not linear_type or linear.skip_bias_add
             or not (bias_ok or linear.bias is None)):
         return None
@@ -79,6 +84,13 @@ def _layer_weight(linear: torch.nn.Module, linear_type: type, bias_ok: bool
             and isinstance(wint, InstalledWInt) and wint.provider == NATIVE
             and set(wint.names) == _INT4_PREPARED):
         return wint.int4_weight, wint.int4_scales_zeros
+    w8a8 = getattr(linear, "w8a8", None)
+    if (type(linear.quant_method) is AccelW8A8LinearMethod and isinstance(w8a8, InstalledW8A8)
+            and w8a8.kernel is native_w8a8.int8_linear and native_w8a8.NATIVE_DISPATCH
+            and w8a8.input_scale is None and w8a8.input_symmetric
+            and w8a8.mm_method == "int_mm" and w8a8.weight.dim() == 2
+            and w8a8.weight.stride(1) == 1):
+        return w8a8.weight, w8a8.weight_scale
     return None
 
 
@@ -104,9 +116,11 @@ def _why_not_fused(layer: "AccelLlamaDecoderLayer") -> str | None:
     if type(attn_layer) is not LlamaAttention or type(mlp) is not LlamaMLP:
         return "a Llama variant with its own attention or MLP"
     if _layer_weights(layer) is None:
-        return ("a linear that is neither a plain bf16 one on vllm_accel::bf16_linear nor "
-                "a 4-bit one on the cpu_native int4 kernel (float32/float16 weights, "
-                "another quantization, act-order, LoRA, or ACCEL_BF16_LINEAR=off)")
+        return ("a linear that is neither a plain bf16 one on vllm_accel::bf16_linear, "
+                "a 4-bit one on the cpu_native int4 kernel nor a W8A8 one with dynamic "
+                "per-token activations on vllm_accel::int8_linear_dynamic (float32/float16 "
+                "weights, another quantization, act-order, static activation scales, "
+                "LoRA, or ACCEL_BF16_LINEAR=off)")
     norms = (layer.input_layernorm, layer.post_attention_layernorm)
     if not all(isinstance(n, RMSNorm) and n.has_weight and n.variance_size_override is None
                for n in norms) or norms[0].variance_epsilon != norms[1].variance_epsilon:
@@ -149,8 +163,9 @@ class AccelLlamaDecoderLayer(LlamaDecoderLayer):
         self.kv_transfer = vllm_config.kv_transfer_config is not None
         #: the C++ op's per-layer arguments; None until prepare_fused, () for vLLM's forward
         self._fused_args: tuple | None = None
-        #: its trailing ones: each linear's int4 scales and zeros (None: a bf16 linear)
-        self._fused_int4: tuple = ()
+        #: its trailing ones: each linear's quantization tensor (int4 scales and zeros,
+        #: or W8A8 per-channel scales; None: a bf16 linear)
+        self._fused_quant: tuple = ()
 
     def prepare_fused(self) -> str | None:
         """Decide (after the weights load) whether this layer runs as one C++ op;
@@ -171,7 +186,7 @@ class AccelLlamaDecoderLayer(LlamaDecoderLayer):
             self.post_attention_layernorm.weight, gate_up, down, norm.variance_epsilon,
             cos_sin_cache, rope.rotary_dim, rope.is_neox_style, attn_layer.num_heads,
             attn_layer.num_kv_heads, attn_layer.head_dim)
-        self._fused_int4 = tuple(int4 for _, int4 in weights)
+        self._fused_quant = tuple(quant for _, quant in weights)
         return None
 
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor,
@@ -200,7 +215,7 @@ class AccelLlamaDecoderLayer(LlamaDecoderLayer):
                 hidden_states, residual, positions, *self._fused_args, attn.kv_cache,
                 md.slot_mapping, md.block_table, md.query_start_loc_cpu, md.seq_lens,
                 attn.impl.scale, k_scale or 0.0, v_scale or 0.0, PREFILL_NATIVE_MAX_PAIRS,
-                *self._fused_int4)
+                *self._fused_quant)
             if out is not None:
                 return out, new_residual
         # (new tensors, as an op's outputs must be: the post-attention norm makes the

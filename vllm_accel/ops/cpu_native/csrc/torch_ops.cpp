@@ -474,26 +474,33 @@ std::tuple<at::Tensor, at::Tensor> cpu_rotary_embedding(
 }
 
 
-// A decoder layer's linear: a bf16 weight [N, K] (bf16_linear), or with `int4_sz`
-// torch's CPU int4 layout, weight [N, K/2] and scales-and-zeros [K/group, N, 2]
-// (int4pack_linear, then the bias as the quantized methods add it).
-int64_t layer_linear_in(const at::Tensor& weight, const std::optional<at::Tensor>& int4_sz) {
+// A decoder layer's linear: a bf16 weight [N, K] (bf16_linear), or with `quant` a
+// quantized one: a uint8 weight [N, K/2] in torch's CPU int4 layout with its
+// scales-and-zeros [K/group, N, 2] (int4pack_linear, then the bias as the quantized
+// methods add it), or an int8 weight [N, K] with its float32 per-channel scales [N],
+// W8A8 with dynamic per-token activations (int8_linear_dynamic).
+int64_t layer_linear_in(const at::Tensor& weight, const std::optional<at::Tensor>& quant) {
   if (weight.dim() != 2) return -1;
-  if (!int4_sz.has_value()) return weight.size(1);
-  const at::Tensor& sz = *int4_sz;
+  if (!quant.has_value()) return weight.size(1);
+  const at::Tensor& q = *quant;
+  if (weight.scalar_type() == at::kChar)
+    return q.dim() == 1 && q.size(0) == weight.size(0) && q.scalar_type() == at::kFloat &&
+                   weight.stride(1) == 1
+               ? weight.size(1)
+               : -1;
   const int64_t k = 2 * weight.size(1);
-  return sz.dim() == 3 && sz.size(0) > 0 && k % sz.size(0) == 0 &&
-                 sz.size(1) == weight.size(0) && sz.size(2) == 2 &&
-                 weight.scalar_type() == at::kByte
+  return q.dim() == 3 && q.size(0) > 0 && k % q.size(0) == 0 && q.size(1) == weight.size(0) &&
+                 q.size(2) == 2 && weight.scalar_type() == at::kByte
              ? k
              : -1;
 }
 
 at::Tensor layer_linear(const at::Tensor& x, const at::Tensor& weight,
-                        const std::optional<at::Tensor>& int4_sz,
+                        const std::optional<at::Tensor>& quant,
                         const std::optional<at::Tensor>& bias) {
-  if (!int4_sz.has_value()) return bf16_linear(x, weight, bias);
-  const at::Tensor y = int4pack_linear(x, weight, x.size(1) / int4_sz->size(0), *int4_sz);
+  if (!quant.has_value()) return bf16_linear(x, weight, bias);
+  if (weight.scalar_type() == at::kChar) return int8_linear_dynamic(x, weight, *quant, bias);
+  const at::Tensor y = int4pack_linear(x, weight, x.size(1) / quant->size(0), *quant);
   return bias.has_value() ? at::add(y, *bias) : y;
 }
 
@@ -519,7 +526,7 @@ class LayerPhases {
 // step on a 2-core Xeon). Returns (hidden, residual) as new tensors; undefined ones,
 // with nothing written, where a kernel declines these inputs (the caller then runs the
 // layer op by op). The first layer passes no residual: its input is the residual.
-// A linear whose `*_int4_scales_zeros` is given has an int4 weight (layer_linear).
+// A linear whose `*_quant` is given has a quantized weight (layer_linear).
 std::tuple<at::Tensor, at::Tensor> cpu_decoder_layer(
     const at::Tensor& hidden, const std::optional<at::Tensor>& residual,
     const at::Tensor& positions, const at::Tensor& input_norm, const at::Tensor& qkv_weight,
@@ -530,20 +537,20 @@ std::tuple<at::Tensor, at::Tensor> cpu_decoder_layer(
     int64_t num_kv_heads, int64_t head_size, const at::Tensor& kv_cache,
     const at::Tensor& slot_mapping, const at::Tensor& block_table,
     const at::Tensor& query_start_loc, const at::Tensor& seq_lens, double scale, double k_scale,
-    double v_scale, int64_t max_prefill_pairs, const std::optional<at::Tensor>& qkv_int4_sz,
-    const std::optional<at::Tensor>& o_int4_sz, const std::optional<at::Tensor>& gate_up_int4_sz,
-    const std::optional<at::Tensor>& down_int4_sz) {
+    double v_scale, int64_t max_prefill_pairs, const std::optional<at::Tensor>& qkv_quant,
+    const std::optional<at::Tensor>& o_quant, const std::optional<at::Tensor>& gate_up_quant,
+    const std::optional<at::Tensor>& down_quant) {
   // Everything after the attention step must run once it has written the cache, so
   // what the later kernels check is checked here first.
   const int64_t q_size = num_heads * head_size, kv_size = num_kv_heads * head_size;
   const bool shapes_ok =
       hidden.dim() == 2 && hidden.size(0) > 0 && head_size > 0 && num_heads > 0 &&
-      num_kv_heads > 0 && layer_linear_in(qkv_weight, qkv_int4_sz) == hidden.size(1) &&
+      num_kv_heads > 0 && layer_linear_in(qkv_weight, qkv_quant) == hidden.size(1) &&
       qkv_weight.size(0) == q_size + 2 * kv_size &&
-      layer_linear_in(o_weight, o_int4_sz) == q_size && o_weight.size(0) == hidden.size(1) &&
-      layer_linear_in(gate_up_weight, gate_up_int4_sz) == hidden.size(1) &&
+      layer_linear_in(o_weight, o_quant) == q_size && o_weight.size(0) == hidden.size(1) &&
+      layer_linear_in(gate_up_weight, gate_up_quant) == hidden.size(1) &&
       gate_up_weight.size(0) % 2 == 0 && down_weight.size(0) == hidden.size(1) &&
-      layer_linear_in(down_weight, down_int4_sz) == gate_up_weight.size(0) / 2 &&
+      layer_linear_in(down_weight, down_quant) == gate_up_weight.size(0) / 2 &&
       post_norm.dim() == 1 &&
       post_norm.size(0) == hidden.size(1) && post_norm.stride(0) == 1 &&
       cpu_of(post_norm, hidden.scalar_type());
@@ -555,7 +562,7 @@ std::tuple<at::Tensor, at::Tensor> cpu_decoder_layer(
   if (!h.defined()) return {};
   const at::Tensor res = residual.has_value() ? new_residual : hidden;
   phase.next("accel_layer::qkv_proj");
-  const at::Tensor qkv = layer_linear(h, qkv_weight, qkv_int4_sz, qkv_bias);
+  const at::Tensor qkv = layer_linear(h, qkv_weight, qkv_quant, qkv_bias);
   const at::Tensor q = qkv.narrow(1, 0, q_size), k = qkv.narrow(1, q_size, kv_size),
                    v = qkv.narrow(1, q_size + kv_size, kv_size);
   phase.next("accel_layer::rotary");
@@ -572,18 +579,18 @@ std::tuple<at::Tensor, at::Tensor> cpu_decoder_layer(
     return {};
   }
   phase.next("accel_layer::o_proj");
-  const at::Tensor o = layer_linear(attn.view({tokens, q_size}), o_weight, o_int4_sz, o_bias);
+  const at::Tensor o = layer_linear(attn.view({tokens, q_size}), o_weight, o_quant, o_bias);
   phase.next("accel_layer::norm");
   auto [h2, residual_out] = cpu_rms_norm(o, post_norm, eps, res);
   TORCH_CHECK(h2.defined(), "cpu_decoder_layer: the post-attention RMSNorm declined");
   phase.next("accel_layer::gate_up_proj");
-  const at::Tensor gate_up = layer_linear(h2, gate_up_weight, gate_up_int4_sz, std::nullopt);
+  const at::Tensor gate_up = layer_linear(h2, gate_up_weight, gate_up_quant, std::nullopt);
   phase.next("accel_layer::silu_and_mul");
   const at::Tensor act = cpu_silu_and_mul(gate_up);
   TORCH_CHECK(act.defined(), "cpu_decoder_layer: SiluAndMul declined");
   decoder_layer_calls.add(tokens);
   phase.next("accel_layer::down_proj");
-  return {layer_linear(act, down_weight, down_int4_sz, std::nullopt), residual_out};
+  return {layer_linear(act, down_weight, down_quant, std::nullopt), residual_out};
 }
 
 }  // namespace
@@ -634,8 +641,8 @@ TORCH_LIBRARY_FRAGMENT(vllm_accel, m) {
         "int rotary_dim, bool is_neox, int num_heads, int num_kv_heads, int head_size, "
         "Tensor(a!) kv_cache, Tensor slot_mapping, Tensor block_table, Tensor query_start_loc, "
         "Tensor seq_lens, float scale, float k_scale, float v_scale, int max_prefill_pairs, "
-        "Tensor? qkv_int4_scales_zeros=None, Tensor? o_int4_scales_zeros=None, "
-        "Tensor? gate_up_int4_scales_zeros=None, Tensor? down_int4_scales_zeros=None) "
+        "Tensor? qkv_quant=None, Tensor? o_quant=None, Tensor? gate_up_quant=None, "
+        "Tensor? down_quant=None) "
         "-> (Tensor, Tensor)");
 }
 
