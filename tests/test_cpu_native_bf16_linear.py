@@ -128,7 +128,7 @@ def _c_kernel(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> to
 # partial last block; inputs 576 and 64 whole 32-column steps (the weight read in place),
 # 37 and 100 a padded copy
 C_SHAPES = [(1, 9, 37), (2, 130, 100), (3, 130, 64), (6, 8, 100), (13, 130, 37),
-            (17, 48, 576), (27, 130, 100), (40, 48, 64), (270, 9, 64)]
+            (17, 48, 576), (27, 130, 100), (40, 48, 64), (40, 300, 100), (270, 9, 64)]
 
 
 @pytest.mark.skipif(not bf16_linear.available(), reason="needs AVX-512 F/BW/VL (kernel not built)")

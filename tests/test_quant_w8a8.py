@@ -210,14 +210,19 @@ def test_cpu_native_int8_linear_is_the_torch_kernel(shape, dtype, with_bias, mon
 # (m, k, n): one or two 16-row tiles of q (17: the second nearly empty; 300: two
 # 256-row blocks); K whole 64-column steps read in place (64, 576) or a padded copy (7,
 # 100); N a block of 32 and one of 16 (48), partial tiles (9, 40)
-AMX_SHAPES = [(1, 64, 48), (4, 100, 9), (17, 576, 40), (33, 7, 48), (300, 64, 40)]
+AMX_SHAPES = [(1, 64, 48), (4, 100, 9), (17, 576, 40), (33, 7, 48), (300, 64, 40),
+              (40, 100, 300)]
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
 @pytest.mark.parametrize("shape", AMX_SHAPES, ids=lambda s: "x".join(map(str, s)))
-def test_amx_int8_gemm_gives_torchs_int32_sums(shape):
+def test_amx_int8_linear_gives_the_epilogue_of_torchs_int32_sums(shape, dtype):
     """The op's int8 GEMM on AMX tiles (csrc/int8_linear.cpp) runs exactly where the CPU
-    has AMX-INT8 (it answers -5 elsewhere) and gives the exact integer sums (what
-    torch._int_mm gives), on row-strided operands, with codes at both ends of the range."""
+    has AMX-INT8 (it answers -5 elsewhere) and writes, bit for bit, the epilogue of the
+    exact integer sums (torch._int_mm's): ((sum * row scale) * column scale) + bias in
+    float32, rounded once to the output dtype; on row-strided operands, with codes at
+    both ends of the range, partial and padded tiles, two chunks of weight blocks, two
+    blocks of 256 rows, and nothing written past N."""
     import ctypes
 
     from conftest import cpu_has
@@ -232,15 +237,22 @@ def test_amx_int8_gemm_gives_torchs_int32_sums(shape):
     w = torch.randint(-127, 128, (n, k + 5), generator=gen, dtype=torch.int8)[:, 2:k + 2]
     q[0, :] = 127
     w[0, :] = -127
-    acc = torch.full((m, n + 2), 7, dtype=torch.int32)
-    gemm = lib.accel_int8_gemm
-    gemm.argtypes = [ctypes.c_void_p, ctypes.c_int64] * 3 + [ctypes.c_int64] * 3
-    rc = gemm(q.data_ptr(), q.stride(0), w.data_ptr(), w.stride(0), acc.data_ptr(),
-              acc.stride(0), m, n, k)
+    row_scales = torch.rand(m, generator=gen) * 1e-2
+    col_scales = torch.rand(n, generator=gen) * 1e-2
+    bias = torch.randn(n, generator=gen)
+    y = torch.full((m, n + 2), 7, dtype=dtype)
+    linear = lib.accel_int8_linear_amx
+    linear.argtypes = ([ctypes.c_void_p, ctypes.c_int64] * 2 + [ctypes.c_int64] * 3
+                       + [ctypes.c_void_p] * 3 + [ctypes.c_int32, ctypes.c_void_p, ctypes.c_int64])
+    rc = linear(q.data_ptr(), q.stride(0), w.data_ptr(), w.stride(0), m, n, k,
+                row_scales.data_ptr(), col_scales.data_ptr(), bias.data_ptr(),
+                native.DTYPE_CODES[dtype], y.data_ptr(), y.stride(0))
     assert rc == (0 if cpu_has("amx_tile", "amx_int8", "avx512f") else -5)
     if rc == 0:
-        assert torch.equal(acc[:, :n], (q.long() @ w.long().T).int())
-        assert bool((acc[:, n:] == 7).all())  # nothing written past n
+        sums = (q.long() @ w.long().T).float()  # exact: below 2**24
+        expected = ((sums * row_scales[:, None]) * col_scales[None, :] + bias).to(dtype)
+        assert torch.equal(y[:, :n], expected)
+        assert bool((y[:, n:] == 7).all())  # nothing written past n
 
 
 def test_kernel_registry_and_int_mm_probe():

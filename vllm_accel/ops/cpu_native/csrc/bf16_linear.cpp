@@ -433,166 +433,58 @@ void linear(const accel::bf16* x, int64_t x_stride, const accel::bf16* w, int64_
     linear_with<false>(x, x_stride, w, w_stride, bias, y, y_stride, m, n, k);
 }
 
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#ifdef ACCEL_AMX_TILES
 // AMX tiles (Intel Sapphire Rapids and later) for batches of kAmxMinRows rows or more:
 // one TDPBF16PS multiplies a 16 x 32 bf16 tile by a 32 x 16 one into 16 x 16 float32
-// sums, 16x the work of a VDPBF16PS. The weight is the A operand, read in place: 16 of
-// its rows by 32 columns is a tile loaded with the row stride (no packing, no copy);
-// x, packed once per call into the B operand's pair layout (16 pair rows of 16 rows of
-// x each), is what every weight tile multiplies. Each block of 32 weight rows is read
+// sums, 16x the work of a VDPBF16PS, in tiles.h's TileGemm (the weight read in place
+// as the A operand, x packed into the B layout). Each block of 32 weight rows is read
 // from memory once, by the first 32 rows of x, while the next block is prefetched into
 // L2, and from cache by the rest. Sums are float32 (exact bf16 products; subnormal
 // inputs read as zero, as in VDPBF16PS), one rounding to bf16 at the store.
 namespace amx {
 
-constexpr int kTile = 16;             // tile rows; a tile row is 64 bytes
-constexpr int kTileK = 32;            // bf16 columns of an A tile (16 pairs of a B tile)
-constexpr int64_t kAmxBlockM = 256;   // rows of x packed at a time (K = 1536: 768 KiB, L2)
+constexpr int kTile = 16;  // tile rows
 // rows of bf16 x from which the tiles run (an Intel Xeon with AMX, the default model's 30
 // layers, one core, vs the AVX512-BF16 tiles: 3 rows level, 4 rows 25.5 vs 29.2 ms, 8
 // rows 25.4 vs 47.3)
 constexpr int64_t kAmxMinRows = 4;
 
-// x rows row0..row0+rows into the B layout: xp[(b * pairs + p) * 16 + i] = the bf16 pair
-// (x[row0 + 16b + i, 2p], x[.., 2p + 1]), zero past the rows and past k.
-void pack_x(const accel::bf16* x, int64_t x_stride, int64_t row0, int64_t rows, int64_t k,
-            int64_t kp, uint32_t* xp) {
-  const int64_t pairs = kp / 2, blocks = (rows + kTile - 1) / kTile;
-  for (int64_t b = 0; b < blocks; ++b) {
-    for (int64_t kk = 0; kk < kp; kk += kStep) {
-      const __mmask32 mask = tail_mask32(k, kk);
-      __m512i r[16];
-      _Pragma("GCC unroll 16") for (int i = 0; i < 16; ++i) {
-        const int64_t row = b * kTile + i;
-        r[i] = row < rows ? _mm512_maskz_loadu_epi16(mask, x + (row0 + row) * x_stride + kk)
-                          : _mm512_setzero_si512();
-      }
-      accel::transpose16(r);  // r[j] = pair j of this step for the 16 rows
-      _Pragma("GCC unroll 16") for (int j = 0; j < 16; ++j)
-        _mm512_storeu_si512(xp + (b * pairs + kk / 2 + j) * kTile, r[j]);
-    }
-  }
-}
-
-// A sums tile stored to `sums` (weight rows n0.., rows of x row..) + bias, rounded into
-// y: transposed, then two rows of y at a time rounded by VCVTNE2PS2BF16 (to nearest
+// The output of the tiles (tiles.h TileGemm<bf16>): each sums tile + bias rounded into
+// y, transposed, then two rows of y at a time rounded by VCVTNE2PS2BF16 (to nearest
 // even; it reads a subnormal sum as zero, as the tiles read subnormal inputs).
-void store_sums(const float* sums, const Target<accel::bf16>& t, int64_t row,
-                int64_t rows_left, int64_t n0, int64_t n) {
-  __m512i r[16];
-  _Pragma("GCC unroll 16") for (int i = 0; i < 16; ++i) r[i] = _mm512_load_si512(sums + i * kTile);
-  accel::transpose16(r);  // r[j]: row row + j of y, columns n0..n0+15
-  const __mmask16 mask = n - n0 >= 16 ? __mmask16(0xffff) : __mmask16((1u << (n - n0)) - 1);
-  const __m512 b = t.bias ? _mm512_maskz_loadu_ps(mask, t.bias + n0) : _mm512_setzero_ps();
-  const int64_t rows = std::min<int64_t>(kTile, rows_left);
-  for (int j = 0; j < rows; j += 2) {
-    const __m512i pair = (__m512i)_mm512_cvtne2ps_pbh(
-        _mm512_add_ps(_mm512_castsi512_ps(r[j + 1]), b), _mm512_add_ps(_mm512_castsi512_ps(r[j]), b));
-    accel::bf16* out = t.y + (row + j) * t.y_stride + n0;
-    _mm256_mask_storeu_epi16(out, mask, _mm512_castsi512_si256(pair));
-    if (j + 1 < rows)
-      _mm256_mask_storeu_epi16(out + t.y_stride, mask, _mm512_extracti64x4_epi64(pair, 1));
-  }
-}
+struct Store {
+  Target<accel::bf16> t;
+  int64_t n;
 
-// NA (1-2) weight tiles from `a` (row stride a_stride elements) by NB (1-2) tiles of x
-// from `xb` (the B layout of this block), over kp columns: the sums of tile (i, j) in
-// tmm(2i + j). `next` (null: none): 32 weight rows to prefetch into L2, a line of each a
-// step, which covers them by the end for rows of up to kp columns.
-template <int NA, int NB>
-void tiles(const accel::bf16* a, int64_t a_stride, const uint32_t* xb, int64_t pairs,
-           int64_t kp, const accel::bf16* next, int64_t next_rows, int64_t next_stride) {
-  _tile_zero(0);
-  if constexpr (NB > 1) _tile_zero(1);
-  if constexpr (NA > 1) _tile_zero(2);
-  if constexpr (NA > 1 && NB > 1) _tile_zero(3);
-  const int64_t a_bytes = a_stride * int64_t(sizeof(accel::bf16));
-  for (int64_t kk = 0; kk < kp; kk += kTileK) {
-    if (next)
-      for (int64_t r = 0; r < next_rows; ++r) _mm_prefetch(next + r * next_stride + kk, _MM_HINT_T1);
-    _tile_loadd(4, a + kk, a_bytes);
-    if constexpr (NA > 1) _tile_loadd(5, a + kTile * a_stride + kk, a_bytes);
-    _tile_loadd(6, xb + kk / 2 * kTile, 64);
-    if constexpr (NB > 1) _tile_loadd(7, xb + (pairs + kk / 2) * kTile, 64);
-    _tile_dpbf16ps(0, 4, 6);
-    if constexpr (NB > 1) _tile_dpbf16ps(1, 4, 7);
-    if constexpr (NA > 1) _tile_dpbf16ps(2, 5, 6);
-    if constexpr (NA > 1 && NB > 1) _tile_dpbf16ps(3, 5, 7);
-  }
-}
-
-// One block of up to 32 weight rows (n0..) against all `rows` rows of the packed x.
-// Rows past n and columns past k never reach a tile: a block that has them is first
-// copied, zero-padded, into `wpad` (32 rows of kp columns).
-void weight_block(const accel::bf16* w, int64_t w_stride, int64_t n0, int64_t n, int64_t k,
-                  int64_t kp, const uint32_t* xp, int64_t rows, int64_t row0,
-                  const Target<accel::bf16>& t, accel::bf16* wpad, const accel::bf16* next,
-                  int64_t next_rows) {
-  const int64_t block_rows = std::min<int64_t>(2 * kTile, n - n0), pairs = kp / 2;
-  const accel::bf16* a = w + n0 * w_stride;
-  int64_t a_stride = w_stride;
-  if (block_rows % kTile || k != kp) {
-    const int64_t tiles_rows = (block_rows + kTile - 1) / kTile * kTile;
-    for (int64_t r = 0; r < tiles_rows; ++r) {
-      accel::bf16* dst = wpad + r * kp;
-      if (r < block_rows) std::memcpy(dst, a + r * w_stride, size_t(k) * sizeof(accel::bf16));
-      std::fill(dst + (r < block_rows ? k : 0), dst + kp, accel::bf16{0});
+  void store(const uint32_t* sums, int64_t row, int64_t rows_left, int64_t n0) const {
+    __m512i r[16];
+    _Pragma("GCC unroll 16") for (int i = 0; i < 16; ++i) r[i] = _mm512_load_si512(sums + i * kTile);
+    accel::transpose16(r);  // r[j]: row row + j of y, columns n0..n0+15
+    const __mmask16 mask = n - n0 >= 16 ? __mmask16(0xffff) : __mmask16((1u << (n - n0)) - 1);
+    const __m512 b = t.bias ? _mm512_maskz_loadu_ps(mask, t.bias + n0) : _mm512_setzero_ps();
+    const int64_t rows = std::min<int64_t>(kTile, rows_left);
+    for (int j = 0; j < rows; j += 2) {
+      const __m512i pair = (__m512i)_mm512_cvtne2ps_pbh(
+          _mm512_add_ps(_mm512_castsi512_ps(r[j + 1]), b), _mm512_add_ps(_mm512_castsi512_ps(r[j]), b));
+      accel::bf16* out = t.y + (row + j) * t.y_stride + n0;
+      _mm256_mask_storeu_epi16(out, mask, _mm512_castsi512_si256(pair));
+      if (j + 1 < rows)
+        _mm256_mask_storeu_epi16(out + t.y_stride, mask, _mm512_extracti64x4_epi64(pair, 1));
     }
-    a = wpad, a_stride = kp;
   }
-  const bool two = block_rows > kTile;
-  const int64_t x_tiles = (rows + kTile - 1) / kTile;
-  for (int64_t b = 0; b < x_tiles; b += 2, next = nullptr) {
-    const uint32_t* xb = xp + b * pairs * kTile;
-    const int64_t row = row0 + b * kTile, left = rows - b * kTile;
-    const bool two_x = b + 1 < x_tiles;
-    if (two && two_x) tiles<2, 2>(a, a_stride, xb, pairs, kp, next, next_rows, w_stride);
-    else if (two) tiles<2, 1>(a, a_stride, xb, pairs, kp, next, next_rows, w_stride);
-    else if (two_x) tiles<1, 2>(a, a_stride, xb, pairs, kp, next, next_rows, w_stride);
-    else tiles<1, 1>(a, a_stride, xb, pairs, kp, next, next_rows, w_stride);
-    // (a tile's number is part of the instruction: literals)
-    alignas(64) float sums[4][kTile * kTile];
-    _tile_stored(0, sums[0], 64);
-    if (two_x) _tile_stored(1, sums[1], 64);
-    if (two) _tile_stored(2, sums[2], 64);
-    if (two && two_x) _tile_stored(3, sums[3], 64);
-    store_sums(sums[0], t, row, left, n0, n);
-    if (two_x) store_sums(sums[1], t, row + kTile, left - kTile, n0, n);
-    if (two) store_sums(sums[2], t, row, left, n0 + kTile, n);
-    if (two && two_x) store_sums(sums[3], t, row + kTile, left - kTile, n0 + kTile, n);
+
+  void prefetch(int64_t row, int64_t rows, int64_t n0) const {
+    accel::amx::prefetch_lines(t.y + row * t.y_stride + n0, rows, t.y_stride * 2,
+                               std::min<int64_t>(2 * kTile, n - n0) * 2);
   }
-}
+};
 
 // y = x @ W.T (+ bias) for bf16 x of kAmxMinRows rows or more (where ready()).
 void linear(const accel::bf16* x, int64_t x_stride, const accel::bf16* w, int64_t w_stride,
             const float* bias, accel::bf16* y, int64_t y_stride, int64_t m, int64_t n,
             int64_t k) {
-  const int64_t kp = (k + kTileK - 1) / kTileK * kTileK;
-  const Target<accel::bf16> t{y, y_stride, bias};
-  const int64_t x_rows = std::min(m, kAmxBlockM);
-  std::vector<uint32_t> xp(size_t((x_rows + kTile - 1) / kTile * kTile) * (kp / 2));
-  const int64_t blocks = (n + 2 * kTile - 1) / (2 * kTile);
-  for (int64_t row0 = 0; row0 < m; row0 += kAmxBlockM) {
-    const int64_t rows = std::min(kAmxBlockM, m - row0);
-    pack_x(x, x_stride, row0, rows, k, kp, xp.data());
-#pragma omp parallel if (rows * n * k >= kParallelMinWork)
-    {
-      accel::amx::configure();
-      std::vector<accel::bf16> wpad(size_t(2 * kTile) * kp);
-#pragma omp for schedule(static)
-      for (int64_t b = 0; b < blocks; ++b) {
-        const int64_t n0 = b * 2 * kTile;
-        // the first x tiles prefetch the block this thread runs next (schedule(static):
-        // its chunk's next block)
-        const int64_t next_rows =
-            std::max<int64_t>(0, std::min<int64_t>(2 * kTile, n - n0 - 2 * kTile));
-        const accel::bf16* next = next_rows ? w + (n0 + 2 * kTile) * w_stride : nullptr;
-        weight_block(w, w_stride, n0, n, k, kp, xp.data(), rows, row0, t, wpad.data(), next,
-                     next_rows);
-      }
-      _tile_release();
-    }
-  }
+  accel::amx::TileGemm<accel::bf16>::gemm(x, x_stride, w, w_stride, m, n, k,
+                                          Store{{y, y_stride, bias}, n}, kParallelMinWork);
 }
 
 }  // namespace amx
@@ -630,8 +522,7 @@ int accel_bf16_linear_available() {
 //     x): never, with dp::gemm above (1.05-1.26x torch's linear at 64-512 rows).
 // Without either oneDNN emulates bf16 at 4-5x below float32: never.
 int accel_bf16_linear_onednn_rows(int32_t x_dtype) {
-#if defined(ACCEL_BF16_LINEAR) && defined(__AVX512BF16__) && defined(__AMX_TILE__) && \
-    defined(__AMX_BF16__)
+#if defined(ACCEL_BF16_LINEAR) && defined(__AVX512BF16__) && defined(ACCEL_AMX_TILES)
   if (x_dtype == accel::kBFloat16) return accel::amx::ready() ? 640 : 10;
 #endif
   (void)x_dtype;
@@ -641,8 +532,7 @@ int accel_bf16_linear_onednn_rows(int32_t x_dtype) {
 // Rows of bf16 x from which the AMX tiles (dp::amx above) run; 0 where this build or
 // this process (the kernel's permission) lacks them.
 int accel_bf16_linear_amx_rows() {
-#if defined(ACCEL_BF16_LINEAR) && defined(__AVX512BF16__) && defined(__AMX_TILE__) && \
-    defined(__AMX_BF16__)
+#if defined(ACCEL_BF16_LINEAR) && defined(__AVX512BF16__) && defined(ACCEL_AMX_TILES)
   return accel::amx::ready() ? int(dp::amx::kAmxMinRows) : 0;
 #else
   return 0;
@@ -666,7 +556,7 @@ int accel_bf16_linear(const void* x, int64_t x_stride, int32_t x_dtype, const vo
                       int64_t n, int64_t k) {
 #ifdef ACCEL_BF16_LINEAR
   const auto* wb = static_cast<const accel::bf16*>(w);
-#if defined(__AVX512BF16__) && defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#if defined(__AVX512BF16__) && defined(ACCEL_AMX_TILES)
   if (x_dtype == accel::kBFloat16 && m >= dp::amx::kAmxMinRows && accel::amx::ready()) {
     dp::amx::linear(static_cast<const accel::bf16*>(x), x_stride, wb, w_stride, bias,
                     static_cast<accel::bf16*>(y), y_stride, m, n, k);

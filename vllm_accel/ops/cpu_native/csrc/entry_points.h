@@ -38,11 +38,13 @@ int accel_int4pack_gemv(const void* x, int64_t x_stride, const void* packed,
                         const void* scales_zeros, void* y, int64_t y_stride, int32_t m,
                         int64_t n, int64_t k, int64_t group, int32_t variant);
 
-// int8_linear.cpp (called by torch_ops.cpp only: no ctypes path)
+// int8_linear.cpp (called by torch_ops.cpp; ctypes only in its test)
 int accel_int8_quant_rows(int32_t dtype, const void* x, int64_t x_stride, int64_t m, int64_t k,
                           int8_t* q, float* scales);
-int accel_int8_gemm(const int8_t* q, int64_t q_stride, const int8_t* w, int64_t w_stride,
-                    int32_t* acc, int64_t acc_stride, int64_t m, int64_t n, int64_t k);
+int accel_int8_linear_amx(const int8_t* q, int64_t q_stride, const int8_t* w, int64_t w_stride,
+                          int64_t m, int64_t n, int64_t k, const float* row_scales,
+                          const float* col_scales, const float* bias, int32_t y_dtype, void* y,
+                          int64_t y_stride);
 int accel_int8_dequant(const int32_t* acc, int64_t acc_stride, int64_t m, int64_t n,
                        const float* row_scales, const float* col_scales, const float* bias,
                        int32_t y_dtype, void* y, int64_t y_stride);

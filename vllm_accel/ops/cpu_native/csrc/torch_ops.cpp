@@ -137,7 +137,8 @@ at::Tensor int4pack_linear(const at::Tensor& x, const at::Tensor& weight, int64_
 
 // vllm_accel::int8_linear_dynamic: W8A8 with symmetric dynamic per-token activations,
 // quant/w8a8.py int8_linear's result bit for bit: the rows quantized in C++
-// (int8_linear.cpp), the int8 GEMM (AMX tiles there, or torch's), the epilogue in C++. The Python kernel
+// (int8_linear.cpp), the int8 GEMM with its epilogue on AMX tiles there, or torch's GEMM
+// and the epilogue in C++. The Python kernel
 // (int8_linear.py) sends only inputs it takes: x float32/bf16/fp16 [..., K] on the
 // CPU, weight int8 [N, K], weight_scale float32 [N], bias [N].
 at::Tensor int8_linear_dynamic(const at::Tensor& x, const at::Tensor& weight,
@@ -161,19 +162,22 @@ at::Tensor int8_linear_dynamic(const at::Tensor& x, const at::Tensor& weight,
     at::Tensor row_scales = at::empty({m}, x.options().dtype(at::kFloat));
     accel_int8_quant_rows(code, x2.data_ptr(), x2.stride(0), m, k, q.data_ptr<int8_t>(),
                           row_scales.data_ptr<float>());
-    // AMX tiles where the CPU has them (the same int32 sums), torch's int8 GEMM otherwise
-    at::Tensor acc = at::empty({m, n}, x.options().dtype(at::kInt));
-    if (weight.stride(1) != 1 ||
-        accel_int8_gemm(q.data_ptr<int8_t>(), k, weight.data_ptr<int8_t>(), weight.stride(0),
-                        acc.data_ptr<int32_t>(), n, m, n, k) != 0)
-      acc = at::_int_mm(q, weight.t());
     const at::Tensor col_scales = weight_scale.to(at::kFloat).contiguous();
     at::Tensor b;
     if (bias.has_value()) b = bias->to(at::kFloat).contiguous();
-    accel_int8_dequant(acc.data_ptr<int32_t>(), acc.stride(0), m, n,
-                       row_scales.data_ptr<float>(), col_scales.data_ptr<float>(),
-                       b.defined() ? b.data_ptr<float>() : nullptr, code, y.data_ptr(),
-                       y.stride(0));
+    const float* bias_ptr = b.defined() ? b.data_ptr<float>() : nullptr;
+    // AMX tiles with the epilogue inside where the CPU has them (the same bytes), torch's
+    // int8 GEMM and the epilogue on its int32 sums otherwise
+    if (weight.stride(1) != 1 ||
+        accel_int8_linear_amx(q.data_ptr<int8_t>(), k, weight.data_ptr<int8_t>(),
+                              weight.stride(0), m, n, k, row_scales.data_ptr<float>(),
+                              col_scales.data_ptr<float>(), bias_ptr, code, y.data_ptr(),
+                              y.stride(0)) != 0) {
+      const at::Tensor acc = at::_int_mm(q, weight.t());
+      accel_int8_dequant(acc.data_ptr<int32_t>(), acc.stride(0), m, n,
+                         row_scales.data_ptr<float>(), col_scales.data_ptr<float>(), bias_ptr,
+                         code, y.data_ptr(), y.stride(0));
+    }
   }
   int8_linear_calls.add(m);
   return y.view(out_sizes);
