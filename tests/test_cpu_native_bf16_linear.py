@@ -125,7 +125,8 @@ def _c_kernel(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> to
 # partial 32-column step, 64 does not. With AMX, from 4 rows: 6 and 13 one 16-row tile
 # of x, 17 and 27 two (the second nearly empty), 40 a pair and one, 270 two 256-row
 # blocks; outputs 8 and 9 one partial weight tile, 48 a block of 32 and one of 16, 130 a
-# partial last block; inputs 576 and 64 whole 32-column steps (the weight read in place),
+# partial last block, 300 two chunks of weight blocks (the second ending in a partial
+# one); inputs 576 and 64 whole 32-column steps (the weight read in place),
 # 37 and 100 a padded copy
 C_SHAPES = [(1, 9, 37), (2, 130, 100), (3, 130, 64), (6, 8, 100), (13, 130, 37),
             (17, 48, 576), (27, 130, 100), (40, 48, 64), (40, 300, 100), (270, 9, 64)]
