@@ -45,17 +45,22 @@ def test_python_kernel_matches_the_cpp_kernel(tokens, monkeypatch):
 def test_gemv_is_available_exactly_on_avx512_and_vbmi():
     """Dispatch follows what the CPU reports: the kernel is built in with AVX-512F and
     AVX512-VBMI (float32 FMAs), its BF16 variant only with AVX512-BF16 as well, its
-    int16 variant only with AVX512-VNNI as well, and it is used only where torch packs
-    the layout it reads; other CPUs keep torch's kernel (the portable path)."""
+    int16 variant only with AVX512-VNNI as well, its AMX tiles (from 12 rows, and for
+    any batch) only with AMX's bf16 and int8 units and AVX512-BF16 as well, and it is
+    used only where torch packs the layout it reads; other CPUs keep torch's kernel
+    (the portable path)."""
     lib = native.library()
     vbmi = cpu_has("avx512f", "avx512vbmi")
     assert wint_gemv.gemv_available() == (lib is not None and vbmi and wint_gemv._layout_matches())
     if lib is not None:
         bf16 = vbmi and cpu_has("avx512_bf16")
         vnni = vbmi and cpu_has("avx512_vnni")
+        amx = bf16 and cpu_has("amx_tile", "amx_bf16", "amx_int8")
         assert lib.accel_int4pack_gemv_available() == (
             (wint_gemv.FP32_FMA if vbmi else 0) | (wint_gemv.BF16_DOT if bf16 else 0)
-            | (wint_gemv.I16_DOT if vnni else 0))
+            | (wint_gemv.I16_DOT if vnni else 0) | (wint_gemv.AMX if amx else 0))
+        assert lib.accel_int4pack_amx_rows() == (12 if amx else 0)
+        assert wint_gemv.amx_rows() == (12 if amx and wint_gemv.gemv_available() else 0)
 
 
 # bf16 activations: scales and 4-bit's folded zero term rounded to bf16 once, plus
@@ -63,7 +68,9 @@ def test_gemv_is_available_exactly_on_avx512_and_vbmi():
 REL = 1.2e-2
 
 
-@pytest.mark.parametrize("tokens", [1, 2, 3, 4, 5, 7, 12, 15, 63, 64, 65])  # 5-64: 8-row chunks
+# 5-64: 8-row chunks; with AMX, from 12: pairs of 16-row tiles (63 and 65 partial),
+# and any batch
+@pytest.mark.parametrize("tokens", [1, 2, 3, 4, 5, 7, 12, 15, 16, 63, 64, 65, 300])
 @pytest.mark.parametrize("group_size,sym,act_order,k", [
     (32, True, False, 576), (64, False, False, 576), (128, False, True, 512),
     (-1, False, False, 256),  # per channel: one 256-column group
@@ -81,7 +88,8 @@ def test_matches_float64(group_size, sym, act_order, k, tokens, gemv_calls):
     err = (y.double() - ref).abs()
     assert y.dtype == torch.bfloat16 and y.shape == (tokens, n)
     assert bool((err <= REL * magnitude + 1e-6).all()), (err / magnitude).max()
-    native_rows = tokens <= wint_gemv.NATIVE_MAX_ROWS and wint_gemv.gemv_available()
+    native_rows = ((tokens <= wint_gemv.NATIVE_MAX_ROWS or wint_gemv.amx_rows())
+                   and wint_gemv.gemv_available())
     assert gemv_calls() == ((1, tokens) if native_rows else (0, 0))
 
 
@@ -98,8 +106,8 @@ def _run_variant(lib, variant, x, prepared, group):
 
 
 VARIANTS = pytest.mark.parametrize(
-    "variant", [wint_gemv.FP32_FMA, wint_gemv.BF16_DOT, wint_gemv.I16_DOT],
-    ids=["fp32_fma", "bf16_dot", "i16_dot"])
+    "variant", [wint_gemv.FP32_FMA, wint_gemv.BF16_DOT, wint_gemv.I16_DOT, wint_gemv.AMX],
+    ids=["fp32_fma", "bf16_dot", "i16_dot", "amx"])
 
 
 @VARIANTS
@@ -136,6 +144,26 @@ def _direct_case(n, k, group, seed):
     prepared = {"int4_weight": torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1),
                 "int4_scales_zeros": torch.stack((s, z), -1).contiguous()}
     return prepared, w
+
+
+@pytest.mark.parametrize("tokens", [16, 40])
+def test_amx_tiles_on_a_padded_step_and_strided_rows(tokens):
+    """The AMX tiles where k is not whole 32-column steps (100 columns, groups of 50:
+    every row of x from a zero-padded copy, the weight's last step zero) and rows of x
+    strided, vs float64; 40 rows: a pair of tiles and a partial one."""
+    lib = native.library()
+    if lib is None or not lib.accel_int4pack_gemv_available() & wint_gemv.AMX:
+        assert not (native.library() and cpu_has("avx512f", "avx512vbmi", "avx512_bf16",
+                                                  "amx_tile", "amx_bf16", "amx_int8"))
+        return
+    k, n, group = 100, 128, 50
+    prepared, w = _direct_case(n, k, group, seed=tokens)
+    x = torch.randn(tokens, k + 6, generator=torch.Generator().manual_seed(tokens))
+    x = x.bfloat16()[:, 3:k + 3]
+    rc, y = _run_variant(lib, wint_gemv.AMX, x, prepared, group)
+    assert rc == 0
+    err = (y.double() - x.double() @ w.t()).abs()
+    assert bool((err <= REL * (x.double().abs() @ w.abs().t()) + 1e-6).all()), err.max()
 
 
 def _int16_block(group):

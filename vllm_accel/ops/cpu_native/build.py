@@ -67,6 +67,7 @@ _SIGNATURES = {
     "accel_rms_norm": (_i32, _ptr, _i64, _ptr, _i64, _ptr, _ptr, _i64, _ptr, _i64, _i64, _i32, _f32),
     "accel_silu_and_mul": (_i32, _ptr, _i64, _ptr, _i64, _i64, _i32),
     "accel_int4pack_gemv_available": (),
+    "accel_int4pack_amx_rows": (),
     "accel_int4pack_gemv": (_ptr, _i64, _ptr, _ptr, _ptr, _i64, _i32, _i64, _i64, _i64,
                             _i32),
     "accel_bf16_linear_available": (),

@@ -28,14 +28,14 @@ from vllm_accel.ops.torch_fast import wint_gemm as torch_fast
 
 NATIVE = "cpu_native"
 #: largest batch the C++ kernel takes (decode batches and short prefills; longer
-#: prefills go to torch's kernel)
+#: prefills go to torch's kernel) where it has no AMX tiles (with them: any)
 NATIVE_MAX_ROWS = 64
 #: output features per block of the int4 layout on AVX-512
 BLOCK_N = 64
 #: ``accel_int4pack_gemv``'s variants (bits of ``accel_int4pack_gemv_available()``):
 #: the best this build has, float32 FMAs, AVX512-BF16 dot products, AVX512-VNNI int16
-#: dot products
-BEST, FP32_FMA, BF16_DOT, I16_DOT = 0, 1, 2, 4
+#: dot products, AMX tiles on the weight dequantized to bf16
+BEST, FP32_FMA, BF16_DOT, I16_DOT, AMX = 0, 1, 2, 4, 8
 
 
 def _layout_matches() -> bool:
@@ -58,11 +58,17 @@ def gemv_available() -> bool:
     return lib is not None and bool(lib.accel_int4pack_gemv_available()) and _layout_matches()
 
 
+@functools.cache
+def amx_rows() -> int:
+    """Rows from which the kernel runs the AMX tiles (and takes any batch), 0 without."""
+    return int(native.library().accel_int4pack_amx_rows()) if gemv_available() else 0
+
+
 def _takes(x, weight, group_size, scales_zeros) -> bool:
     """Whether the C++ kernel takes these inputs (it trusts shapes: check them here)."""
     m, k = x.shape
     n = scales_zeros.shape[1] if scales_zeros.dim() == 3 else -1
-    return (0 < m <= NATIVE_MAX_ROWS and x.dtype == torch.bfloat16 and x.stride(1) == 1
+    return (0 < m and (m <= NATIVE_MAX_ROWS or amx_rows() > 0) and x.dtype == torch.bfloat16 and x.stride(1) == 1
             and scales_zeros.dtype == torch.bfloat16 and scales_zeros.is_contiguous()
             and n % BLOCK_N == 0 and n > 0 and group_size > 0 and group_size % 2 == 0
             and k % group_size == 0 and tuple(scales_zeros.shape) == (k // group_size, n, 2)
@@ -73,7 +79,7 @@ def _takes(x, weight, group_size, scales_zeros) -> bool:
 def int4pack_linear(x: torch.Tensor, weight: torch.Tensor, group_size: int,
                     scales_zeros: torch.Tensor) -> torch.Tensor:
     """``torch.ops.aten._weight_int4pack_mm_for_cpu``'s contract; up to
-    ``NATIVE_MAX_ROWS`` bf16 rows run the C++ kernel."""
+    ``NATIVE_MAX_ROWS`` bf16 rows (any number with AMX) run the C++ kernel."""
     if not _takes(x, weight, group_size, scales_zeros):
         return torch.ops.aten._weight_int4pack_mm_for_cpu(x.contiguous(), weight, group_size,
                                                           scales_zeros)

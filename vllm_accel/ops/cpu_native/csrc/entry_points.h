@@ -34,6 +34,7 @@ int accel_bf16_linear(const void* x, int64_t x_stride, int32_t x_dtype, const vo
 
 // int4_gemv.cpp
 int accel_int4pack_gemv_available();
+int accel_int4pack_amx_rows();
 int accel_int4pack_gemv(const void* x, int64_t x_stride, const void* packed,
                         const void* scales_zeros, void* y, int64_t y_stride, int32_t m,
                         int64_t n, int64_t k, int64_t group, int32_t variant);

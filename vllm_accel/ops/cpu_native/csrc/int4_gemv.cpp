@@ -1,14 +1,15 @@
-// Int4 weight x bf16 activations for decode-sized batches (1-64 rows of x) on
-// torch's CPU int4 weight layout (the one
+// Int4 weight x bf16 activations on torch's CPU int4 weight layout (the one
 // torch.ops.aten._convert_weight_to_int4pack_for_cpu makes on AVX-512 and the
-// torch_fast provider keeps resident), compiled at first use (see cpu_native/build.py).
+// torch_fast provider keeps resident), compiled at first use (see cpu_native/build.py):
+// decode-sized batches (1-64 rows of x) by AVX-512, and, where the CPU has AMX, any
+// batch from 12 rows on the tiles (the last section).
 //
 // Why: torch's _weight_int4pack_mm_for_cpu reads 12-17 GB/s at one row on a core
 // that reads 35-40 GB/s, and decode of one request is this GEMV. Same layout and
 // result formula, so the prepared weight is shared with torch's kernel, which
-// keeps prefill-sized batches. Up to 4 rows of x stream each weight block once
-// (gemv: their sums stay in registers); more go through 16-output slabs of a block
-// (gemm_slabs).
+// keeps prefill-sized batches on CPUs without AMX. Up to 4 rows of x stream each weight
+// block once (gemv: their sums stay in registers); more go through 16-output slabs of a
+// block (gemm_slabs).
 //
 // Layout (rows in blocks of 64): packed[N/64][K][32] bytes, byte i of (block, k)
 // holds row 64*block+i in its low nibble and row 64*block+32+i in its high one.
@@ -38,6 +39,7 @@
 
 #include "dtypes.h"
 #include "entry_points.h"
+#include "tiles.h"
 
 #if defined(__AVX512F__) && defined(__AVX512VBMI__)
 #define ACCEL_INT4_GEMV 1
@@ -372,21 +374,172 @@ void run(const accel::bf16* x, int64_t x_stride, const uint8_t* packed, const ui
   }
 }
 
+#if defined(ACCEL_AMX_TILES) && defined(__AVX512BF16__)
+// Batches of kAmxMinRows rows or more where the CPU has AMX: the weight dequantized to
+// bf16 (W = (q - 8) * s + z in float32, one rounding to bf16) a chunk of 32-output
+// blocks at a time, straight into the B operand's pair layout, and the rows of x as A
+// tiles read in place; TDPBF16PS sums in float32, one rounding to bf16 at the store.
+// The tiles' sums are 16 rows of x by 16 outputs, so they go out as rows (no
+// transpose). Against the paths above, each weight is rounded to bf16 once (at most
+// 2^-9 of it, the size of x's own rounding); the dequantization costs a pass over the
+// weights per call, which a batch of kAmxMinRows rows outweighs (an Intel Xeon with
+// AMX, one core, the default model's 30 layers, below).
+// torch's kernel, which took batches above 64 rows, runs float32 FMAs: a W4A16 engine's
+// 4096-token prefill took 3x a bf16 one's.
+namespace amx4 {
+
+constexpr int kTile = 16;
+constexpr int64_t kStepK = 32;  // columns of an x tile (16 pairs of a weight tile)
+constexpr int64_t kChunk = 8;   // 32-output blocks dequantized at a time (K = 1536: 768 KiB)
+// (the 30 layers, one core, this path vs the BF16 dot products: 8 rows 30.1 vs 29.9 ms,
+// 12 rows 32.7 vs 42.3, 64 rows 39.8 vs 196; 1 row 30.5 vs 5.7)
+constexpr int64_t kAmxMinRows = 12;
+
+// Outputs 16t..16t+15 of 32-output block c at column kk, dequantized with their
+// group's scales s and zeros z: byte i of a 64-output block's column holds its output i
+// (low nibble) and 32 + i (high).
+inline __m512 column(const uint8_t* packed, int64_t k, int64_t c, int t, int64_t kk, __m512 s,
+                     __m512 z) {
+  const uint8_t* bytes = packed + ((c / 2) * k + kk) * 32 + 16 * t;
+  __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(bytes)));
+  q = _mm512_and_si512(_mm512_srli_epi32(q, (c % 2) * 4), _mm512_set1_epi32(15));
+  return _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(q, _mm512_set1_epi32(8))), s, z);
+}
+
+// Block c in the B layout: for column step st and output half t, wb[((st * 2 + t) * 16
+// + p) * 16 + j] = the bf16 pair (W[32c + 16t + j][32st + 2p], W[..][32st + 2p + 1]),
+// zero past k (k is even: a multiple of the even group).
+void dequantize_block(const uint8_t* packed, const uint32_t* sz, int64_t n, int64_t k,
+                      int64_t group, int64_t c, int64_t steps, uint32_t* wb) {
+  for (int t = 0; t < 2; ++t) {
+    int64_t g = -1;  // the group whose scales and zeros s, z hold
+    __m512 s = _mm512_setzero_ps(), z = s;
+    for (int64_t st = 0; st < steps; ++st)
+      for (int p = 0; p < 16; ++p) {
+        const int64_t kk = st * kStepK + 2 * p;
+        __m512i pair = _mm512_setzero_si512();
+        if (kk < k) {
+          if (kk / group != g) {  // (kk and kk + 1 share a group: it is even)
+            g = kk / group;
+            const __m512i sz16 = _mm512_loadu_si512(sz + g * n + c * 32 + 16 * t);
+            s = _mm512_castsi512_ps(_mm512_slli_epi32(sz16, 16));
+            z = _mm512_castsi512_ps(_mm512_and_si512(sz16, _mm512_set1_epi32(int(0xffff0000u))));
+          }
+          const __m256i lo = (__m256i)_mm512_cvtneps_pbh(column(packed, k, c, t, kk, s, z));
+          const __m256i hi = (__m256i)_mm512_cvtneps_pbh(column(packed, k, c, t, kk + 1, s, z));
+          pair = _mm512_or_si512(_mm512_cvtepu16_epi32(lo),
+                                 _mm512_slli_epi32(_mm512_cvtepu16_epi32(hi), 16));
+        }
+        _mm512_store_si512(wb + ((st * 2 + t) * 16 + p) * 16, pair);
+      }
+  }
+}
+
+// The sums of x tiles (NX: 1-2, from `a`) by the two weight tiles of one block (wb).
+template <int NX>
+void tiles(const accel::bf16* a, int64_t a_stride, const uint32_t* wb, int64_t steps) {
+  _tile_zero(0);
+  _tile_zero(1);
+  if constexpr (NX > 1) {
+    _tile_zero(2);
+    _tile_zero(3);
+  }
+  const int64_t a_bytes = a_stride * 2;
+  for (int64_t st = 0; st < steps; ++st) {
+    _tile_loadd(4, a + st * kStepK, a_bytes);
+    if constexpr (NX > 1) _tile_loadd(5, a + kTile * a_stride + st * kStepK, a_bytes);
+    _tile_loadd(6, wb + st * 2 * 256, 64);
+    _tile_loadd(7, wb + (st * 2 + 1) * 256, 64);
+    _tile_dpbf16ps(0, 4, 6);
+    _tile_dpbf16ps(1, 4, 7);
+    if constexpr (NX > 1) {
+      _tile_dpbf16ps(2, 5, 6);
+      _tile_dpbf16ps(3, 5, 7);
+    }
+  }
+}
+
+// A sums tile (16 rows of x by 16 outputs) into y's rows row.. (rows of them).
+void store_rows(const float* sums, accel::bf16* y, int64_t y_stride, int64_t row, int64_t rows,
+                int64_t n0) {
+  for (int64_t j = 0; j < rows; ++j)
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + (row + j) * y_stride + n0),
+                        (__m256i)_mm512_cvtneps_pbh(_mm512_load_ps(sums + j * kTile)));
+}
+
+void gemm(const accel::bf16* x, int64_t x_stride, const uint8_t* packed, const uint32_t* sz,
+          accel::bf16* y, int64_t y_stride, int64_t m, int64_t n, int64_t k, int64_t group) {
+  const int64_t steps = (k + kStepK - 1) / kStepK, kp = steps * kStepK, blocks = n / 32;
+  // x tiles are read in place where k fills whole steps, but for the last rows of a
+  // partial pair; those (or, with a partial step, all rows) from a zero-padded copy
+  const bool in_place = k == kp;
+  const int64_t pad_from = in_place ? m / 32 * 32 : 0;
+  std::vector<accel::bf16> xpad(size_t((m - pad_from + 31) / 32 * 32) * size_t(kp));
+  for (int64_t r = pad_from; r < m; ++r)
+    std::memcpy(xpad.data() + (r - pad_from) * kp, x + r * x_stride, size_t(k) * 2);
+#pragma omp parallel
+  {
+    accel::amx::configure();
+    const int threads = omp_get_num_threads(), thread = omp_get_thread_num();
+    const int64_t first = blocks * thread / threads, end = blocks * (thread + 1) / threads;
+    std::vector<uint32_t> wb(size_t(kChunk * steps * 2 * 256) + 16);
+    uint32_t* wba = wb.data() + (16 - reinterpret_cast<uintptr_t>(wb.data()) / 4 % 16) % 16;
+    for (int64_t c0 = first; c0 < end; c0 += kChunk) {
+      const int64_t c1 = std::min(end, c0 + kChunk);
+      for (int64_t c = c0; c < c1; ++c)
+        dequantize_block(packed, sz, n, k, group, c, steps, wba + (c - c0) * steps * 512);
+      for (int64_t row = 0; row < m; row += 32) {
+        const bool padded = row >= pad_from;
+        const accel::bf16* a = padded ? xpad.data() + (row - pad_from) * kp : x + row * x_stride;
+        const int64_t a_stride = padded ? kp : x_stride, left = m - row;
+        for (int64_t c = c0; c < c1; ++c) {
+          const uint32_t* block = wba + (c - c0) * steps * 512;
+          alignas(64) float sums[4][kTile * kTile];
+          if (left > kTile) {
+            tiles<2>(a, a_stride, block, steps);
+            _tile_stored(2, sums[2], 64);
+            _tile_stored(3, sums[3], 64);
+          } else {
+            tiles<1>(a, a_stride, block, steps);
+          }
+          _tile_stored(0, sums[0], 64);
+          _tile_stored(1, sums[1], 64);
+          const int64_t first_rows = std::min<int64_t>(kTile, left);
+          store_rows(sums[0], y, y_stride, row, first_rows, c * 32);
+          store_rows(sums[1], y, y_stride, row, first_rows, c * 32 + 16);
+          if (left > kTile) {
+            const int64_t second = std::min<int64_t>(kTile, left - kTile);
+            store_rows(sums[2], y, y_stride, row + kTile, second, c * 32);
+            store_rows(sums[3], y, y_stride, row + kTile, second, c * 32 + 16);
+          }
+        }
+      }
+    }
+    _tile_release();
+  }
+}
+
+}  // namespace amx4
+#endif  // ACCEL_AMX_TILES && __AVX512BF16__
+
 }  // namespace
 #endif  // __AVX512F__ && __AVX512VBMI__
 
 // Variants (accel_int4pack_gemv's `variant`; bits of accel_int4pack_gemv_available())
-enum : int { kBest = 0, kFp32Fma = 1, kBf16Dot = 2, kI16Dot = 4 };
+enum : int { kBest = 0, kFp32Fma = 1, kBf16Dot = 2, kI16Dot = 4, kAmx = 8 };
 
 extern "C" {
 
 // Which variants this build has (the CPU's extensions): bit kFp32Fma with AVX-512F and
 // AVX512-VBMI, bit kBf16Dot with AVX512-BF16 as well, bit kI16Dot with AVX512-VNNI as
-// well; 0 without.
+// well, bit kAmx where this build and this process have AMX tiles; 0 without.
 int accel_int4pack_gemv_available() {
   int variants = 0;
 #ifdef ACCEL_INT4_GEMV
   variants |= kFp32Fma;
+#if defined(ACCEL_AMX_TILES) && defined(__AVX512BF16__)
+  if (accel::amx::ready()) variants |= kAmx;
+#endif
 #ifdef __AVX512BF16__
   variants |= kBf16Dot;
 #endif
@@ -397,25 +550,48 @@ int accel_int4pack_gemv_available() {
   return variants;
 }
 
+// Rows of x from which kBest runs the AMX tiles; 0 where this build or this process
+// lacks them.
+int accel_int4pack_amx_rows() {
+#if defined(ACCEL_INT4_GEMV) && defined(ACCEL_AMX_TILES) && defined(__AVX512BF16__)
+  return accel::amx::ready() ? int(amx4::kAmxMinRows) : 0;
+#else
+  return 0;
+#endif
+}
+
 // y[M, N] (bf16, row stride y_stride) = x[M, K] (bf16, row stride x_stride) @ W.T for
-// M in 1..64 (up to 4 streamed, more by 16-output slabs), N a multiple of 64, K a
-// multiple of group, group even. `variant`: kBest (BF16 dot products where built, else
-// int16 dot products where built, else float32 FMAs) or one of them (the tests run each).
+// M in 1..64 (up to 4 streamed, more by 16-output slabs), or any M on the AMX tiles, N
+// a multiple of 64, K a multiple of group, group even. `variant`: kBest (the AMX tiles
+// from kAmxMinRows rows where built, else BF16 dot products where built, else int16 dot
+// products where built, else float32 FMAs) or one of them (the tests run each).
 // Returns 0, -1 for shapes it does not take, -5 for a variant this build lacks.
 int accel_int4pack_gemv(const void* x, int64_t x_stride, const void* packed,
                         const void* scales_zeros, void* y, int64_t y_stride, int32_t m,
                         int64_t n, int64_t k, int64_t group, int32_t variant) {
   const int built = accel_int4pack_gemv_available();
   if (variant == kBest)
-    variant = built & kBf16Dot ? kBf16Dot : built & kI16Dot ? kI16Dot : kFp32Fma;
-  if (!(built & variant) || (variant != kFp32Fma && variant != kBf16Dot && variant != kI16Dot))
+    variant = built & kAmx && m >= accel_int4pack_amx_rows() ? kAmx
+              : built & kBf16Dot                              ? kBf16Dot
+              : built & kI16Dot                               ? kI16Dot
+                                                              : kFp32Fma;
+  if (!(built & variant) ||
+      (variant != kFp32Fma && variant != kBf16Dot && variant != kI16Dot && variant != kAmx))
     return -5;
 #ifdef ACCEL_INT4_GEMV
-  if (m < 1 || m > kMaxBatch || n % kBlockN || group < 2 || group % 2 || k % group) return -1;
+  if (m < 1 || (m > kMaxBatch && variant != kAmx) || n % kBlockN || group < 2 || group % 2 ||
+      k % group)
+    return -1;
   const auto* xb = static_cast<const accel::bf16*>(x);
   const auto* pk = static_cast<const uint8_t*>(packed);
   const auto* sz = static_cast<const uint32_t*>(scales_zeros);
   auto* yb = static_cast<accel::bf16*>(y);
+#if defined(ACCEL_AMX_TILES) && defined(__AVX512BF16__)
+  if (variant == kAmx) {
+    amx4::gemm(xb, x_stride, pk, sz, yb, y_stride, m, n, k, group);
+    return 0;
+  }
+#endif
 #ifdef __AVX512BF16__
   if (variant == kBf16Dot) {
     run<Bf16Dot>(xb, x_stride, pk, sz, yb, y_stride, m, n, k, group);

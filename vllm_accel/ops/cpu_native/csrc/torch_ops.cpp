@@ -105,17 +105,19 @@ at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& weight,
 }
 
 // vllm_accel::int4pack_linear: torch's _weight_int4pack_mm_for_cpu contract; bf16 batches
-// of up to 64 rows run the C++ GEMV, everything else torch's kernel (as
-// wint_gemv.int4pack_linear, the Python kernel, decides).
+// of up to 64 rows (any number where the kernel has AMX tiles) run the C++ kernel,
+// everything else torch's kernel (as wint_gemv.int4pack_linear, the Python kernel,
+// decides).
 at::Tensor int4pack_linear(const at::Tensor& x, const at::Tensor& weight, int64_t group_size,
                            const at::Tensor& scales_zeros) {
   static const bool built = accel_int4pack_gemv_available() != 0;
+  static const bool any_rows = accel_int4pack_amx_rows() > 0;
   const bool two_d = x.dim() == 2;
   const int64_t m = two_d ? x.size(0) : 0, k = two_d ? x.size(1) : 0;
   const int64_t n = scales_zeros.dim() == 3 ? scales_zeros.size(1) : -1;
   const bool takes =
       built && int4pack_layout_ok.load(std::memory_order_relaxed) && two_d && m > 0 &&
-      m <= kInt4MaxRows && x.scalar_type() == at::kBFloat16 && x.stride(1) == 1 &&
+      (m <= kInt4MaxRows || any_rows) && x.scalar_type() == at::kBFloat16 && x.stride(1) == 1 &&
       x.device().is_cpu() && scales_zeros.scalar_type() == at::kBFloat16 &&
       scales_zeros.is_contiguous() && scales_zeros.device().is_cpu() && n > 0 &&
       n % kInt4BlockN == 0 && group_size > 0 && group_size % 2 == 0 && k % group_size == 0 &&
