@@ -384,8 +384,9 @@ void run(const accel::bf16* x, int64_t x_stride, const uint8_t* packed, const ui
 // 2^-9 of it, the size of x's own rounding); the dequantization costs a pass over the
 // weights per call, which a batch of kAmxMinRows rows outweighs (an Intel Xeon with
 // AMX, one core, the default model's 30 layers, below).
-// torch's kernel, which took batches above 64 rows, runs float32 FMAs: a W4A16 engine's
-// 4096-token prefill took 3x a bf16 one's.
+// torch's kernel, which took batches above 64 rows, runs float32 FMAs: a compiled
+// W4A16 engine ran W1 (64 x 128 in / 128 out) at 142 tok/s against the bf16 engine's
+// 463 (460 with these tiles).
 namespace amx4 {
 
 constexpr int kTile = 16;
