@@ -229,8 +229,9 @@ def test_amx_int8_linear_gives_the_epilogue_of_torchs_int32_sums(shape, dtype):
     from vllm_accel.ops.cpu_native import build as native
 
     lib = native.library()
-    if lib is None:
-        pytest.skip("the native library did not build")
+    if lib is None:  # only where there is no compiler: the op keeps torch's GEMM there
+        assert native.compiler() is None, "the kernel library failed to build"
+        return
     m, k, n = shape
     gen = torch.Generator().manual_seed(m + 3 * k + 7 * n)
     q = torch.randint(-127, 128, (m, k + 3), generator=gen, dtype=torch.int8)[:, 1:k + 1]
