@@ -22,20 +22,28 @@ def gemv_calls(monkeypatch):
     return kernel_calls(monkeypatch, "int4pack_linear", "accel_int4pack_gemv", 6)
 
 
+@pytest.fixture
+def gemv_f32_calls(monkeypatch):
+    """The same for float32 x (its own C entry point)."""
+    return kernel_calls(monkeypatch, "int4pack_linear", "accel_int4pack_gemv_f32", 6)
+
+
 def test_op_dispatches_to_cpp_wherever_the_kernels_build():
     """The op's CPU kernel is the C++ one (no Python per call) whenever the kernel
     library builds; the Python kernel is only the fallback for a failed torch build."""
     assert wint_gemv.NATIVE_DISPATCH == (native.library() is not None)
 
 
-@pytest.mark.parametrize("tokens", [1, 5])
-def test_python_kernel_matches_the_cpp_kernel(tokens, monkeypatch):
+@pytest.mark.parametrize("tokens,dtype", [(1, torch.bfloat16), (5, torch.bfloat16),
+                                          (5, torch.float32)])
+def test_python_kernel_matches_the_cpp_kernel(tokens, dtype, monkeypatch):
     """``wint_gemv.int4pack_linear`` (the op's kernel where csrc/torch_ops.cpp cannot
     be built) calls the same C kernel: the same bits, one call with the same rows."""
-    rows = count_native_calls(monkeypatch, "accel_int4pack_gemv", 6)
+    entry = "accel_int4pack_gemv_f32" if dtype == torch.float32 else "accel_int4pack_gemv"
+    rows = count_native_calls(monkeypatch, entry, 6)
     res, _ = make_resident(128, 256, 4, 64, False, False, seed=tokens)
-    prepared = prepare(res, torch.bfloat16)
-    x = torch.randn(tokens, 256, generator=torch.Generator().manual_seed(tokens)).bfloat16()
+    prepared = prepare(res, dtype)
+    x = torch.randn(tokens, 256, generator=torch.Generator().manual_seed(tokens)).to(dtype)
     args = (x, prepared["int4_weight"], 64, prepared["int4_scales_zeros"])
     assert torch.equal(wint_gemv.int4pack_linear(*args),
                        torch.ops.vllm_accel.int4pack_linear(*args))
@@ -91,6 +99,35 @@ def test_matches_float64(group_size, sym, act_order, k, tokens, gemv_calls):
     native_rows = ((tokens <= wint_gemv.NATIVE_MAX_ROWS or wint_gemv.amx_rows())
                    and wint_gemv.gemv_available())
     assert gemv_calls() == ((1, tokens) if native_rows else (0, 0))
+
+
+# float32 activations: float32 math's rounding only (torch's own float32 kernel is
+# measured at up to 1.5e-6 of the magnitude here, ours at up to 2.6e-7).
+REL_FP32 = 1e-6
+
+
+@pytest.mark.parametrize("tokens", [1, 5, 64, 300])
+@pytest.mark.parametrize("group_size,sym,act_order,k", [
+    (32, True, False, 576), (64, False, False, 576), (128, False, True, 512),
+    (-1, False, False, 256),
+])
+def test_float32_matches_float64(group_size, sym, act_order, k, tokens, gemv_f32_calls):
+    """float32 x (a float32 model) runs the C++ kernel at any batch (torch's float32
+    int4 kernel is a scalar loop, ~70x its bf16 one) within float32 rounding of the
+    float64 product; x has a common offset, where summing codes as 128+q and taking
+    136*sum(x) off afterwards would lose ~7 bits to the cancellation."""
+    n = 192
+    res, w = make_resident(n, k, 4, group_size, sym, act_order, seed=tokens * 5 + k)
+    prepared = prepare(res, torch.float32)
+    x = torch.randn(tokens, k, generator=torch.Generator().manual_seed(tokens)) + 3.0
+    bias = torch.randn(n)
+    y = linear(x, prepared, bias)
+    ref = x.double() @ w.t() + bias.double()
+    magnitude = x.double().abs() @ w.abs().t() + bias.double().abs()
+    err = (y.double() - ref).abs()
+    assert y.dtype == torch.float32 and y.shape == (tokens, n)
+    assert bool((err <= REL_FP32 * magnitude).all()), (err / magnitude).max()
+    assert gemv_f32_calls() == ((1, tokens) if wint_gemv.gemv_available() else (0, 0))
 
 
 def _run_variant(lib, variant, x, prepared, group):
@@ -249,16 +286,17 @@ def test_strided_rows_and_the_torch_kernel_agree(gemv_calls):
     assert gemv_calls() == ((1, 3) if wint_gemv.gemv_available() else (0, 0))
 
 
-@pytest.mark.parametrize("n,dtype", [(96, torch.bfloat16), (128, torch.float32)])
-def test_shapes_and_dtypes_it_does_not_take_use_torch(n, dtype, gemv_calls):
-    """Rows not in 64-row blocks, or float32 activations: torch's kernel, same result."""
+@pytest.mark.parametrize("n,dtype", [(96, torch.bfloat16), (96, torch.float32),
+                                     (128, torch.float16)])
+def test_shapes_and_dtypes_it_does_not_take_use_torch(n, dtype, gemv_calls, gemv_f32_calls):
+    """Rows not in 64-row blocks, or fp16 activations: torch's kernel, same result."""
     res, w = make_resident(n, 256, 4, 64, True, False, seed=n)
     prepared = prepare(res, dtype)
     x = torch.randn(1, 256, generator=torch.Generator().manual_seed(0)).to(dtype)
     y = linear(x, prepared)
     err = (y.double() - x.double() @ w.t()).abs()
     assert bool((err <= REL * (x.double().abs() @ w.abs().t()) + 1e-6).all())
-    assert gemv_calls() == (0, 0)
+    assert gemv_calls() == (0, 0) and gemv_f32_calls() == (0, 0)
 
 
 def test_traces_as_one_op():

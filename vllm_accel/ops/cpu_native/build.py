@@ -70,6 +70,7 @@ _SIGNATURES = {
     "accel_int4pack_amx_rows": (),
     "accel_int4pack_gemv": (_ptr, _i64, _ptr, _ptr, _ptr, _i64, _i32, _i64, _i64, _i64,
                             _i32),
+    "accel_int4pack_gemv_f32": (_ptr, _i64, _ptr, _ptr, _ptr, _i64, _i32, _i64, _i64, _i64),
     "accel_bf16_linear_available": (),
     "accel_bf16_linear_onednn_rows": (_i32,),
     "accel_bf16_linear_amx_rows": (),

@@ -13,9 +13,12 @@ in 16-bit fixed point per block of up to 128 columns (Ice Lake, or a VM that hid
 BF16: half the instructions of float32 FMAs, which the rest keep); all need
 AVX512-VBMI. Other CPUs keep torch's kernel.
 
+float32 activations (a float32 model) run its float32 FMAs at any batch: torch's
+kernel for them is ~70x slower than for bf16 (a scalar loop).
+
 The GEMV is the ``torch.library`` op ``vllm_accel::int4pack_linear``, so
 torch.compile keeps it as one call (a ctypes call would break the graph); larger
-batches and other dtypes go to torch's kernel inside it.
+bf16 batches and other dtypes go to torch's kernel inside it.
 """
 
 import functools
@@ -65,11 +68,14 @@ def amx_rows() -> int:
 
 
 def _takes(x, weight, group_size, scales_zeros) -> bool:
-    """Whether the C++ kernel takes these inputs (it trusts shapes: check them here)."""
+    """Whether the C++ kernel takes these inputs (it trusts shapes: check them here):
+    bf16 up to ``NATIVE_MAX_ROWS`` rows (any number with AMX), float32 any number."""
     m, k = x.shape
     n = scales_zeros.shape[1] if scales_zeros.dim() == 3 else -1
-    return (0 < m and (m <= NATIVE_MAX_ROWS or amx_rows() > 0) and x.dtype == torch.bfloat16 and x.stride(1) == 1
-            and scales_zeros.dtype == torch.bfloat16 and scales_zeros.is_contiguous()
+    fp32 = x.dtype == torch.float32
+    return (0 < m and (m <= NATIVE_MAX_ROWS or amx_rows() > 0 or fp32)
+            and x.dtype in (torch.bfloat16, torch.float32) and x.stride(1) == 1
+            and scales_zeros.dtype == x.dtype and scales_zeros.is_contiguous()
             and n % BLOCK_N == 0 and n > 0 and group_size > 0 and group_size % 2 == 0
             and k % group_size == 0 and tuple(scales_zeros.shape) == (k // group_size, n, 2)
             and weight.dtype == torch.uint8 and tuple(weight.shape) == (n, k // 2)
@@ -79,19 +85,22 @@ def _takes(x, weight, group_size, scales_zeros) -> bool:
 def int4pack_linear(x: torch.Tensor, weight: torch.Tensor, group_size: int,
                     scales_zeros: torch.Tensor) -> torch.Tensor:
     """``torch.ops.aten._weight_int4pack_mm_for_cpu``'s contract; up to
-    ``NATIVE_MAX_ROWS`` bf16 rows (any number with AMX) run the C++ kernel."""
+    ``NATIVE_MAX_ROWS`` bf16 rows (any number with AMX) and float32 rows run the C++
+    kernel."""
     if not _takes(x, weight, group_size, scales_zeros):
         return torch.ops.aten._weight_int4pack_mm_for_cpu(x.contiguous(), weight, group_size,
                                                           scales_zeros)
     m, k = x.shape
     n = scales_zeros.shape[1]
     y = x.new_empty((m, n))
-    rc = native.library().accel_int4pack_gemv(
-        x.data_ptr(), x.stride(0), weight.data_ptr(), scales_zeros.data_ptr(), y.data_ptr(),
-        y.stride(0), m, n, k, group_size, BEST)
+    lib = native.library()
+    args = (x.data_ptr(), x.stride(0), weight.data_ptr(), scales_zeros.data_ptr(), y.data_ptr(),
+            y.stride(0), m, n, k, group_size)
+    rc = (lib.accel_int4pack_gemv_f32(*args) if x.dtype == torch.float32
+          else lib.accel_int4pack_gemv(*args, BEST))
     if rc:
-        raise RuntimeError(f"accel_int4pack_gemv failed ({rc}) for x {tuple(x.shape)}, "
-                           f"weight {tuple(weight.shape)}, group {group_size}")
+        raise RuntimeError(f"accel_int4pack_gemv failed ({rc}) for x {tuple(x.shape)} "
+                           f"{x.dtype}, weight {tuple(weight.shape)}, group {group_size}")
     return y
 
 

@@ -38,6 +38,9 @@ int accel_int4pack_amx_rows();
 int accel_int4pack_gemv(const void* x, int64_t x_stride, const void* packed,
                         const void* scales_zeros, void* y, int64_t y_stride, int32_t m,
                         int64_t n, int64_t k, int64_t group, int32_t variant);
+int accel_int4pack_gemv_f32(const float* x, int64_t x_stride, const void* packed,
+                            const float* scales_zeros, float* y, int64_t y_stride, int32_t m,
+                            int64_t n, int64_t k, int64_t group);
 
 // int8_linear.cpp (called by torch_ops.cpp; ctypes only in its test)
 int accel_int8_quant_rows(int32_t dtype, const void* x, int64_t x_stride, int64_t m, int64_t k,

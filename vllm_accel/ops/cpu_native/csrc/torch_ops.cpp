@@ -46,7 +46,8 @@ KernelCalls bf16_linear_calls, int4pack_linear_calls, int8_linear_calls, attenti
 std::atomic<bool> int4pack_layout_ok{false};
 // accel_int4pack_gemv's variant: the best this build has
 constexpr int32_t kInt4Best = 0;
-// largest batch the int4 GEMV takes (wint_gemv.NATIVE_MAX_ROWS), outputs per block
+// largest bf16 batch the int4 GEMV takes without AMX (wint_gemv.NATIVE_MAX_ROWS), outputs
+// per block
 constexpr int64_t kInt4MaxRows = 64, kInt4BlockN = 64;
 
 // The C ABI's dtype codes (dtypes.h); -1 for a dtype the kernels lack.
@@ -105,9 +106,9 @@ at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& weight,
 }
 
 // vllm_accel::int4pack_linear: torch's _weight_int4pack_mm_for_cpu contract; bf16 batches
-// of up to 64 rows (any number where the kernel has AMX tiles) run the C++ kernel,
-// everything else torch's kernel (as wint_gemv.int4pack_linear, the Python kernel,
-// decides).
+// of up to 64 rows (any number where the kernel has AMX tiles) and float32 batches of any
+// size run the C++ kernel, everything else torch's kernel (as wint_gemv.int4pack_linear,
+// the Python kernel, decides).
 at::Tensor int4pack_linear(const at::Tensor& x, const at::Tensor& weight, int64_t group_size,
                            const at::Tensor& scales_zeros) {
   static const bool built = accel_int4pack_gemv_available() != 0;
@@ -115,24 +116,30 @@ at::Tensor int4pack_linear(const at::Tensor& x, const at::Tensor& weight, int64_
   const bool two_d = x.dim() == 2;
   const int64_t m = two_d ? x.size(0) : 0, k = two_d ? x.size(1) : 0;
   const int64_t n = scales_zeros.dim() == 3 ? scales_zeros.size(1) : -1;
+  const bool fp32 = x.scalar_type() == at::kFloat;
   const bool takes =
       built && int4pack_layout_ok.load(std::memory_order_relaxed) && two_d && m > 0 &&
-      (m <= kInt4MaxRows || any_rows) && x.scalar_type() == at::kBFloat16 && x.stride(1) == 1 &&
-      x.device().is_cpu() && scales_zeros.scalar_type() == at::kBFloat16 &&
-      scales_zeros.is_contiguous() && scales_zeros.device().is_cpu() && n > 0 &&
-      n % kInt4BlockN == 0 && group_size > 0 && group_size % 2 == 0 && k % group_size == 0 &&
-      scales_zeros.size(0) == k / group_size && scales_zeros.size(2) == 2 &&
-      weight.scalar_type() == at::kByte && weight.dim() == 2 && weight.size(0) == n &&
-      weight.size(1) == k / 2 && weight.is_contiguous() && weight.device().is_cpu();
+      (m <= kInt4MaxRows || any_rows || fp32) &&
+      (x.scalar_type() == at::kBFloat16 || fp32) && x.stride(1) == 1 && x.device().is_cpu() &&
+      scales_zeros.scalar_type() == x.scalar_type() && scales_zeros.is_contiguous() &&
+      scales_zeros.device().is_cpu() && n > 0 && n % kInt4BlockN == 0 && group_size > 0 &&
+      group_size % 2 == 0 && k % group_size == 0 && scales_zeros.size(0) == k / group_size &&
+      scales_zeros.size(2) == 2 && weight.scalar_type() == at::kByte && weight.dim() == 2 &&
+      weight.size(0) == n && weight.size(1) == k / 2 && weight.is_contiguous() &&
+      weight.device().is_cpu();
   if (!takes) {
     return at::_weight_int4pack_mm_for_cpu(x.contiguous(), weight, group_size, scales_zeros);
   }
   at::Tensor y = at::empty({m, n}, x.options());
-  const int rc = accel_int4pack_gemv(x.data_ptr(), x.stride(0), weight.data_ptr(),
-                                     scales_zeros.data_ptr(), y.data_ptr(), y.stride(0),
-                                     static_cast<int32_t>(m), n, k, group_size, kInt4Best);
-  TORCH_CHECK(rc == 0, "accel_int4pack_gemv failed (", rc, ") for x ", x.sizes(), ", weight ",
-              weight.sizes(), ", group ", group_size);
+  const int rc =
+      fp32 ? accel_int4pack_gemv_f32(x.data_ptr<float>(), x.stride(0), weight.data_ptr(),
+                                     scales_zeros.data_ptr<float>(), y.data_ptr<float>(),
+                                     y.stride(0), static_cast<int32_t>(m), n, k, group_size)
+           : accel_int4pack_gemv(x.data_ptr(), x.stride(0), weight.data_ptr(),
+                                 scales_zeros.data_ptr(), y.data_ptr(), y.stride(0),
+                                 static_cast<int32_t>(m), n, k, group_size, kInt4Best);
+  TORCH_CHECK(rc == 0, "accel_int4pack_gemv failed (", rc, ") for x ", x.sizes(), " ",
+              x.scalar_type(), ", weight ", weight.sizes(), ", group ", group_size);
   int4pack_linear_calls.add(m);
   return y;
 }
