@@ -9,7 +9,7 @@ for the simulator's worker, which runs a thread on every core, all cores' bandwi
 (the same reduction on every thread), and turns bytes per step into tokens per
 second::
 
-    python benchmarks/roofline.py        # CPU, flags, read bandwidth
+    python benchmarks/roofline.py        # CPU, flags, kernel build, read bandwidth
 """
 
 from __future__ import annotations
@@ -39,6 +39,27 @@ def cpu_flags() -> list[str]:
             have = set(line.split(":", 1)[1].split())
             return [f for f in KERNEL_FLAGS if f in have]
     return []
+
+
+#: variables that change which instructions the kernels use on the same CPU
+ISA_ENV = ("ACCEL_NATIVE_MARCH", "CXX", "ONEDNN_MAX_CPU_ISA", "ATEN_CPU_CAPABILITY")
+
+
+def kernel_build() -> dict:
+    """What the plugin's C++ kernels were built to use on this CPU (the flags say what
+    it has; a build can use less, e.g. with AMX compiled out through ``CXX``) and the
+    variables that cap torch's and oneDNN's instructions."""
+    from vllm_accel.ops.cpu_native import build as native
+
+    env = {name: os.environ[name] for name in ISA_ENV if name in os.environ}
+    lib = native.library()
+    if lib is None:
+        return {"library": None, "env": env}
+    int4 = lib.accel_int4pack_gemv_available()
+    variants = [name for bit, name in ((1, "fp32_fma"), (2, "bf16_dot"), (4, "i16_dot"),
+                                       (8, "amx")) if int4 & bit]
+    return {"library": "built", "int4_gemv": variants,
+            "bf16_linear_amx_rows": lib.accel_bf16_linear_amx_rows(), "env": env}
 
 
 def read_bandwidth(nbytes: int = 1 << 30, repeats: int = 5, threads: int = 1) -> float:
@@ -86,6 +107,7 @@ def decode_step_bytes(model_dir: str, dtype_bytes: int = 2, context: int = 0) ->
 def main() -> None:
     bw = read_bandwidth()
     print(f"CPU: {cpu_model()}; kernel flags: {' '.join(cpu_flags()) or 'none of ' + str(KERNEL_FLAGS)}")
+    print(f"plugin kernels built for: {kernel_build()}")
     print(f"single-core read bandwidth: {bw / 1e9:.1f} GB/s")
     print(f"{all_cores()}-core read bandwidth: {read_bandwidth(threads=all_cores()) / 1e9:.1f} GB/s")
 

@@ -575,11 +575,13 @@ def main(argv: list[str] | None = None) -> int:
     cores = roofline.all_cores()
     bandwidth_all = roofline.read_bandwidth(threads=cores)
     host.update(cpu=roofline.cpu_model(), cpu_flags=roofline.cpu_flags(),
+                kernel_build=roofline.kernel_build(),
                 read_bandwidth_GBps=round(bandwidth / 1e9, 2),
                 read_bandwidth_all_cores_GBps=round(bandwidth_all / 1e9, 2))
     print(f"CPU: {host['cpu']}; kernel flags: {' '.join(host['cpu_flags']) or 'none'}; "
           f"read bandwidth: single core {bandwidth / 1e9:.1f} GB/s, {cores} cores "
           f"{bandwidth_all / 1e9:.1f} GB/s", flush=True)
+    print(f"plugin kernels built for: {host['kernel_build']}", flush=True)
 
     results: list[dict[str, Any]] = []
     failures: list[str] = []

@@ -152,14 +152,42 @@ def kernel_calls(monkeypatch, op: str, symbol: str, rows_arg: int):
     return lambda: tuple(now - then for now, then in zip(counted(), start))
 
 
+def _xdist_worker_core() -> int | None:
+    """The core of this pytest-xdist worker (``make test`` runs one per core), or None
+    outside xdist or with more workers than cores."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    cores = sorted(os.sched_getaffinity(0))
+    if workers < 2 or not worker.startswith("gw") or len(cores) < workers:
+        return None
+    return cores[int(worker[2:]) % len(cores)]
+
+
+def _engine_core(spec: dict, env: dict) -> int | None:
+    """The core a single-process engine runs on under xdist: the simulator's worker
+    runs a thread on every core it may use, so two xdist workers' engines ran four
+    OpenMP threads on two cores, each barrier waiting for a descheduled thread (a
+    default-model engine test took 4-6x its time alone). Engines with more ranks,
+    their own EngineCore process or a check of their cores keep the whole machine."""
+    llm = spec.get("llm", {})
+    single = all(llm.get(f"{kind}_parallel_size", 1) == 1
+                 for kind in ("tensor", "pipeline", "data"))
+    if (not single or spec.get("worker_threads") or env.get("VLLM_ENABLE_V1_MULTIPROCESSING") != "0"
+            or "VLLM_CPU_OMP_THREADS_BIND" in env):
+        return None
+    return _xdist_worker_core()
+
+
 def run_engine(spec: dict, tmp_path: Path, env: dict | None = None, timeout: int = 600):
     """Run tests/engine_run.py with ``spec``; returns (results, combined log)."""
     spec_file = tmp_path / f"spec-{os.getpid()}-{len(list(tmp_path.iterdir()))}.json"
     spec_file.write_text(json.dumps(spec))
+    run_env = {**os.environ, **ENGINE_ENV, **(env or {})}
+    core = _engine_core(spec, run_env)
     proc = subprocess.run(
         [sys.executable, str(TESTS / "engine_run.py"), str(spec_file)],
-        capture_output=True, text=True, timeout=timeout,
-        env={**os.environ, **ENGINE_ENV, **(env or {})},
+        capture_output=True, text=True, timeout=timeout, env=run_env,
+        preexec_fn=None if core is None else lambda: os.sched_setaffinity(0, {core}),
     )
     log = proc.stdout + proc.stderr
     assert proc.returncode == 0, log[-6000:]

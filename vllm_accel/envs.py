@@ -170,9 +170,10 @@ environment_variables: dict[str, tuple[Callable[[], Any], str]] = {
         "Which kernel runs the simulator's bf16 Linear layers (and the LM head): `auto` "
         "(default) or `on`: the `cpu_native` kernel wherever it is built (x86 with "
         "AVX-512), on the checkpoint's weights: float32 FMAs, AVX512-BF16 dot products "
-        "from 3 rows where the CPU has them (a packed-panel GEMM from 24 rows), and on "
-        "CPUs with AMX batches from 10 rows handed to torch's linear (oneDNN); `off`: "
-        "vLLM's oneDNN linears on its prepacked weights.",
+        "from 3 rows where the CPU has them (a packed-panel GEMM from 24 rows), AMX "
+        "tiles from 4 rows where it has AMX, and batches from 640 rows handed to "
+        "torch's linear (oneDNN) there; `off`: vLLM's oneDNN linears on its prepacked "
+        "weights.",
     ),
 }
 
