@@ -19,7 +19,8 @@ serve: setup
 # two pytest-xdist workers, each taking whole files (module-scoped engines and
 # servers start once): an engine test keeps one core busy, so two fit 2 cores
 test: setup
-	$(VENV)/bin/python -m pytest -q -rs -n $(TEST_WORKERS) --dist loadfile --durations=25 tests
+	$(VENV)/bin/python -m pytest -q -rs -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder \
+		--durations=25 tests
 
 # both modes: compiled (vLLM's default, with the W4A16, W8A8 and INT8-KV engines
 # as well), then eager; then the batch-size sweep (compiled) with its plot.

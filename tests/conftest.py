@@ -35,14 +35,18 @@ VIRTUAL_GCU_ENV = {"ACCEL_BACKEND": "virtual", "TORCH_DEVICE_BACKEND_AUTOLOAD": 
 
 VLLM = str(Path(sys.executable).parent / "vllm")
 
-#: the slowest files first (seconds each on 2 cores, AMD EPYC Zen 4, run alone): `make
-#: test` runs two pytest-xdist workers that take whole files, so starting these early
-#: keeps one long file from running alone at the end
-SLOW_FILES = ("test_virtual_gcu.py", "test_scaling_out.py", "test_quant_compiled.py",  # 190-250
-              "test_e2e_fp8_kv.py", "test_server.py", "test_reliability.py",  # 160-180
-              "test_quant_w8a8.py", "test_quant_compressed_tensors.py", "test_quant_awq.py",
-              "test_e2e_tiny.py", "test_quant_gptq.py", "test_e2e_scheduling.py",  # 110-150
-              "test_e2e_default_model.py")
+#: the slowest files first (seconds each in `make test`, Intel Xeon with AMX, 2 cores):
+#: `make test` runs two pytest-xdist workers that take whole files in this order
+#: (`--no-loadscope-reorder`: xdist would otherwise start the files with the most tests
+#: first, which left the engine-heavy ones running alone at the end), so no long file
+#: starts last
+SLOW_FILES = ("test_scaling_out.py", "test_e2e_fp8_kv.py", "test_quant_compiled.py",  # 350-500
+              "test_virtual_gcu.py", "test_quant_w8a8.py", "test_reliability.py",  # 200-300
+              "test_e2e_tiny.py", "test_e2e_int8_kv.py", "test_e2e_tensor_parallel.py",
+              "test_server.py", "test_repack_cache.py", "test_e2e_default_model.py",
+              "test_e2e_scheduling.py", "test_quant_gptq.py", "test_quant_awq.py",  # 100-200
+              "test_quant_compressed_tensors.py", "test_cpu_native_bf16_linear.py",
+              "test_quant_w8a16.py")
 
 
 def pytest_collection_modifyitems(items):

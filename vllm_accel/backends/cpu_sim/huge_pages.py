@@ -73,7 +73,12 @@ def back_with_huge_pages(tensors: Iterable[torch.Tensor]) -> tuple[int, str | No
     """Ask for huge pages under the storages of ``tensors`` (those of 64 KiB or
     more, merged with their neighbours); returns (bytes of those ranges now in huge
     pages, at most; the first madvise error or None)."""
-    ranges = storage_ranges(tensors)
+    return advise_huge_pages(storage_ranges(tensors))
+
+
+def advise_huge_pages(ranges: list[tuple[int, int]]) -> tuple[int, str | None]:
+    """``MADV_HUGEPAGE`` over page-aligned ``ranges``, then ``MADV_COLLAPSE`` over the
+    whole huge pages inside each; returns what :func:`back_with_huge_pages` does."""
     if not ranges:
         return 0, None
     libc = ctypes.CDLL(None, use_errno=True)

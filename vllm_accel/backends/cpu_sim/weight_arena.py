@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 import torch
 
 from vllm_accel.backends.cpu_sim.huge_pages import (HUGE_PAGE, MADV_HUGEPAGE, _madvise,
-                                                    back_with_huge_pages)
+                                                    advise_huge_pages)
 
 #: where each storage starts in the block (a cache line: every dtype's alignment)
 _ALIGN = 64
@@ -94,11 +94,14 @@ def gather_weights(model: torch.nn.Module, huge_pages: bool) -> Gathered:
     for storage, _ in groups:
         offsets.append(size)
         size += -(-storage.nbytes() // _ALIGN) * _ALIGN
-    raw = torch.empty(size + HUGE_PAGE, dtype=torch.uint8)
+    # whole huge pages from the first huge-page boundary in the buffer: the advised
+    # range must lie inside it (madvise fails with ENOMEM over unmapped bytes)
+    whole = size + -size % HUGE_PAGE
+    raw = torch.empty(whole + HUGE_PAGE, dtype=torch.uint8)
     start = -raw.data_ptr() % HUGE_PAGE  # the block starts on a huge page
     if huge_pages:  # before the copy touches the pages, so they fault in huge where they can
         err = _madvise(ctypes.CDLL(None, use_errno=True), raw.data_ptr() + start,
-                       raw.data_ptr() + start + size + -size % HUGE_PAGE, MADV_HUGEPAGE)
+                       raw.data_ptr() + start + whole, MADV_HUGEPAGE)
         if err:
             result.problem = f"MADV_HUGEPAGE: {errno.errorcode.get(err, err)}"
     block = raw.untyped_storage()
@@ -110,7 +113,9 @@ def gather_weights(model: torch.nn.Module, huge_pages: bool) -> Gathered:
             for t in tensors:
                 t.set_(block, at // t.element_size() + t.storage_offset(), t.size(), t.stride())
             result.moved += nbytes
-    if huge_pages:  # and collapse what faulted in small (no huge page free then)
-        result.huge, collapse_problem = back_with_huge_pages([raw])
+    if huge_pages:  # and collapse what faulted in small (no huge page free then): the
+        # block's pages only (the buffer's untouched edges fail MADV_COLLAPSE, EINVAL)
+        block_pages = (raw.data_ptr() + start, raw.data_ptr() + start + whole)
+        result.huge, collapse_problem = advise_huge_pages([block_pages])
         result.problem = result.problem or collapse_problem
     return result
