@@ -50,14 +50,15 @@ def kernel_build() -> dict:
     it has; a build can use less, e.g. with AMX compiled out through ``CXX``) and the
     variables that cap torch's and oneDNN's instructions."""
     from vllm_accel.ops.cpu_native import build as native
+    from vllm_accel.ops.cpu_native import wint_gemv as W
 
     env = {name: os.environ[name] for name in ISA_ENV if name in os.environ}
     lib = native.library()
     if lib is None:
         return {"library": None, "env": env}
     int4 = lib.accel_int4pack_gemv_available()
-    variants = [name for bit, name in ((1, "fp32_fma"), (2, "bf16_dot"), (4, "i16_dot"),
-                                       (8, "amx")) if int4 & bit]
+    variants = [name for bit, name in ((W.FP32_FMA, "fp32_fma"), (W.BF16_DOT, "bf16_dot"),
+                                       (W.I16_DOT, "i16_dot"), (W.AMX, "amx")) if int4 & bit]
     return {"library": "built", "int4_gemv": variants,
             "bf16_linear_amx_rows": lib.accel_bf16_linear_amx_rows(), "env": env}
 
