@@ -47,10 +47,17 @@ def all_ops_config():
 
 @pytest.fixture(autouse=True)
 def _vllm_config(all_ops_config, monkeypatch):
-    # The reference provider must win; a developer's ACCEL_KERNEL_PROVIDER must not leak in.
+    # The reference provider must win: a developer's ACCEL_KERNEL_PROVIDER must not leak
+    # in, nor the backend's order that an earlier test's register_general() set in this
+    # process (make test runs many files per xdist worker).
     monkeypatch.delenv("ACCEL_KERNEL_PROVIDER", raising=False)
-    with set_current_vllm_config(all_ops_config):
-        yield
+    previous = registry._preferred_providers
+    registry.set_preferred_providers(())
+    try:
+        with set_current_vllm_config(all_ops_config):
+            yield
+    finally:
+        registry.set_preferred_providers(previous)
 
 
 def vllm_op(cls, *args, **kwargs):
