@@ -53,14 +53,18 @@ def kernel_build() -> dict:
     from vllm_accel.ops.cpu_native import wint_gemv as W
 
     env = {name: os.environ[name] for name in ISA_ENV if name in os.environ}
+    # whether the OS gives this process AMX tile state (benchmarks/without_amx.py
+    # refuses it) and what torch, which stock vLLM asks, reports
+    amx = {"amx_granted": bool(torch._C._cpu._init_amx()),
+           "torch_reports_amx": bool(torch.cpu._is_amx_tile_supported())}
     lib = native.library()
     if lib is None:
-        return {"library": None, "env": env}
+        return {"library": None, "env": env, **amx}
     int4 = lib.accel_int4pack_gemv_available()
     variants = [name for bit, name in ((W.FP32_FMA, "fp32_fma"), (W.BF16_DOT, "bf16_dot"),
                                        (W.I16_DOT, "i16_dot"), (W.AMX, "amx")) if int4 & bit]
     return {"library": "built", "int4_gemv": variants,
-            "bf16_linear_amx_rows": lib.accel_bf16_linear_amx_rows(), "env": env}
+            "bf16_linear_amx_rows": lib.accel_bf16_linear_amx_rows(), "env": env, **amx}
 
 
 def read_bandwidth(nbytes: int = 1 << 30, repeats: int = 5, threads: int = 1) -> float:

@@ -27,8 +27,8 @@ def test_kernel_is_built_exactly_on_avx512():
     """Built in with AVX-512 F/BW/VL; its AVX512-BF16 tiles (from 3 rows of bf16 x)
     exactly where the CPU has them, its AMX tiles (from 4 rows) exactly where it has AMX
     (Linux grants the tile state: kernel 5.16+); batches handed to oneDNN only where the
-    CPU has AMX (from 640 rows; from 10 where the kernel may not use the tiles; with
-    AVX512-BF16 alone the kernel's packed-panel GEMM keeps every batch), never for
+    CPU has AMX (from 640 rows; where the process may not use the tiles, oneDNN may
+    not either, and as with AVX512-BF16 alone the kernel keeps every batch), never for
     float32 x: dispatch on what the CPU reports."""
     built = native.library() is not None and cpu_has("avx512f", "avx512bw", "avx512vl")
     assert bf16_linear.available() == built

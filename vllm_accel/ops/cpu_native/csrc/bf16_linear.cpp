@@ -514,16 +514,18 @@ int accel_bf16_linear_available() {
 // process, ms, dp::amx vs torch's linear vs vLLM's prepacked oneDNN): 8-16 rows 19.6-19.7
 // vs 33-41 vs 22-24, 64 rows 28.7-32.0 vs 49-50 vs 29-30, 256 rows 94-99 vs 118-135 vs
 // 78-109, 512 rows 165 vs 190 vs 171, 768 rows 279 vs 269 vs 253, 1024 rows 366 vs 308
-// vs 268: from 640 rows oneDNN's K-blocked GEMM wins. Where the process may not use AMX
-// (dp::amx::ready), these kernels lose from 10 rows (torch's linear 28-32 ms at any of
-// 1-12 rows; the AVX512-BF16 tiles 14.8-15.8 ms at 1 row, 26.0-27.2 at 8, 31.8-33.7 at
-// 10, 37.9-39.0 at 12).
+// vs 268: from 640 rows oneDNN's K-blocked GEMM wins. A process the OS refuses AMX tile
+// state (dp::amx::ready; benchmarks/without_amx.py) refuses oneDNN's too, as on a CPU
+// without AMX: the same Intel Xeon, AMX refused, one core, the 30 layers, ms, the
+// AVX512-BF16 kernels vs torch's linear vs vLLM's prepacked oneDNN: 1 row 15.2 vs 31.3 vs
+// 22.5, 12 rows 39.1 vs 59.0 vs 43.9, 64 rows 170 vs 184 vs 169, 512 rows 1508 vs 1511
+// vs 1450: never.
 //   AVX512-BF16 alone (AMD EPYC Zen 4, one core, the default model's 30 layers, bf16
 //     x): never, with dp::gemm above (1.05-1.26x torch's linear at 64-512 rows).
 // Without either oneDNN emulates bf16 at 4-5x below float32: never.
 int accel_bf16_linear_onednn_rows(int32_t x_dtype) {
 #if defined(ACCEL_BF16_LINEAR) && defined(__AVX512BF16__) && defined(ACCEL_AMX_TILES)
-  if (x_dtype == accel::kBFloat16) return accel::amx::ready() ? 640 : 10;
+  if (x_dtype == accel::kBFloat16 && accel::amx::ready()) return 640;
 #endif
   (void)x_dtype;
   return 0;
