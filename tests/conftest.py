@@ -1,7 +1,5 @@
 """Shared fixtures: tiny random-weight models, the default model, engine runs."""
 
-import ctypes
-import functools
 import json
 import os
 import socket
@@ -110,22 +108,14 @@ def _private_repack_cache(tmp_path_factory):
 
 def cpu_has(*flags: str) -> bool:
     """Whether /proc/cpuinfo lists every one of ``flags`` (what the kernels dispatch on),
-    and for AMX flags whether the OS grants this process AMX tile state, which the
-    kernels ask for too (``benchmarks/without_amx.py`` refuses it)."""
-    if any(f.startswith("amx") for f in flags) and not _amx_granted():
+    and for AMX flags whether the OS grants this process AMX tile state (torch asks with
+    the kernels' ``arch_prctl`` request; ``benchmarks/without_amx.py`` refuses it)."""
+    if any(f.startswith("amx") for f in flags) and not torch._C._cpu._init_amx():
         return False
     for line in Path("/proc/cpuinfo").read_text().splitlines():
         if line.startswith("flags"):
             return set(flags) <= set(line.split(":", 1)[1].split())
     return False
-
-
-@functools.cache
-def _amx_granted() -> bool:
-    """``arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA)``, as the kernels ask."""
-    if sys.platform != "linux" or os.uname().machine != "x86_64":
-        return False
-    return ctypes.CDLL(None).syscall(158, 0x1023, 18) == 0
 
 
 def count_native_calls(monkeypatch, symbol: str, rows_arg: int) -> list:

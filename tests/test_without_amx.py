@@ -30,7 +30,7 @@ def _run(cmd: list[str], timeout: float) -> subprocess.CompletedProcess:
                           lambda: os.sched_setaffinity(0, {core}))
 
 
-def test_refused_amx_reaches_torch_onednn_and_every_kernel():
+def test_refused_amx_reaches_torch_and_every_kernel():
     script = (
         "import torch\n"
         "from vllm_accel.ops.cpu_native import bf16_linear, wint_gemv\n"
@@ -42,10 +42,6 @@ def test_refused_amx_reaches_torch_onednn_and_every_kernel():
         "assert bf16_linear.amx_rows() == 0 and wint_gemv.amx_rows() == 0\n"
         "assert lib.accel_int4pack_amx_rows() == 0\n"
         "assert not lib.accel_int4pack_gemv_available() & wint_gemv.AMX\n"
-        "x = torch.randn(300, 64).bfloat16(); w = torch.randn(48, 64).bfloat16()\n"
-        "y = torch.nn.functional.linear(x, w)  # oneDNN on its AVX-512 path\n"
-        "ref = x.double() @ w.double().T\n"
-        "assert (y.double() - ref).abs().max() < 0.05 * ref.abs().max(), 'oneDNN'\n"
         "print('ok')\n"
     )
     proc = _run([sys.executable, "-c", script], timeout=300)

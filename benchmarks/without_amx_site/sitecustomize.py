@@ -8,6 +8,6 @@ try:
     import torch
 except ImportError:  # a Python process without torch: nothing to tell
     pass
-else:
+else:  # vLLM asks the first, inductor's vector-ISA check the second
     torch.cpu._is_amx_tile_supported = lambda: False
     torch._C._cpu._is_amx_tile_supported = lambda: False
