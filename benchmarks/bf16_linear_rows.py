@@ -5,8 +5,8 @@ thread: where the op's hand-over to torch (``accel_bf16_linear_onednn_rows``) be
 this CPU, and how fast the kernel streams the weights.
 
 Needs only torch and a C++ compiler (no vLLM): the kernel is built here with the
-plugin's flags, so it runs on any x86 machine with AVX-512, e.g. a device machine's
-host. ``--baseline FILE`` builds another version of the source as well and alternates
+plugin's flags (and ``ACCEL_NATIVE_MARCH``), so it runs on any x86 machine with
+AVX-512 or AVX2, e.g. a device machine's host. ``--baseline FILE`` builds another version of the source as well and alternates
 the two in this process (A/B of a kernel change). Where vLLM is installed it also times
 what stock vLLM CPU runs: oneDNN on a weight copy prepacked at load
 (``create_onednn_mm`` / ``onednn_mm``). Pin it to one core for stable
@@ -16,6 +16,7 @@ numbers: ``taskset -c 0 python benchmarks/bf16_linear_rows.py``.
 import argparse
 import ctypes
 import functools
+import os
 import subprocess
 import tempfile
 import time
@@ -39,7 +40,10 @@ _ARGS = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_void_p, ctypes.
 def compile_source(source: Path, out_dir: Path, name: str) -> ctypes.CDLL:
     """One csrc file built alone with the plugin's flags, loaded."""
     out = out_dir / f"{name}.so"
-    subprocess.run(["c++", *FLAGS, "-shared", "-w", f"-I{CSRC}", str(source), "-o", str(out)],
+    # the -march ACCEL_NATIVE_MARCH names, as the plugin's build (benchmarks/as_cpu.py avx2)
+    march = f"-march={os.environ.get('ACCEL_NATIVE_MARCH', '').strip() or 'native'}"
+    flags = [march if f == "-march=native" else f for f in FLAGS]
+    subprocess.run(["c++", *flags, "-shared", "-w", f"-I{CSRC}", str(source), "-o", str(out)],
                    check=True)
     return ctypes.CDLL(str(out))
 
@@ -69,7 +73,8 @@ def main() -> None:
             kernels["baseline"] = build(args.baseline, Path(tmp), "baseline")
         lib = kernels["kernel"]
         if not lib.accel_bf16_linear_available():
-            raise SystemExit("the kernel is not built on this CPU (needs AVX-512 F/BW/VL)")
+            raise SystemExit("the kernel is not built on this CPU (needs AVX-512 F/BW/VL or "
+                             "AVX2 + FMA + F16C)")
         print(f"single-core read bandwidth {read_bandwidth() / 1e9:.1f} GB/s; kernel hands "
               f"bf16 batches to torch from {lib.accel_bf16_linear_onednn_rows(1) or 'no'} rows, "
               f"AVX512-BF16 tiles from {lib.accel_bf16_linear_dp_rows() or 'no'} rows")
@@ -79,6 +84,10 @@ def main() -> None:
             from vllm import _custom_ops as vllm_ops
             prepacked = [vllm_ops.create_onednn_mm(w.t(), 32) for w in weights]
         except ImportError:  # no vLLM here: the kernel and torch only
+            prepacked = []
+        except RuntimeError as exc:  # (oneDNN has no bf16 matmul for an AVX2-only CPU:
+            # stock vLLM then runs torch's linear, as here)
+            print(f"vLLM's oneDNN linear: {str(exc).splitlines()[0]}")
             prepacked = []
         gigabytes = sum(w.numel() * 2 for w in weights) / 1e9
         for m in (int(r) for r in args.rows.split(",")):

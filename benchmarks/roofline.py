@@ -53,7 +53,7 @@ def kernel_build() -> dict:
     from vllm_accel.ops.cpu_native import wint_gemv as W
 
     env = {name: os.environ[name] for name in ISA_ENV if name in os.environ}
-    # whether the OS gives this process AMX tile state (benchmarks/without_amx.py
+    # whether the OS gives this process AMX tile state (benchmarks/as_cpu.py
     # refuses it) and what torch, which stock vLLM asks, reports
     amx = {"amx_granted": bool(torch._C._cpu._init_amx()),
            "torch_reports_amx": bool(torch.cpu._is_amx_tile_supported())}

@@ -1,5 +1,6 @@
 """Shared fixtures: tiny random-weight models, the default model, engine runs."""
 
+import functools
 import json
 import os
 import socket
@@ -106,11 +107,40 @@ def _private_repack_cache(tmp_path_factory):
     os.environ.setdefault("ACCEL_REPACK_CACHE", str(tmp_path_factory.mktemp("repack-cache")))
 
 
+#: /proc/cpuinfo flags and the macros a compiler defines where its -march enables them
+_FLAG_MACROS = {
+    "avx2": "__AVX2__", "fma": "__FMA__", "f16c": "__F16C__", "avx512f": "__AVX512F__",
+    "avx512bw": "__AVX512BW__", "avx512vl": "__AVX512VL__", "avx512vbmi": "__AVX512VBMI__",
+    "avx512_vnni": "__AVX512VNNI__", "avx512_bf16": "__AVX512BF16__",
+    "avx512_fp16": "__AVX512FP16__", "amx_tile": "__AMX_TILE__", "amx_bf16": "__AMX_BF16__",
+    "amx_int8": "__AMX_INT8__", "avx_vnni": "__AVXVNNI__",
+}
+
+
+@functools.cache
+def _build_target_macros() -> frozenset[str] | None:
+    """The macros of the -march the kernels are built for (``ACCEL_NATIVE_MARCH``), as
+    the compiler defines them; None for ``native`` (this CPU's flags)."""
+    march = os.environ.get("ACCEL_NATIVE_MARCH", "").strip() or "native"
+    if march == "native":
+        return None
+    from vllm_accel.ops.cpu_native import build as native
+
+    out = subprocess.run([native.compiler(), f"-march={march}", "-dM", "-E", "-x", "c++",
+                          os.devnull], capture_output=True, text=True, check=True).stdout
+    return frozenset(line.split()[1] for line in out.splitlines() if line.startswith("#define"))
+
+
 def cpu_has(*flags: str) -> bool:
-    """Whether /proc/cpuinfo lists every one of ``flags`` (what the kernels dispatch on),
-    and for AMX flags whether the OS grants this process AMX tile state (torch asks with
-    the kernels' ``arch_prctl`` request; ``benchmarks/without_amx.py`` refuses it)."""
+    """Whether the kernels may use every one of ``flags``: /proc/cpuinfo lists it (what
+    the kernels dispatch on) and the -march they are built for enables it
+    (``ACCEL_NATIVE_MARCH``, which ``benchmarks/as_cpu.py avx2`` holds to x86-64-v3);
+    for AMX flags, also whether the OS grants this process AMX tile state (torch asks
+    with the kernels' ``arch_prctl`` request; ``benchmarks/as_cpu.py`` refuses it)."""
     if any(f.startswith("amx") for f in flags) and not torch._C._cpu._init_amx():
+        return False
+    macros = _build_target_macros()
+    if macros is not None and not all(_FLAG_MACROS[f] in macros for f in flags):
         return False
     for line in Path("/proc/cpuinfo").read_text().splitlines():
         if line.startswith("flags"):

@@ -23,14 +23,15 @@ from vllm_accel.ops.cpu_native import build as native
 UNIT_ROUNDOFF = {torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11, torch.float32: 2.0**-24}
 
 
-def test_kernel_is_built_exactly_on_avx512():
-    """Built in with AVX-512 F/BW/VL; its AVX512-BF16 tiles (from 3 rows of bf16 x)
+def test_kernel_is_built_exactly_on_avx512_or_avx2():
+    """Built in with AVX-512 F/BW/VL or with AVX2 + FMA + F16C; its AVX512-BF16 tiles (from 3 rows of bf16 x)
     exactly where the CPU has them, its AMX tiles (from 4 rows) exactly where it has AMX
     (Linux grants the tile state: kernel 5.16+); batches handed to oneDNN only where the
     CPU has AMX (from 640 rows; where the process may not use the tiles, oneDNN may
     not either, and as with AVX512-BF16 alone the kernel keeps every batch), never for
     float32 x: dispatch on what the CPU reports."""
-    built = native.library() is not None and cpu_has("avx512f", "avx512bw", "avx512vl")
+    built = native.library() is not None and (cpu_has("avx512f", "avx512bw", "avx512vl")
+                                              or cpu_has("avx2", "fma", "f16c"))
     assert bf16_linear.available() == built
     assert bf16_linear.cpu_has_bf16_units() == (cpu_has("avx512_bf16") or cpu_has("amx_tile"))
     assert bf16_linear.dp_rows() == (3 if built and cpu_has("avx512_bf16") else 0)
@@ -132,7 +133,7 @@ C_SHAPES = [(1, 9, 37), (2, 130, 100), (3, 130, 64), (6, 8, 100), (13, 130, 37),
             (17, 48, 576), (27, 130, 100), (40, 48, 64), (40, 300, 100), (270, 9, 64)]
 
 
-@pytest.mark.skipif(not bf16_linear.available(), reason="needs AVX-512 F/BW/VL (kernel not built)")
+@pytest.mark.skipif(not bf16_linear.available(), reason="needs AVX-512 F/BW/VL or AVX2 + FMA + F16C (kernel not built)")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 @pytest.mark.parametrize("m,n,k", C_SHAPES)
 def test_c_kernel_matches_float64_at_every_batch(m, n, k, dtype):
@@ -148,7 +149,7 @@ def test_c_kernel_matches_float64_at_every_batch(m, n, k, dtype):
     assert ((got.double() - ref).abs() <= tol + 1e-30).all(), (got.double() - ref).abs().max()
 
 
-@pytest.mark.skipif(not bf16_linear.available(), reason="needs AVX-512 F/BW/VL (kernel not built)")
+@pytest.mark.skipif(not bf16_linear.available(), reason="needs AVX-512 F/BW/VL or AVX2 + FMA + F16C (kernel not built)")
 def test_op_hands_big_bf16_batches_to_onednn_only_where_the_cpu_has_amx(linear_calls):
     """From ``onednn_rows`` rows of bf16 x the op's answer is torch's linear, bit for
     bit, without the kernel; on a CPU without AMX (0: never) every batch runs the

@@ -155,9 +155,9 @@ environment_variables: dict[str, tuple[Callable[[], Any], str]] = {
         lambda: os.environ.get("ACCEL_NATIVE_MARCH", "").strip() or "native",
         "The `-march` the simulator's C++ kernels are built with: `native` (default: "
         "this CPU's extensions) or any GCC/Clang target, e.g. `x86-64-v3` (AVX2, no "
-        "AVX-512) to run the paths a CPU without AVX-512 takes on one that has it (with "
-        "`ATEN_CPU_CAPABILITY=avx2` and `ONEDNN_MAX_CPU_ISA=AVX2` for torch's and "
-        "oneDNN's kernels). Each target is its own build in ACCEL_NATIVE_CACHE.",
+        "AVX-512) to run the paths a CPU without AVX-512 takes on one that has it "
+        "(`benchmarks/as_cpu.py avx2` sets it, and holds torch, oneDNN and stock vLLM "
+        "to AVX2 too). Each target is its own build in ACCEL_NATIVE_CACHE.",
     ),
     "ACCEL_REPACK_CACHE": (
         _path("ACCEL_REPACK_CACHE", "~/.cache/vllm-accel/repack"),
@@ -169,7 +169,7 @@ environment_variables: dict[str, tuple[Callable[[], Any], str]] = {
         lambda: os.environ.get("ACCEL_BF16_LINEAR", "auto").strip().lower(),
         "Which kernel runs the simulator's bf16 Linear layers (and the LM head): `auto` "
         "(default) or `on`: the `cpu_native` kernel wherever it is built (x86 with "
-        "AVX-512), on the checkpoint's weights: float32 FMAs, AVX512-BF16 dot products "
+        "AVX-512, or AVX2 + FMA + F16C), on the checkpoint's weights: float32 FMAs, AVX512-BF16 dot products "
         "from 3 rows where the CPU has them (a packed-panel GEMM from 24 rows), AMX "
         "tiles from 4 rows where it has AMX, and batches from 640 rows handed to "
         "torch's linear (oneDNN) there; `off`: vLLM's oneDNN linears on its prepacked "

@@ -1,5 +1,6 @@
 """bf16 Linear layers on the checkpoint's own layout (``csrc/bf16_linear.cpp``): the
-simulator's kernel for vLLM's unquantized bf16 linears on x86 CPUs with AVX-512.
+simulator's kernel for vLLM's unquantized bf16 linears on x86 CPUs with AVX-512 or with
+AVX2 + FMA + F16C.
 
 vLLM's CPU linears call oneDNN on a weight it prepacks. On a CPU without AVX512-BF16
 and AMX (Ice Lake, or a VM that hides BF16) oneDNN emulates bf16 dot products: ~30
@@ -7,7 +8,11 @@ GFLOP/s a core at any batch, 4-5x below its own float32 GEMM, and a single-reque
 decode reads weights at ~10 GB/s of a 13 GB/s core. There the kernel widens each bf16
 weight to float32 exactly (two integer instructions) and runs float32 FMAs: per layer
 of the default model on an Intel Xeon without BF16, one core, weights cold: 1.2-1.7x
-oneDNN at 1 row, 2.4-3.6x at 4, 16, 64 and 256 rows. Where the CPU has AVX512-BF16,
+oneDNN at 1 row, 2.4-3.6x at 4, 16, 64 and 256 rows. Without AVX-512 (AMD Zen 1-3) the
+same tiles run on AVX2, where oneDNN has no bf16 matmul at all and stock vLLM calls
+torch's linear: 1.6x it at 1 row (12 GB/s of the core's 13), 2.4-4.4x at 2-64 rows (an
+Intel Xeon held to AVX2, ``benchmarks/as_cpu.py avx2``, one core, the 30 layers,
+``benchmarks/bf16_linear_rows.py``). Where the CPU has AVX512-BF16,
 batches of 3 rows or more run VDPBF16PS tiles instead (a packed-panel GEMM from 24
 rows); where it has AMX, batches of 4 rows or more run AMX tiles on the weight in
 place, and from the rows ``onednn_rows`` gives (640 with AMX, where oneDNN's K-blocked
@@ -36,7 +41,8 @@ X_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 @functools.cache
 def available() -> bool:
-    """Whether the library has the kernel (built on a CPU with AVX-512 F/BW/VL)."""
+    """Whether the library has the kernel (built on a CPU with AVX-512 F/BW/VL, or
+    AVX2 + FMA + F16C)."""
     lib = native.library()
     return lib is not None and bool(lib.accel_bf16_linear_available())
 

@@ -37,7 +37,8 @@ logger = init_logger(__name__)
 CSRC = Path(__file__).parent / "csrc"
 SOURCES = (CSRC / "paged_attention.cpp", CSRC / "elementwise.cpp", CSRC / "int4_gemv.cpp",
            CSRC / "bf16_linear.cpp", CSRC / "int8_linear.cpp")
-HEADERS = (CSRC / "dtypes.h", CSRC / "entry_points.h", CSRC / "int8_codes.h", CSRC / "tiles.h")
+HEADERS = (CSRC / "dtypes.h", CSRC / "entry_points.h", CSRC / "int8_codes.h", CSRC / "tiles.h",
+           CSRC / "vec.h")
 #: the dispatcher kernels of vllm_accel's torch.library ops (built against torch)
 TORCH_OPS_SOURCE = CSRC / "torch_ops.cpp"
 TORCH_OPS_FLAGS = ("-O2", "-std=c++17", "-fPIC", "-shared", "-w")
@@ -56,6 +57,7 @@ DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
 _i64, _i32, _f32, _ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_float, ctypes.c_void_p
 _SIGNATURES = {
+    "accel_vector_lanes": (),
     "accel_paged_attention": (
         _i32, _ptr, _i64, _i64, _ptr, _i64, _i64, _ptr, _i32, _i64, _i64, _i32, _i32, _i64,
         _ptr, _i64, _i64, _ptr, _ptr, _i32, _i32, _i32, _f32,
@@ -67,10 +69,12 @@ _SIGNATURES = {
     "accel_rms_norm": (_i32, _ptr, _i64, _ptr, _i64, _ptr, _ptr, _i64, _ptr, _i64, _i64, _i32, _f32),
     "accel_silu_and_mul": (_i32, _ptr, _i64, _ptr, _i64, _i64, _i32),
     "accel_int4pack_gemv_available": (),
+    "accel_int4pack_block_sizes": (),
     "accel_int4pack_amx_rows": (),
     "accel_int4pack_gemv": (_ptr, _i64, _ptr, _ptr, _ptr, _i64, _i32, _i64, _i64, _i64,
-                            _i32),
-    "accel_int4pack_gemv_f32": (_ptr, _i64, _ptr, _ptr, _ptr, _i64, _i32, _i64, _i64, _i64),
+                            _i32, _i32),
+    "accel_int4pack_gemv_f32": (_ptr, _i64, _ptr, _ptr, _ptr, _i64, _i32, _i64, _i64, _i64,
+                                _i32),
     "accel_bf16_linear_available": (),
     "accel_bf16_linear_onednn_rows": (_i32,),
     "accel_bf16_linear_amx_rows": (),
@@ -84,6 +88,13 @@ _SIGNATURES = {
 def dtype_code(dtype: torch.dtype) -> int | None:
     """The C ABI's code for a tensor dtype, ``None`` if the kernels lack it."""
     return DTYPE_CODES.get(dtype)
+
+
+def vector_lanes() -> int:
+    """float32 lanes of the kernels' vector paths in this build: 16 (AVX-512), 8 (AVX2 +
+    FMA + F16C), 0 (scalar paths only, or no library)."""
+    lib = library()
+    return lib.accel_vector_lanes() if lib is not None else 0
 
 
 def compiler() -> str | None:

@@ -1,6 +1,7 @@
 // bf16 weights x (bf16 | fp16 | fp32) activations in float32 FMAs, for x86 CPUs with
-// AVX-512 but without AVX512-BF16 (Ice Lake, or a VM that hides BF16), compiled at
-// first use (see cpu_native/build.py).
+// AVX-512 but without AVX512-BF16 (Ice Lake, or a VM that hides BF16) and for AVX2 + FMA
+// ones without AVX-512 (AMD Zen 1-3, Intel Haswell to Comet Lake), compiled at first use
+// (see cpu_native/build.py).
 //
 // Why: there, oneDNN's bf16 matmul (what vLLM's CPU linears call) emulates bf16 dot
 // products at ~30 GFLOP/s a core, 4-5x below its own float32 GEMM, while a bf16
@@ -11,13 +12,11 @@
 // y[M, N] = x[M, K] @ W[N, K].T (+ bias[N]) on the checkpoint's own layout (W row-major,
 // no repack). x is converted to float32 once per block of kBlockM rows (zero-padded to
 // a multiple of 16 columns; W's last columns are loaded masked). Per block of kRowsW
-// weight rows and kRowsX rows of x: kRowsW * kRowsX accumulators of 16 lanes, summed
+// weight rows and kRowsX rows of x: kRowsW * kRowsX accumulators of 16 (AVX2: 8) lanes, summed
 // across lanes at the end. With more rows of x than one tile, the weight rows are
 // widened once into a per-thread float32 buffer (L1/L2) and every tile reads that.
 // Where the CPU has AVX512-BF16 (dp:: below), batches of bf16 x run its dot products
 // instead, and where it has AMX (dp::amx), batches of 4 to 639 rows run tiles.
-#include <immintrin.h>
-
 #include <algorithm>
 #include <cstring>
 #include <cstdint>
@@ -26,51 +25,51 @@
 #include "dtypes.h"
 #include "entry_points.h"
 #include "tiles.h"
+#include "vec.h"
 
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#ifdef ACCEL_VEC
 #define ACCEL_BF16_LINEAR 1
 namespace {
+
+using V = accel::Vec;
 
 // Tiles unrolled before GCC decides where the accumulators live: left to itself it
 // kept the 24 of a 6 x 4 tile on the stack, a store after every FMA (x4 slower)
 #define ACCEL_UNROLL _Pragma("GCC unroll 8")
 
+constexpr int kLanes = V::kLanes;
 constexpr int kRowsW = 4;         // weight rows per block (outputs per tile)
-constexpr int kRowsX = 6;         // rows of x per tile: 24 accumulators
+// rows of x per tile: 24 accumulators of AVX-512's 32 registers, 12 of AVX2's 16
+constexpr int kRowsX = kLanes == 16 ? 6 : 3;
 constexpr int64_t kBlockM = 64;   // rows of x in float32 at a time (64 x K x 4 bytes: L2)
 constexpr int64_t kDpMinRows = 3;  // rows of bf16 x from which dp:: below runs (if built)
 // Threads only from 2**18 weights: below that a pass is a few microseconds, about what
 // waking the OpenMP team costs.
 constexpr int64_t kParallelMinWork = int64_t(1) << 18;
 
-// out[j] = the sum of acc[j]'s 16 lanes. Four at once share the shuffles (14
-// instructions instead of 4 x 8): the sums of a tile are a fifth of its instructions
-// at K = 576.
-template <int NB>
-inline void sum_lanes(const __m512 acc[NB], float out[NB]) {
-  if constexpr (NB == 4) {
-    const __m512 t0 = _mm512_add_ps(_mm512_unpacklo_ps(acc[0], acc[1]), _mm512_unpackhi_ps(acc[0], acc[1]));
-    const __m512 t1 = _mm512_add_ps(_mm512_unpacklo_ps(acc[2], acc[3]), _mm512_unpackhi_ps(acc[2], acc[3]));
-    // per 128-bit lane: partial sums of acc[0..3]
-    const __m512 u = _mm512_add_ps(
-        _mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(t0), _mm512_castps_pd(t1))),
-        _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(t0), _mm512_castps_pd(t1))));
-    const __m256 v = _mm256_add_ps(_mm512_castps512_ps256(u),
-                                   _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(u), 1)));
-    _mm_storeu_ps(out, _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1)));
-  } else {
-    ACCEL_UNROLL for (int j = 0; j < NB; ++j) out[j] = _mm512_reduce_add_ps(acc[j]);
+// Calls f(std::integral_constant<int, R>{}) for R = rows, 1 <= rows <= kMax.
+template <int kMax, int R = 1, typename F>
+inline void with_rows(int64_t rows, F&& f) {
+  if constexpr (R <= kMax) {
+    if (rows == R) f(std::integral_constant<int, R>{});
+    else with_rows<kMax, R + 1>(rows, f);
   }
 }
 
-inline __m512 widen(const accel::bf16* w, __mmask16 mask) {
-  const __m256i raw = _mm256_maskz_loadu_epi16(mask, w);
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+// out[j] = the sum of acc[j]'s lanes
+template <int NB>
+inline void sum_lanes(const V::R acc[NB], float out[NB]) {
+  if constexpr (NB == 4) {
+    V::sums4(acc, out);
+  } else {
+    ACCEL_UNROLL for (int j = 0; j < NB; ++j) out[j] = V::sum(acc[j]);
+  }
 }
 
-inline __mmask16 tail_mask(int64_t k, int64_t kk) {
-  const int64_t left = k - kk;
-  return left >= 16 ? __mmask16(0xffff) : __mmask16((1u << left) - 1);
+// kLanes weights from w widened to float32, of which the `left` first are W's (zeros
+// after: nothing past them is read)
+inline V::R widen(const accel::bf16* w, int64_t left) {
+  return left >= kLanes ? V::load(w) : left > 0 ? V::load_first(w, int(left)) : V::zero();
 }
 
 // One tile: NB weight rows (widened from bf16 as read, or float32 from the buffer) by
@@ -78,28 +77,30 @@ inline __mmask16 tail_mask(int64_t k, int64_t kk) {
 template <int NB, int MR, bool kBuffered>
 void tile(const float* xf, int64_t kp, const accel::bf16* w, int64_t w_stride,
           const float* wbuf, int64_t k, float out[MR][NB]) {
-  __m512 acc[MR][NB];
+  V::R acc[MR][NB];
   ACCEL_UNROLL for (int m = 0; m < MR; ++m)
-    ACCEL_UNROLL for (int j = 0; j < NB; ++j) acc[m][j] = _mm512_setzero_ps();
-  for (int64_t kk = 0; kk < k; kk += 16) {
-    __m512 wv[NB];
+    ACCEL_UNROLL for (int j = 0; j < NB; ++j) acc[m][j] = V::zero();
+  for (int64_t kk = 0; kk < k; kk += kLanes) {
+    V::R wv[NB];
     if constexpr (kBuffered) {
-      ACCEL_UNROLL for (int j = 0; j < NB; ++j) wv[j] = _mm512_loadu_ps(wbuf + j * kp + kk);
+      ACCEL_UNROLL for (int j = 0; j < NB; ++j) wv[j] = V::load(wbuf + j * kp + kk);
     } else {
-      const __mmask16 mask = tail_mask(k, kk);
       ACCEL_UNROLL for (int j = 0; j < NB; ++j) {
         // the next block's rows (right after this one's in memory) into L1 one pass
-        // ahead, and the block after into L2: the hardware prefetcher alone kept one
-        // core at 9-11 GB/s of its 13, the L1 level alone at ~13 of the ~14 it reads
-        // (the L2 level: 5-7% faster over a decode step's GEMVs, Intel Xeon, measured)
-        _mm_prefetch((const char*)(w + (j + NB) * w_stride + kk), _MM_HINT_T0);
-        _mm_prefetch((const char*)(w + (j + 2 * NB) * w_stride + kk), _MM_HINT_T1);
-        wv[j] = widen(w + j * w_stride + kk, mask);
+        // ahead, and the block after into L2, every 32 bytes: the hardware prefetcher
+        // alone kept one core at 9-11 GB/s of its 13, the L1 level alone at ~13 of the
+        // ~14 it reads (the L2 level: 5-7% faster over a decode step's GEMVs, Intel
+        // Xeon, measured)
+        if (kk % 16 == 0) {
+          _mm_prefetch((const char*)(w + (j + NB) * w_stride + kk), _MM_HINT_T0);
+          _mm_prefetch((const char*)(w + (j + 2 * NB) * w_stride + kk), _MM_HINT_T1);
+        }
+        wv[j] = widen(w + j * w_stride + kk, k - kk);
       }
     }
     ACCEL_UNROLL for (int m = 0; m < MR; ++m) {
-      const __m512 xv = _mm512_loadu_ps(xf + m * kp + kk);
-      ACCEL_UNROLL for (int j = 0; j < NB; ++j) acc[m][j] = _mm512_fmadd_ps(wv[j], xv, acc[m][j]);
+      const V::R xv = V::load(xf + m * kp + kk);
+      ACCEL_UNROLL for (int j = 0; j < NB; ++j) acc[m][j] = V::fmadd(wv[j], xv, acc[m][j]);
     }
   }
   ACCEL_UNROLL for (int m = 0; m < MR; ++m)
@@ -135,25 +136,20 @@ void weight_rows(const float* xf, int64_t kp, int64_t rows, int64_t row0, const 
                  int64_t w_stride, float* wbuf, int64_t k, const Target<Out>& t, int64_t n0) {
   const accel::bf16* wn = w + n0 * w_stride;
   if (rows <= kRowsX) {  // one tile: stream the weight straight from memory
-    switch (rows) {
-#define ACCEL_TILE(R) \
-  case R: tile_store<NB, R, false>(xf, kp, wn, w_stride, nullptr, k, t, row0, n0); return;
-      ACCEL_TILE(1) ACCEL_TILE(2) ACCEL_TILE(3) ACCEL_TILE(4) ACCEL_TILE(5) ACCEL_TILE(6)
-#undef ACCEL_TILE
-    }
+    with_rows<kRowsX>(rows, [&](auto R) {
+      tile_store<NB, decltype(R)::value, false>(xf, kp, wn, w_stride, nullptr, k, t, row0, n0);
+    });
+    return;
   }
   ACCEL_UNROLL for (int j = 0; j < NB; ++j)
-    for (int64_t kk = 0; kk < kp; kk += 16)
-      _mm512_storeu_ps(wbuf + j * kp + kk, widen(wn + j * w_stride + kk, tail_mask(k, kk)));
+    for (int64_t kk = 0; kk < kp; kk += kLanes)
+      V::store(widen(wn + j * w_stride + kk, k - kk), wbuf + j * kp + kk);
   int64_t r = 0;
   for (; r + kRowsX <= rows; r += kRowsX)
     tile_store<NB, kRowsX, true>(xf + r * kp, kp, nullptr, 0, wbuf, k, t, row0 + r, n0);
-  switch (rows - r) {
-#define ACCEL_TILE(R) \
-  case R: tile_store<NB, R, true>(xf + r * kp, kp, nullptr, 0, wbuf, k, t, row0 + r, n0); break;
-    ACCEL_TILE(1) ACCEL_TILE(2) ACCEL_TILE(3) ACCEL_TILE(4) ACCEL_TILE(5)
-#undef ACCEL_TILE
-  }
+  with_rows<kRowsX - 1>(rows - r, [&](auto R) {
+    tile_store<NB, decltype(R)::value, true>(xf + r * kp, kp, nullptr, 0, wbuf, k, t, row0 + r, n0);
+  });
 }
 
 template <class In, class Out>

@@ -2,8 +2,14 @@
 // that round like torch (to nearest even).
 #pragma once
 
-#ifdef __AVX512F__
+#if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
+#endif
+
+// The portable vector path: AVX2 with FMA and F16C (x86-64-v3: Intel Haswell and later,
+// AMD Zen 1-3), for CPUs without AVX-512.
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define ACCEL_AVX2 1
 #endif
 
 #include <cstdint>
@@ -44,6 +50,9 @@ inline __m512 load16(const bf16* p) {
 inline __m512 load16(const _Float16* p) {
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
+inline __m512 load16(const int8_t* p) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+}
 
 // store(x, bf16*) for 16 lanes at once: the same rounding (to nearest even, NaN stays
 // NaN), as 16 bf16 in the low 256 bits.
@@ -55,6 +64,21 @@ inline __m256i to_bf16(__m512 v) {
   const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
   rounded = _mm512_mask_mov_epi32(rounded, nan, _mm512_set1_epi32(0x7fc0));
   return _mm512_cvtepi32_epi16(rounded);
+}
+#endif
+
+#ifdef ACCEL_AVX2
+// 8 elements as float32 (exact)
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const bf16* p) {
+  const __m128i x = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(x), 16));
+}
+inline __m256 load8(const _Float16* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+inline __m256 load8(const int8_t* p) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
 }
 #endif
 

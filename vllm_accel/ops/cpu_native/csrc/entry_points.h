@@ -8,6 +8,7 @@
 extern "C" {
 
 // paged_attention.cpp
+int accel_vector_lanes();
 int accel_paged_attention(int dtype, const void* query, int64_t q_tok_stride,
                           int64_t q_head_stride, void* out, int64_t o_tok_stride,
                           int64_t o_head_stride, const void* cache, int cache_int8,
@@ -34,13 +35,14 @@ int accel_bf16_linear(const void* x, int64_t x_stride, int32_t x_dtype, const vo
 
 // int4_gemv.cpp
 int accel_int4pack_gemv_available();
+int accel_int4pack_block_sizes();
 int accel_int4pack_amx_rows();
 int accel_int4pack_gemv(const void* x, int64_t x_stride, const void* packed,
                         const void* scales_zeros, void* y, int64_t y_stride, int32_t m,
-                        int64_t n, int64_t k, int64_t group, int32_t variant);
+                        int64_t n, int64_t k, int64_t group, int32_t block_n, int32_t variant);
 int accel_int4pack_gemv_f32(const float* x, int64_t x_stride, const void* packed,
                             const float* scales_zeros, float* y, int64_t y_stride, int32_t m,
-                            int64_t n, int64_t k, int64_t group);
+                            int64_t n, int64_t k, int64_t group, int32_t block_n);
 
 // int8_linear.cpp (called by torch_ops.cpp; ctypes only in its test)
 int accel_int8_quant_rows(int32_t dtype, const void* x, int64_t x_stride, int64_t m, int64_t k,

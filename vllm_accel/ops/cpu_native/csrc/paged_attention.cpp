@@ -23,10 +23,7 @@
 #include "dtypes.h"
 #include "entry_points.h"
 #include "int8_codes.h"
-
-#ifdef __AVX512F__
-#include <immintrin.h>
-#endif
+#include "vec.h"
 
 namespace {
 
@@ -177,40 +174,17 @@ void attend_one(const QT* query, int64_t q_head_stride, QT* out, int64_t o_head_
 }
 
 
-#ifdef __AVX512F__
-// AVX-512 path for head sizes that are a multiple of 16 (C = D / 16 vectors per
-// row). Per page: the K (then V) rows are converted to float32 once into an L1
-// buffer (INT8: times their per-token scale), then every query head of the group
-// makes 16 scores at a time with 16 independent FMA chains, reduced together, and
-// adds the page's weighted V rows with its C accumulators in registers.
+#ifdef ACCEL_VEC
+// The vector path (AVX-512, or AVX2 + FMA: vec.h) for the head sizes it is instantiated
+// for (C = D / Vec::kLanes vectors per row). Per page: the K (then V) rows are converted
+// to float32 once into an L1 buffer (INT8: times their per-token scale), then every
+// query head of the group makes kLanes scores at a time with kLanes independent FMA
+// chains, reduced together, and adds the page's weighted V rows with its accumulators
+// in registers (at most kAcc at a time: AVX2 has 16 registers, AVX-512 32).
 
-using accel::load16;  // the float types' overloads (dtypes.h), beside this one
-inline __m512 load16(const int8_t* p) {
-  const __m128i x = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(x));
-}
-
-// v[t] = sum of the 16 lanes of a[t], for 16 vectors at once; `add` adds two
-// vectors of float32 (or, bit-cast, int32) lanes.
-template <typename Add>
-inline __m512 reduce16(__m512 a[16], Add add) {
-  __m512 b[8], c[4];
-  for (int i = 0; i < 8; ++i)  // 128-bit lanes 0,1: token 2i; 2,3: token 2i+1
-    b[i] = add(_mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0x44),
-               _mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0xEE));
-  for (int i = 0; i < 4; ++i)  // lane l: token 4i + l
-    c[i] = add(_mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], 0x88),
-               _mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], 0xDD));
-  const __m512 d0 = add(_mm512_unpacklo_ps(c[0], c[1]), _mm512_unpackhi_ps(c[0], c[1]));
-  const __m512 d1 = add(_mm512_unpacklo_ps(c[2], c[3]), _mm512_unpackhi_ps(c[2], c[3]));
-  // element 4l + m holds token 4m + l
-  const __m512 r = add(_mm512_shuffle_ps(d0, d1, 0x44), _mm512_shuffle_ps(d0, d1, 0xEE));
-  const __m512i order = _mm512_set_epi32(15, 11, 7, 3, 14, 10, 6, 2, 13, 9, 5, 1, 12, 8, 4, 0);
-  return _mm512_permutexvar_ps(order, r);
-}
-inline __m512 reduce16(__m512 a[16]) {
-  return reduce16(a, [](__m512 x, __m512 y) { return _mm512_add_ps(x, y); });
-}
+using V = Vec;
+constexpr int kLanes = V::kLanes;
+constexpr int kAcc = kLanes == 16 ? 16 : 8;
 
 // Pages are scattered over the cache: ask for the next one while this one is
 // being used (the hardware prefetchers stop at 4 KiB boundaries).
@@ -224,29 +198,30 @@ inline void prefetch(const E* p, int64_t count) {
 template <int C, typename T, typename Pages, typename P>
 inline void rows_to_float(const T* src, const Pages& pages, const P* page, bool value, int n,
                           float* dst) {
+  constexpr int D = kLanes * C;
   for (int t = 0; t < n; ++t) {
     float s = 1.f;
     if constexpr (Pages::kInt8) s = value ? pages.value_scale(page, t) : pages.key_scale(page, t);
-    const __m512 sv = _mm512_set1_ps(s);
+    const V::R sv = V::set1(s);
     for (int c = 0; c < C; ++c) {
-      __m512 x = load16(src + t * 16 * C + 16 * c);
-      if constexpr (Pages::kInt8) x = _mm512_mul_ps(x, sv);
-      _mm512_storeu_ps(dst + t * 16 * C + 16 * c, x);
+      V::R x = V::load(src + t * D + kLanes * c);
+      if constexpr (Pages::kInt8) x = V::mul(x, sv);
+      V::store(x, dst + t * D + kLanes * c);
     }
   }
 }
 
 template <int C, typename QT, typename Pages>
-void attend_one_avx512(const QT* query, int64_t q_head_stride, QT* out, int64_t o_head_stride,
-                       const Pages& pages, const int32_t* blocks, int kv_head, int seq_len,
-                       int group, float scale, std::vector<float>& qf, std::vector<float>& acc,
-                       std::vector<float>& scores, std::vector<float>& rows) {
-  constexpr int D = 16 * C;
+void attend_one_vec(const QT* query, int64_t q_head_stride, QT* out, int64_t o_head_stride,
+                    const Pages& pages, const int32_t* blocks, int kv_head, int seq_len,
+                    int group, float scale, std::vector<float>& qf, std::vector<float>& acc,
+                    std::vector<float>& scores, std::vector<float>& rows) {
+  constexpr int D = kLanes * C;
   const int bs = pages.block_size;
-  const int padded = (seq_len + 15) / 16 * 16;
+  const int padded = (seq_len + kLanes - 1) / kLanes * kLanes;
   qf.resize(size_t(group) * D);
   scores.resize(size_t(group) * padded);
-  rows.resize(size_t(bs + 16) * D);
+  rows.resize(size_t(bs + kLanes) * D);
   for (int g = 0; g < group; ++g)
     for (int i = 0; i < D; ++i) qf[g * D + i] = to_float(query[g * q_head_stride + i]) * scale;
   const int num_blocks = (seq_len + bs - 1) / bs;
@@ -256,19 +231,18 @@ void attend_one_avx512(const QT* query, int64_t q_head_stride, QT* out, int64_t 
     if (j + 1 < num_blocks) prefetch(pages.keys(pages.page(blocks[j + 1], kv_head)), int64_t(bs) * D);
     else prefetch(pages.values(pages.page(blocks[0], kv_head)), int64_t(bs) * D);
     rows_to_float<C>(pages.keys(p), pages, p, false, n, rows.data());
-    const int n16 = (n + 15) / 16 * 16;  // rows past n are read but their scores unused
+    const int nv = (n + kLanes - 1) / kLanes * kLanes;  // rows past n are read but their scores unused
     for (int g = 0; g < group; ++g) {
-      __m512 q[C];
-      for (int c = 0; c < C; ++c) q[c] = _mm512_loadu_ps(&qf[g * D + 16 * c]);
-      for (int t0 = 0; t0 < n16; t0 += 16) {
-        __m512 a[16];
-        for (int t = 0; t < 16; ++t) {
+      const float* q = &qf[g * D];
+      for (int t0 = 0; t0 < nv; t0 += kLanes) {
+        V::R a[kLanes];
+        for (int t = 0; t < kLanes; ++t) {
           const float* k = rows.data() + size_t(t0 + t) * D;
-          __m512 acc = _mm512_mul_ps(q[0], _mm512_loadu_ps(k));
-          for (int c = 1; c < C; ++c) acc = _mm512_fmadd_ps(q[c], _mm512_loadu_ps(k + 16 * c), acc);
-          a[t] = acc;
+          V::R sum = V::mul(V::load(q), V::load(k));
+          for (int c = 1; c < C; ++c) sum = V::fmadd(V::load(q + kLanes * c), V::load(k + kLanes * c), sum);
+          a[t] = sum;
         }
-        _mm512_storeu_ps(&scores[size_t(g) * padded + j * bs + t0], reduce16(a));
+        V::store(V::sums(a), &scores[size_t(g) * padded + j * bs + t0]);
       }
     }
   }
@@ -280,22 +254,27 @@ void attend_one_avx512(const QT* query, int64_t q_head_stride, QT* out, int64_t 
     if (j + 1 < num_blocks) prefetch(pages.values(pages.page(blocks[j + 1], kv_head)), int64_t(bs) * D);
     rows_to_float<C>(pages.values(p), pages, p, true, n, rows.data());
     for (int g = 0; g < group; ++g) {
-      // One query head's sum stays in registers over the page.
       const float* w = &scores[size_t(g) * padded + j * bs];
-      __m512 a[C];
-      for (int c = 0; c < C; ++c) a[c] = _mm512_loadu_ps(&acc[g * D + 16 * c]);
-      for (int t = 0; t < n; ++t) {
-        const __m512 pw = _mm512_set1_ps(w[t]);
-        const float* v = rows.data() + size_t(t) * D;
-        for (int c = 0; c < C; ++c) a[c] = _mm512_fmadd_ps(pw, _mm512_loadu_ps(v + 16 * c), a[c]);
+      for (int c0 = 0; c0 < C; c0 += kAcc) {  // kAcc columns' sums stay in registers over the page
+        constexpr int CB = C < kAcc ? C : kAcc;
+        const int cb = std::min(CB, C - c0);
+        V::R a[CB];
+        for (int c = 0; c < cb; ++c) a[c] = V::load(&acc[g * D + kLanes * (c0 + c)]);
+        for (int t = 0; t < n; ++t) {
+          const V::R pw = V::set1(w[t]);
+          const float* v = rows.data() + size_t(t) * D + kLanes * c0;
+          for (int c = 0; c < cb; ++c) a[c] = V::fmadd(pw, V::load(v + kLanes * c), a[c]);
+        }
+        for (int c = 0; c < cb; ++c) V::store(a[c], &acc[g * D + kLanes * (c0 + c)]);
       }
-      for (int c = 0; c < C; ++c) _mm512_storeu_ps(&acc[g * D + 16 * c], a[c]);
     }
   }
   for (int g = 0; g < group; ++g)
     for (int i = 0; i < D; ++i) store(acc[g * D + i], out + g * o_head_stride + i);
 }
+#endif  // ACCEL_VEC
 
+#ifdef __AVX512F__
 // One head's V sums from the pair-of-tokens loops, times `scale`, into its D output
 // columns: accumulator 2r (2r+1) holds, in lane 4l + i, column 32r + 8l + i (+ 4).
 template <int C, typename T>
@@ -348,7 +327,7 @@ void attend_one_bf16(const bf16* query, int64_t q_head_stride, bf16* out, int64_
             sum = _mm512_dpbf16_ps(sum, q[r], (__m512bh)_mm512_loadu_si512(row + 32 * r));
           a[t] = sum;
         }
-        _mm512_storeu_ps(&scores[size_t(g) * padded + j * bs + t0], _mm512_mul_ps(reduce16(a), scale_v));
+        _mm512_storeu_ps(&scores[size_t(g) * padded + j * bs + t0], _mm512_mul_ps(V::sums(a), scale_v));
       }
     }
   }
@@ -574,15 +553,18 @@ void attend_one_int8(const bf16* query, int64_t q_head_stride, bf16* out, int64_
   for (int g = 0; g < group; ++g) store_pair_sums<C>(&acc[g * D], w_scale[g], out + g * o_head_stride);
 }
 #endif  // __AVX512VNNI__
+#endif  // __AVX512F__
 
+#ifdef ACCEL_VEC
 // Calls f(std::integral_constant<int, C>{}) if c is one of the instantiated Cs
-// (16-float vectors per head row); returns whether it did.
+// (vectors per head row); returns whether it did.
 template <int... Cs, typename F>
 inline bool with_vectors(int c, F&& f) {
   return ((c == Cs && (f(std::integral_constant<int, Cs>{}), true)) || ...);
 }
 
-// Runs the AVX-512 path if it has an instantiation for this head size.
+// Runs a vector path if one has an instantiation for this head size: on AVX-512 the
+// BF16 / VNNI kernels where the CPU has them, else (and on AVX2) the float32 one.
 template <typename QT, typename Pages>
 bool attend_one_fast(const QT* query, int64_t q_head_stride, QT* out, int64_t o_head_stride,
                      const Pages& pages, const int32_t* blocks, int kv_head, int seq_len,
@@ -591,12 +573,12 @@ bool attend_one_fast(const QT* query, int64_t q_head_stride, QT* out, int64_t o_
                      std::vector<bf16>& probs, std::vector<int16_t>& codes,
                      NextItem<Pages>& next) {
   if (seq_len <= 0 || pages.head_size % 16) return false;
-  const int c = pages.head_size / 16;
+  [[maybe_unused]] const int c16 = pages.head_size / 16;
 #ifdef __AVX512VNNI__
   // bf16 models only: fp32/fp16 ones keep float32 probabilities (the float path)
   if constexpr (Pages::kInt8 && std::is_same_v<QT, bf16>) {
     if (pages.block_size <= 256  // the int32 page sums' bound
-        && with_vectors<2, 4, 6, 8, 16>(c, [&](auto C) {
+        && with_vectors<2, 4, 6, 8, 16>(c16, [&](auto C) {
              attend_one_int8<decltype(C)::value>(query, q_head_stride, out, o_head_stride,
                                                  pages, blocks, kv_head, seq_len, group, scale,
                                                  qf, acc, scores, codes, next);
@@ -606,7 +588,7 @@ bool attend_one_fast(const QT* query, int64_t q_head_stride, QT* out, int64_t o_
 #endif
 #ifdef __AVX512BF16__
   if constexpr (std::is_same_v<QT, bf16> && !Pages::kInt8) {
-    if (with_vectors<2, 4, 6, 8, 16>(c, [&](auto C) {
+    if (with_vectors<2, 4, 6, 8, 16>(c16, [&](auto C) {
           attend_one_bf16<decltype(C)::value>(query, q_head_stride, out, o_head_stride, pages,
                                               blocks, kv_head, seq_len, group, scale, acc,
                                               scores, probs, next);
@@ -614,13 +596,15 @@ bool attend_one_fast(const QT* query, int64_t q_head_stride, QT* out, int64_t o_
       return true;
   }
 #endif
-  return with_vectors<2, 4, 5, 6, 8, 16>(c, [&](auto C) {
-    attend_one_avx512<decltype(C)::value>(query, q_head_stride, out, o_head_stride, pages,
-                                          blocks, kv_head, seq_len, group, scale, qf, acc,
-                                          scores, rows);
+  (void)probs, (void)codes, (void)next;
+  // head sizes 32, 64, 80, 96, 128, 256
+  constexpr int k = 16 / kLanes;
+  return with_vectors<2 * k, 4 * k, 5 * k, 6 * k, 8 * k, 16 * k>(pages.head_size / kLanes, [&](auto C) {
+    attend_one_vec<decltype(C)::value>(query, q_head_stride, out, o_head_stride, pages, blocks,
+                                       kv_head, seq_len, group, scale, qf, acc, scores, rows);
   });
 }
-#endif  // __AVX512F__
+#endif  // ACCEL_VEC
 
 // Causal attention of every request's newest q_len tokens (decode: q_len 1).
 // Query/output rows of request r: query_start_loc[r] .. query_start_loc[r+1].
@@ -651,7 +635,7 @@ void paged_attention(const QT* query, int64_t q_tok_stride, int64_t q_head_strid
       // Row i is position seq_len - q_len + (i - start): it sees keys up to itself.
       const int visible = seq_lens[r] - q_len + int(i - query_start_loc[r]) + 1;
       const int h0 = kv_head * group;
-#ifdef __AVX512F__
+#ifdef ACCEL_VEC
       // this thread's next item (but at the end of a chunk of the schedule), when it is
       // a decode row: a prefill's rows reread their request's pages, which stay cached
       NextItem<Pages> next;
@@ -764,6 +748,17 @@ int check_block_table(const int32_t* block_table, int64_t bt_stride, int64_t bt_
 }  // namespace
 
 extern "C" {
+
+// float32 lanes of the vector path this build has (paged attention, the bf16 linear,
+// the INT8 KV writer): 16 on AVX-512, 8 on AVX2 + FMA + F16C, 0 where only the scalar
+// paths are built.
+int accel_vector_lanes() {
+#ifdef ACCEL_VEC
+  return kLanes;
+#else
+  return 0;
+#endif
+}
 
 // Returns 0, -1 for an unknown dtype code, or an index error below.
 int accel_paged_attention(int dtype, const void* query, int64_t q_tok_stride,

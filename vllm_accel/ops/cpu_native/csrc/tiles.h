@@ -2,7 +2,9 @@
 // int8_linear.cpp): the dword transpose, the tile state, and the tile GEMM's loop.
 #pragma once
 
+#ifdef __x86_64__
 #include <immintrin.h>
+#endif
 #include <sys/syscall.h>
 #include <unistd.h>
 

@@ -40,15 +40,15 @@ struct KernelCalls {
 KernelCalls bf16_linear_calls, int4pack_linear_calls, int8_linear_calls, attention_step_calls,
     rms_norm_calls, silu_and_mul_calls, rotary_calls, decoder_layer_calls;
 
-// Whether torch packs int4 weights the way accel_int4pack_gemv reads them: torch picks
-// its layout by the CPU capability it runs with, so Python checks it once
-// (wint_gemv.py) and says so here; until then the op runs torch's kernel.
-std::atomic<bool> int4pack_layout_ok{false};
+// The block size (outputs) of torch's int4 layout where accel_int4pack_gemv reads it, 0
+// where it does not: torch picks its layout by the CPU capability it runs with, so
+// Python checks it once (wint_gemv.py) and says so here; until then the op runs torch's
+// kernel.
+std::atomic<int> int4pack_block_n{0};
 // accel_int4pack_gemv's variant: the best this build has
 constexpr int32_t kInt4Best = 0;
-// largest bf16 batch the int4 GEMV takes without AMX (wint_gemv.NATIVE_MAX_ROWS), outputs
-// per block
-constexpr int64_t kInt4MaxRows = 64, kInt4BlockN = 64;
+// largest bf16 batch the int4 GEMV takes without AMX (wint_gemv.NATIVE_MAX_ROWS)
+constexpr int64_t kInt4MaxRows = 64;
 
 // The C ABI's dtype codes (dtypes.h); -1 for a dtype the kernels lack.
 int dtype_code(at::ScalarType type) {
@@ -117,12 +117,13 @@ at::Tensor int4pack_linear(const at::Tensor& x, const at::Tensor& weight, int64_
   const int64_t m = two_d ? x.size(0) : 0, k = two_d ? x.size(1) : 0;
   const int64_t n = scales_zeros.dim() == 3 ? scales_zeros.size(1) : -1;
   const bool fp32 = x.scalar_type() == at::kFloat;
+  const int block_n = int4pack_block_n.load(std::memory_order_relaxed);
   const bool takes =
-      built && int4pack_layout_ok.load(std::memory_order_relaxed) && two_d && m > 0 &&
+      built && block_n > 0 && two_d && m > 0 &&
       (m <= kInt4MaxRows || any_rows || fp32) &&
       (x.scalar_type() == at::kBFloat16 || fp32) && x.stride(1) == 1 && x.device().is_cpu() &&
       scales_zeros.scalar_type() == x.scalar_type() && scales_zeros.is_contiguous() &&
-      scales_zeros.device().is_cpu() && n > 0 && n % kInt4BlockN == 0 && group_size > 0 &&
+      scales_zeros.device().is_cpu() && n > 0 && n % block_n == 0 && group_size > 0 &&
       group_size % 2 == 0 && k % group_size == 0 && scales_zeros.size(0) == k / group_size &&
       scales_zeros.size(2) == 2 && weight.scalar_type() == at::kByte && weight.dim() == 2 &&
       weight.size(0) == n && weight.size(1) == k / 2 && weight.is_contiguous() &&
@@ -134,10 +135,11 @@ at::Tensor int4pack_linear(const at::Tensor& x, const at::Tensor& weight, int64_
   const int rc =
       fp32 ? accel_int4pack_gemv_f32(x.data_ptr<float>(), x.stride(0), weight.data_ptr(),
                                      scales_zeros.data_ptr<float>(), y.data_ptr<float>(),
-                                     y.stride(0), static_cast<int32_t>(m), n, k, group_size)
+                                     y.stride(0), static_cast<int32_t>(m), n, k, group_size,
+                                     block_n)
            : accel_int4pack_gemv(x.data_ptr(), x.stride(0), weight.data_ptr(),
                                  scales_zeros.data_ptr(), y.data_ptr(), y.stride(0),
-                                 static_cast<int32_t>(m), n, k, group_size, kInt4Best);
+                                 static_cast<int32_t>(m), n, k, group_size, block_n, kInt4Best);
   TORCH_CHECK(rc == 0, "accel_int4pack_gemv failed (", rc, ") for x ", x.sizes(), " ",
               x.scalar_type(), ", weight ", weight.sizes(), ", group ", group_size);
   int4pack_linear_calls.add(m);
@@ -628,7 +630,7 @@ int64_t accel_torch_ops_kernel_calls(const char* op, int64_t* rows) {
   return counter->calls.load();
 }
 
-void accel_torch_ops_set_int4pack_layout(int matches) { int4pack_layout_ok = matches != 0; }
+void accel_torch_ops_set_int4pack_layout(int block_n) { int4pack_block_n = block_n; }
 
 }  // extern "C"
 
