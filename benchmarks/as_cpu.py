@@ -11,7 +11,9 @@ cores and memory, so one run compares them::
   request, inherited by every child process, so oneDNN, torch and the plugin's kernels
   (``amx::ready()``) take their AVX-512 paths.
 - ``avx2``: an AVX2 + FMA + F16C CPU without AVX-512 (an AMD EPYC Zen 3): AMX refused
-  as above, torch and inductor held to AVX2 (``ATEN_CPU_CAPABILITY=avx2``), oneDNN to
+  as above, torch and inductor held to AVX2 (``ATEN_CPU_CAPABILITY=avx2``; inductor's
+  generated C++ built for x86-64-v3, ``TORCHINDUCTOR_CPP_MARCH``: its AVX2 code built
+  with ``-march=native`` on an AVX-512 CPU computed wrong int64 indices), oneDNN to
   AVX2 (``ONEDNN_MAX_CPU_ISA=AVX2``), the plugin's C++ kernels built for x86-64-v3
   (``ACCEL_NATIVE_MARCH``).
 - ``baseline``: an x86-64 CPU with SSE2 only, for the kernels' scalar paths (torch's
@@ -27,9 +29,12 @@ Linux x86-64 only (seccomp filters are per architecture; AMX is x86's).
 """
 
 import ctypes
+import getpass
 import os
 import struct
 import sys
+import tempfile
+from pathlib import Path
 
 ARCH_REQ_XCOMP_PERM = 0x1023
 _SYS_ARCH_PRCTL = 158  # x86-64
@@ -42,9 +47,10 @@ SITE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "as_cpu_site")
 MODES = {
     "avx512": {"ACCEL_AS_CPU": "avx512"},
     "avx2": {"ACCEL_AS_CPU": "avx2", "ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2",
-             "ACCEL_NATIVE_MARCH": "x86-64-v3"},
+             "ACCEL_NATIVE_MARCH": "x86-64-v3", "TORCHINDUCTOR_CPP_MARCH": "x86-64-v3"},
     "baseline": {"ACCEL_AS_CPU": "baseline", "ATEN_CPU_CAPABILITY": "default",
-                 "ONEDNN_MAX_CPU_ISA": "SSE41", "ACCEL_NATIVE_MARCH": "x86-64"},
+                 "ONEDNN_MAX_CPU_ISA": "SSE41", "ACCEL_NATIVE_MARCH": "x86-64",
+                 "TORCHINDUCTOR_CPP_MARCH": "x86-64"},
 }
 
 
@@ -82,9 +88,13 @@ def refuse_amx() -> None:
 
 
 def environment(mode: str) -> dict[str, str]:
-    """The variables a command run as ``mode``'s CPU gets (PYTHONPATH extended)."""
-    return {**MODES[mode], "PYTHONPATH": os.pathsep.join(
-        p for p in (SITE, os.environ.get("PYTHONPATH")) if p)}
+    """The variables a command run as ``mode``'s CPU gets: PYTHONPATH extended, and
+    inductor's cache of its own (its FX-graph cache key leaves out the vector ISA, so
+    code generated for AVX2 would be loaded by the next process on this CPU, and
+    built with -march=native it corrupts memory)."""
+    cache = Path(tempfile.gettempdir()) / f"torchinductor_{getpass.getuser()}_as_{mode}"
+    return {**MODES[mode], "TORCHINDUCTOR_CACHE_DIR": str(cache),
+            "PYTHONPATH": os.pathsep.join(p for p in (SITE, os.environ.get("PYTHONPATH")) if p)}
 
 
 def main(argv: list[str]) -> None:

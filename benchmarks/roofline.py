@@ -42,7 +42,8 @@ def cpu_flags() -> list[str]:
 
 
 #: variables that change which instructions the kernels use on the same CPU
-ISA_ENV = ("ACCEL_NATIVE_MARCH", "CXX", "ONEDNN_MAX_CPU_ISA", "ATEN_CPU_CAPABILITY")
+ISA_ENV = ("ACCEL_AS_CPU", "ACCEL_NATIVE_MARCH", "CXX", "ONEDNN_MAX_CPU_ISA",
+           "ATEN_CPU_CAPABILITY", "TORCHINDUCTOR_CPP_MARCH")
 
 
 def kernel_build() -> dict:
@@ -56,14 +57,16 @@ def kernel_build() -> dict:
     # whether the OS gives this process AMX tile state (benchmarks/as_cpu.py
     # refuses it) and what torch, which stock vLLM asks, reports
     amx = {"amx_granted": bool(torch._C._cpu._init_amx()),
-           "torch_reports_amx": bool(torch.cpu._is_amx_tile_supported())}
+           "torch_reports_amx": bool(torch.cpu._is_amx_tile_supported()),
+           "torch_reports_avx512": bool(torch.cpu._is_avx512_supported())}
     lib = native.library()
     if lib is None:
         return {"library": None, "env": env, **amx}
     int4 = lib.accel_int4pack_gemv_available()
     variants = [name for bit, name in ((W.FP32_FMA, "fp32_fma"), (W.BF16_DOT, "bf16_dot"),
                                        (W.I16_DOT, "i16_dot"), (W.AMX, "amx")) if int4 & bit]
-    return {"library": "built", "int4_gemv": variants,
+    return {"library": "built", "vector_lanes": lib.accel_vector_lanes(), "int4_gemv": variants,
+            "int4_layouts": lib.accel_int4pack_block_sizes(),
             "bf16_linear_amx_rows": lib.accel_bf16_linear_amx_rows(), "env": env, **amx}
 
 

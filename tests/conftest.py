@@ -237,10 +237,13 @@ def run_engine(spec: dict, tmp_path: Path, env: dict | None = None, timeout: int
 def build_tiny_model(path: Path, arch: str = "llama", num_heads: int = 4,
                      num_kv_heads: int = 2, head_dim: int = 16, hidden_size: int | None = None,
                      layers: int = 2, vocab: int = 512, seed: int = 0,
-                     norm_spread: float = 0.0) -> Path:
+                     norm_spread: float = 0.0, head_std: float = 0.08) -> Path:
     """A random-weight Llama/Qwen2 checkpoint (a few MB) written as HF safetensors;
     ``norm_spread`` > 0 draws the RMSNorm weights from N(1, norm_spread) instead of HF's
-    all-ones init (so swapping two norms changes the output)."""
+    all-ones init (so swapping two norms changes the output); ``head_std`` is the LM
+    head's: its logits' spread is ``head_std * sqrt(hidden)`` (0.08 at hidden 128: about
+    0.9, so the top two tokens are ~0.25 nats apart on average; 0.4: ~4.5, far from
+    ties that kernels' rounding, or an INT8 KV cache's, could flip)."""
     from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
 
     hidden = hidden_size or num_heads * head_dim
@@ -258,7 +261,7 @@ def build_tiny_model(path: Path, arch: str = "llama", num_heads: int = 4,
     with torch.no_grad():
         for name, p in model.named_parameters():
             if p.dim() > 1:
-                p.normal_(0, 0.08)
+                p.normal_(0, head_std if name == "lm_head.weight" else 0.08)
             elif norm_spread and "norm" in name:
                 p.normal_(1.0, norm_spread)
     model.save_pretrained(path, safe_serialization=True)

@@ -7,6 +7,7 @@ eager and (one case) under torch.compile, vLLM's default, there also after a
 restart that loads the compiled graph from vLLM's compile cache.
 """
 
+import os
 import random
 
 import pytest
@@ -24,13 +25,8 @@ CASES = {
     "llama-gqa2-bs128-reference": ("llama", 4, 2, 16, 128, "reference", False),
     # the Triton kernels, forced, in Triton's interpreter (no CPU backend)
     "qwen2-gqa2-bs16-triton": ("qwen2", 4, 2, 16, 16, "triton", False),
-    # what a CPU without AVX-512 runs: our kernels built for AVX2 (their portable
-    # paths), torch's and oneDNN's kernels held to AVX2 too
-    "llama-gqa3-bs32-avx2": ("llama", 6, 2, 32, 32, "cpu_native", False),
 }
-#: the environment that holds every kernel to AVX2 + FMA (x86-64-v3)
-NO_AVX512 = {"ACCEL_NATIVE_MARCH": "x86-64-v3", "ATEN_CPU_CAPABILITY": "avx2",
-             "ONEDNN_MAX_CPU_ISA": "AVX2"}
+# (what a CPU without AVX-512 runs, as such a CPU: test_as_cpu.py)
 KERNEL_MODULES = {"cpu_native": "cpu_native.attention", "torch_fast": "torch_fast.attention",
                   "reference": "reference.attention", "triton": "triton.paged_attention"}
 
@@ -55,14 +51,14 @@ def test_tiny_model_matches_hf(case, tmp_path):
     }
     env = {"ACCEL_KERNEL_PROVIDER": provider,
            **({"TRITON_INTERPRET": "1"} if provider == "triton" else {}),
-           **(NO_AVX512 if case.endswith("-avx2") else {}),
            # this test's own compile cache: the first start compiles, a restart loads
            **({"VLLM_CACHE_ROOT": str(tmp_path / "vllm-cache")} if compiled else {})}
     results, log = run_engine(spec, tmp_path, env=env)
     assert results["platform"] == "AccelPlatform"
     assert f"vllm_accel.ops.{KERNEL_MODULES[provider]}.paged_decode" in log
     assert ("Warming up model for the compilation" in log) == compiled
-    assert ("cpu_native kernels built for -march=x86-64-v3" in log) == case.endswith("-avx2")
+    march = os.environ.get("ACCEL_NATIVE_MARCH", "").strip() or "native"
+    assert (f"cpu_native kernels built for -march={march}" in log) == (march != "native")
     if arch == "llama":  # fp32 linears are not the one-op layer's (models/llama.py)
         assert ("Llama decoder layers: vLLM's forward for 2 of 2 (a linear that is neither a "
                 "plain bf16 one") in log

@@ -241,12 +241,13 @@ def _reply_wait(wrap: bool, delay_s: float) -> tuple[float, float]:
 def test_enginecores_reply_wait_sleeps_and_still_reads_promptly():
     """EngineCore's wrapped wait for a worker's reply uses almost no CPU over a 0.3 s
     step and reads the reply within about its longest sleep; vLLM's own wait (the
-    control) spins through the same 0.3 s."""
+    control) spins through the same 0.3 s (at least a quarter of it on the CPU, with
+    make test's other worker sharing the core)."""
     cpu, late = _reply_wait(wrap=True, delay_s=0.3)
     assert cpu < 0.05, cpu
     assert late < patches.REPLY_WAIT_MAX_S + 0.02, late
     spin_cpu, _ = _reply_wait(wrap=False, delay_s=0.3)
-    assert spin_cpu > 0.15, spin_cpu
+    assert spin_cpu > 0.075, spin_cpu
 
 
 def test_reply_wait_backs_off_and_restarts_after_a_read(monkeypatch):

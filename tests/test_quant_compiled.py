@@ -62,6 +62,30 @@ def _param(t):
     return torch.nn.Parameter(t, requires_grad=False)
 
 
+#: nats within which two candidate tokens count as tied: an INT8 KV cache turns the
+#: eager and compiled paths' float32 rounding differences (~1e-6) into code flips worth
+#: ~1e-3 nats (measured: 1.6e-3), which reorder a near-tie
+TIE_NATS = 0.01
+
+
+def assert_same_greedy_tokens(got: list[dict], want: list[dict]) -> None:
+    """Greedy tokens equal ``want``'s (engine_run outputs with 2 logprobs), but for a
+    divergence at a near-tie: both tokens in ``want``'s top 2 within TIE_NATS (the
+    sequences are not compared after it)."""
+    for g, w in zip(got, want, strict=True):
+        for step, (a, b) in enumerate(zip(g["token_ids"], w["token_ids"], strict=True)):
+            if a != b:
+                top = w["logprobs"][step]
+                assert str(a) in top and abs(top[str(a)] - top[str(b)]) <= TIE_NATS, (
+                    step, a, b, top)
+                break
+
+
+#: what the W8A8 method resolves its int8 GEMM to here: torch's where it is exact, the
+#: simulator's own where torch's is not (CPUs without AVX-512)
+EXACT_MM = w8a8.resolve_mm_method(torch.device("cpu"))
+
+
 def _w8a8(static, symmetric, mm_method, monkeypatch):
     """A W8A8 layer as loaded (two shards), processed and run by the method."""
     g = torch.Generator().manual_seed(3)
@@ -74,7 +98,7 @@ def _w8a8(static, symmetric, mm_method, monkeypatch):
         if not symmetric:
             layer.input_zero_point = _param(torch.tensor([5, 5], dtype=torch.int32))
     if mm_method == "fp32_exact":  # as on a torch build without a CPU _int_mm
-        monkeypatch.setattr(w8a8, "_int_mm_works", lambda device: False)
+        monkeypatch.setattr(w8a8, "resolve_mm_method", lambda device: "fp32_exact")
     method = AccelW8A8LinearMethod("channel", not static, symmetric, prefix="test.qkv_proj")
     method.process_weights_after_loading(layer)
     assert method.mm_method == mm_method
@@ -104,9 +128,9 @@ CASES = {
     "int4-g32-asym-gidx-reference": lambda mp, dt: _resident_layer(
         4, 32, False, False, "reference", mp, dt, non_uniform_groups=True),
     # W8A8: dynamic / static activations, sym / asym, both int8 GEMMs
-    "w8a8-dynamic-sym": lambda mp, dt: _w8a8(False, True, "int_mm", mp),
-    "w8a8-dynamic-asym": lambda mp, dt: _w8a8(False, False, "int_mm", mp),
-    "w8a8-static-sym": lambda mp, dt: _w8a8(True, True, "int_mm", mp),
+    "w8a8-dynamic-sym": lambda mp, dt: _w8a8(False, True, EXACT_MM, mp),
+    "w8a8-dynamic-asym": lambda mp, dt: _w8a8(False, False, EXACT_MM, mp),
+    "w8a8-static-sym": lambda mp, dt: _w8a8(True, True, EXACT_MM, mp),
     "w8a8-static-asym-fp32exact": lambda mp, dt: _w8a8(True, False, "fp32_exact", mp),
     # online W8A16: torch's int8 kernel (bf16) and the float tile path
     "w8a16": lambda mp, dt: _w8a16(dt),
@@ -138,7 +162,7 @@ def test_per_forward_path_traces_as_one_graph(case, dtype, monkeypatch):
 QUANT_GEMM_CALL = re.compile(
     r"^(?!\s*#).*?\b(extern_kernels\._int_mm|extern_kernels\._weight_int8pack_mm|"
     r"vllm_accel\.int8_weight_mm\.default|vllm_accel\.int4pack_linear\.default|"
-    r"vllm_accel\.int8_linear_dynamic\.default|"
+    r"vllm_accel\.int8_linear_dynamic\.default|vllm_accel\.int8_gemm\.default|"
     r"int4mm_packed_weight_cpu\.default|aten\._weight_int4pack_mm_for_cpu\.default|"
     r"aten\._weight_int8pack_mm\.default)\(")
 #: a float GEMM in the graph: a quantized layer that fell back to a dequantized weight
@@ -193,8 +217,10 @@ def test_compiled_engine_gives_the_eager_tokens(family, tmp_path):
     activations, the one-op decoder layer that runs them: its four linears ran the
     quantized kernel inside it) and no float GEMM (no dequantized fallback)."""
     write, extra, served = FAMILIES[family]
+    # (peaked logits: an INT8 KV cache turns eager/compiled rounding differences into
+    # code flips, ~1e-3 nats, which would reorder HF-init near-ties)
     src = build_tiny_model(tmp_path / "float", num_heads=4, num_kv_heads=2, head_dim=32,
-                           hidden_size=128)
+                           hidden_size=128, head_std=0.4)
     model = src
     if write is not None:
         model = tmp_path / "quantized"
@@ -203,7 +229,8 @@ def test_compiled_engine_gives_the_eager_tokens(family, tmp_path):
     prompts = [[rng.randrange(3, 512) for _ in range(n)] for n in (4, 9, 17, 33, 2, 60)]
     llm = {"model": str(model), "dtype": "float32", "kv_cache_dtype": "int8",
            "skip_tokenizer_init": True, "max_model_len": 256, "seed": 0, **extra}
-    sampling = {"temperature": 0.0, "max_tokens": 12, "ignore_eos": True, "detokenize": False}
+    sampling = {"temperature": 0.0, "max_tokens": 12, "ignore_eos": True, "detokenize": False,
+                "logprobs": 2}
     env = {"ACCEL_SIM_DEVICE_MEMORY_GB": "1"}
     eager, eager_log = run_engine({"llm": {**llm, "enforce_eager": True}, "prompts": prompts,
                                    "sampling": sampling}, tmp_path, env=env)
@@ -235,7 +262,7 @@ def test_compiled_engine_gives_the_eager_tokens(family, tmp_path):
         layers = counts["cpu_decoder_layer"][0]
         assert layers >= 2 * 11 and counts["int8_linear_dynamic"][0] >= 4 * layers, counts
     tokens = [o["token_ids"] for o in compiled["outputs"]]
-    assert tokens == [o["token_ids"] for o in eager["outputs"]]
+    assert_same_greedy_tokens(compiled["outputs"], eager["outputs"])
     if "VLLM_CACHE_ROOT" in cache:
         restarted, log = run_engine({"llm": llm, "prompts": prompts, "sampling": sampling},
                                     tmp_path, env={**env, **cache})

@@ -80,9 +80,16 @@ def check_quantized(y, ref, mag, dtype, bias=None):
 # ---------------------------------------------------------------------------
 
 
-# int_mm where torch's is exact here (the probe, tested below; auto picks it only there)
+#: the int8 GEMM the W8A8 method resolves "auto" to here: torch's where it is exact (the
+#: probe, tested below), else the simulator's own where built, else chunked float32
+EXACT_MM = Q.resolve_mm_method(torch.device("cpu"))
+
+
+# int_mm where torch's is exact here (the probe, tested below), native where the
+# simulator has its own
 @pytest.mark.parametrize("method", ["auto", "fp32_exact"]
-                         + (["int_mm"] if Q._int_mm_works(torch.device("cpu")) else []))
+                         + (["int_mm"] if Q._int_mm_works(torch.device("cpu")) else [])
+                         + (["native"] if Q._native_int8_gemm(torch.device("cpu")) else []))
 def test_int8_mm_exact(method):
     gen = torch.Generator().manual_seed(0)
     # K = 3000 at the extreme code: every product is 2**14, the sum 3000 * 2**14
@@ -192,9 +199,9 @@ def test_cpu_native_int8_linear_is_the_torch_kernel(shape, dtype, with_bias, mon
     assert native_w8a8.NATIVE_DISPATCH  # (the op has no ctypes path to count)
     calls = kernel_calls(monkeypatch, "int8_linear_dynamic", "", 0)
     ours = get_kernel("int8_linear", "cpu_native")(x.reshape(1, m, k), codes, scale, bias=bias,
-                                                   mm_method="int_mm")
+                                                   mm_method=EXACT_MM)
     theirs = get_kernel("int8_linear", "reference")(x.reshape(1, m, k), codes, scale, bias=bias,
-                                                    mm_method="int_mm")
+                                                    mm_method=EXACT_MM)
     assert ours.shape == (1, m, n) and ours.dtype == dtype
     assert torch.equal(ours.view(torch.uint8 if dtype != torch.float32 else torch.int32),
                        theirs.view(torch.uint8 if dtype != torch.float32 else torch.int32))
@@ -203,7 +210,7 @@ def test_cpu_native_int8_linear_is_the_torch_kernel(shape, dtype, with_bias, mon
     for kwargs in ({"input_scale": torch.tensor(0.05)}, {"input_symmetric": False,
                    "weight_col_sums": codes.to(torch.int32).sum(1, dtype=torch.int32)},
                    {"mm_method": "fp32_exact"}):
-        kwargs = {"mm_method": "int_mm", **kwargs}
+        kwargs = {"mm_method": EXACT_MM, **kwargs}
         assert torch.equal(get_kernel("int8_linear", "cpu_native")(x, codes, scale, **kwargs),
                            get_kernel("int8_linear", "reference")(x, codes, scale, **kwargs))
     assert calls() == (1, m)
@@ -255,6 +262,46 @@ def test_amx_int8_linear_gives_the_epilogue_of_torchs_int32_sums(shape, dtype):
         expected = ((sums * row_scales[:, None]) * col_scales[None, :] + bias).to(dtype)
         assert torch.equal(y[:, :n], expected)
         assert bool((y[:, n:] == 7).all())  # nothing written past n
+
+
+# (m, k, n): one row and pairs of rows, k whole 16-column steps (64, 1536) or with a
+# scalar tail (7, 100), n whole 4-row blocks or not (9, 3)
+INT8_GEMM_SHAPES = [(1, 64, 8), (2, 100, 9), (5, 1536, 64), (64, 7, 3), (130, 100, 40)]
+
+
+@pytest.mark.parametrize("shape", INT8_GEMM_SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_own_int8_gemm_is_exact_where_built(shape):
+    """The library's int8 GEMM (csrc/int8_linear.cpp, CPUs with AVX2 but no AVX-512,
+    where torch's is not exact) gives the exact int32 sums, on row-strided operands,
+    with every pair of a row at the extreme codes (where int16 pair sums would
+    saturate), called directly and as the dispatcher op ``vllm_accel::int8_gemm``
+    (what the W8A8 method's ``native`` GEMM calls); it is built exactly there (-5
+    elsewhere)."""
+    from vllm_accel.ops.cpu_native import build as native
+    from vllm_accel.ops.cpu_native import int8_linear as native_w8a8
+
+    lib = native.library()
+    avx2_only = cpu_has("avx2", "fma", "f16c") and not cpu_has("avx512f")
+    assert native_w8a8.own_gemm() == (lib is not None and avx2_only)
+    if lib is None:
+        assert native.compiler() is None, "the kernel library failed to build"
+        return
+    m, k, n = shape
+    gen = torch.Generator().manual_seed(m + k + n)
+    q = torch.randint(-128, 128, (m, k + 3), generator=gen, dtype=torch.int8)[:, 1:k + 1]
+    w = torch.randint(-128, 128, (n, k + 5), generator=gen, dtype=torch.int8)[:, 2:k + 2]
+    q[0, :], w[0, :] = -128, -128  # 2 * 128 * 128 per pair: past int16
+    if n > 1:
+        w[1, :] = 127
+    acc = torch.full((m, n + 1), 7, dtype=torch.int32)
+    rc = lib.accel_int8_gemm(q.data_ptr(), q.stride(0), w.data_ptr(), w.stride(0), m, n, k,
+                             acc.data_ptr(), acc.stride(0))
+    assert rc == (0 if avx2_only else -5)
+    if rc == 0:
+        exact = q.long() @ w.long().T
+        assert torch.equal(acc[:, :n].long(), exact)
+        assert bool((acc[:, n] == 7).all())  # nothing written past n
+        assert torch.equal(torch.ops.vllm_accel.int8_gemm(q, w).long(), exact)
 
 
 def _int_mm_exact_on_random_codes() -> bool:

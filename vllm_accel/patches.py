@@ -458,7 +458,10 @@ PATCHES: tuple[Patch, ...] = (
             "without AVX512-BF16 or AMX emulates it: ~30 GFLOP/s a core at any batch, "
             "4-5x below float32, and ~10 GB/s of a 13 GB/s core at one row (Intel Xeon "
             "without BF16, measured); with AVX512-BF16 it decodes one row at 12 GB/s "
-            "where the plugin's kernel reads 15 (AMD EPYC Zen 4). Linears on the plugin's "
+            "where the plugin's kernel reads 15 (AMD EPYC Zen 4); on a CPU without "
+            "AVX-512 (AMD EPYC Zen 3) oneDNN has no bf16 matmul and vLLM falls back to "
+            "torch's linear, 1.6-4.4x slower than the plugin's AVX2 kernel at 1-64 rows "
+            "(an Intel Xeon held to AVX2, measured). Linears on the plugin's "
             "kernel also let a Llama layer run as one op (models/llama.py). vLLM has no "
             "hook to choose another kernel for unquantized linears."
         ),

@@ -88,7 +88,7 @@ def _layer_weight(linear: torch.nn.Module, linear_type: type, bias_ok: bool
     if (type(linear.quant_method) is AccelW8A8LinearMethod and isinstance(w8a8, InstalledW8A8)
             and w8a8.kernel is native_w8a8.int8_linear and native_w8a8.NATIVE_DISPATCH
             and w8a8.input_scale is None and w8a8.input_symmetric
-            and w8a8.mm_method == "int_mm" and w8a8.weight.dim() == 2
+            and native_w8a8.takes_mm_method(w8a8.mm_method) and w8a8.weight.dim() == 2
             and w8a8.weight.stride(1) == 1):
         return w8a8.weight, w8a8.weight_scale
     return None

@@ -97,24 +97,49 @@ def _int_mm_works(device: torch.device) -> bool:
         except (RuntimeError, NotImplementedError, AttributeError) as e:
             ok, reason = False, str(e).splitlines()[0]
         if not ok:
-            logger.warning("torch._int_mm unusable on %s (%s): int8_linear uses the exact "
-                           "chunked fp32 path", key, reason)
+            logger.warning("torch._int_mm unusable on %s (%s): int8_linear uses %s", key,
+                           reason, "the simulator's own int8 GEMM"
+                           if _native_int8_gemm(device) else "the exact chunked fp32 path")
         _int_mm_state[key] = ok
     return bool(_int_mm_state[key])
+
+
+def _native_int8_gemm(device: torch.device) -> bool:
+    """Whether the simulator's kernel library has an exact int8 GEMM of its own
+    (``vllm_accel::int8_gemm``: CPUs with AVX2 but no AVX-512)."""
+    from vllm_accel.ops.cpu_native import int8_linear as native_w8a8
+
+    return device.type == "cpu" and native_w8a8.own_gemm()
+
+
+def resolve_mm_method(device: torch.device) -> str:
+    """The exact int8 GEMM ``int8_mm`` uses on ``device``: torch's where it is exact,
+    else the simulator's own where built, else chunked fp32."""
+    if _int_mm_works(device):
+        return "int_mm"
+    return "native" if _native_int8_gemm(device) else "fp32_exact"
+
+
+#: what the log calls each method
+_MM_NAMES = {"int_mm": "torch._int_mm", "native": "vllm_accel::int8_gemm",
+             "fp32_exact": "exact chunked fp32"}
 
 
 def int8_mm(a: torch.Tensor, w: torch.Tensor, method: str = "auto") -> torch.Tensor:
     """Exact ``a @ w.T`` for int8 ``a`` ``[M, K]`` and int8 ``w`` ``[N, K]`` -> int32.
 
-    ``int_mm``: ``torch._int_mm`` (int32 accumulation). ``fp32_exact``: fp32
-    GEMMs over K chunks of at most 1024 columns; every partial sum is an integer
-    of magnitude <= 1024 * 128 * 128 = 2**24, which fp32 holds exactly, and the
-    chunk results are summed in int32. ``auto`` picks ``int_mm`` when it works.
+    ``int_mm``: ``torch._int_mm`` (int32 accumulation). ``native``: the simulator's
+    ``vllm_accel::int8_gemm`` (the same sums). ``fp32_exact``: fp32 GEMMs over K
+    chunks of at most 1024 columns; every partial sum is an integer of magnitude <=
+    1024 * 128 * 128 = 2**24, which fp32 holds exactly, and the chunk results are
+    summed in int32. ``auto``: :func:`resolve_mm_method`'s choice.
     """
     if method == "auto":
-        method = "int_mm" if _int_mm_works(a.device) else "fp32_exact"
+        method = resolve_mm_method(a.device)
     if method == "int_mm":
         return torch._int_mm(a, w.t())
+    if method == "native":
+        return torch.ops.vllm_accel.int8_gemm(a, w)
     if method != "fp32_exact":
         raise ValueError(f"unknown int8_mm method {method!r}")
     k = a.shape[1]
@@ -334,8 +359,8 @@ def _log_summary() -> None:
         "AccelW8A8LinearMethod serves %d layers: kernel int8_linear = %s.%s (int8 GEMM: %s); "
         "resident quantized weights %.2f MiB (fp16 %.2f MiB)", _totals.layers,
         kernel.__module__, kernel.__qualname__,
-        ", ".join(f"{dev} {'torch._int_mm' if ok else 'exact chunked fp32'}"
-                  for dev, ok in sorted(_int_mm_state.items())),
+        ", ".join(f"{dev} {_MM_NAMES[resolve_mm_method(torch.device(dev))]}"
+                  for dev in sorted(_int_mm_state)),
         _totals.resident / 2**20, _totals.fp16 / 2**20)
 
 
@@ -406,7 +431,7 @@ class AccelW8A8LinearMethod(LinearMethodBase):
             if hasattr(layer, name):
                 delattr(layer, name)
         # probed here, at load: never inside a compiled graph
-        self.mm_method = "int_mm" if _int_mm_works(res.weight.device) else "fp32_exact"
+        self.mm_method = resolve_mm_method(res.weight.device)
         layer.w8a8 = InstalledW8A8(res, self.input_symmetric, self.mm_method)
         self._account(res)
 

@@ -80,6 +80,8 @@ _SIGNATURES = {
     "accel_bf16_linear_amx_rows": (),
     "accel_bf16_linear_dp_rows": (),
     "accel_bf16_linear": (_ptr, _i64, _i32, _ptr, _i64, _ptr, _ptr, _i64, _i64, _i64, _i64),
+    "accel_int8_gemm_available": (),
+    "accel_int8_gemm": (_ptr, _i64, _ptr, _i64, _i64, _i64, _i64, _ptr, _i64),
     "accel_rotary": (_i32, _ptr, _i64, _ptr, _i64, _ptr, _i64, _i32, _i32, _i32, _i32, _ptr, _i64,
                      _i64),
 }

@@ -2,8 +2,9 @@
 activations run as one dispatcher op, ``vllm_accel::int8_linear_dynamic``
 (``csrc/torch_ops.cpp``): the rows quantized in C++, the int8 GEMM (AMX tiles where
 the CPU has them, ``csrc/int8_linear.cpp``: the same int32 sums, 1.5-2.1x torch's on an
-Intel Xeon with AMX at 1-256 rows; torch's otherwise), the dequantizing epilogue in C++,
-the same bytes as the torch kernel (``quant/w8a8.py``).
+Intel Xeon with AMX at 1-256 rows; on CPUs with AVX2 but no AVX-512 the library's own
+exact GEMM, as torch's is not exact there; torch's otherwise), the dequantizing epilogue
+in C++, the same bytes as the torch kernel (``quant/w8a8.py``).
 
 Why one op: traced as torch ops, the quantizer and the epilogue are elementwise
 code that inductor generates and compiles C++ for, per linear; a compiled W8A8
@@ -11,8 +12,9 @@ engine of the default model (120 linears) took 110-122 s to start, most of it
 there, against stock vLLM's 70-81 s for the bf16 model. Opaque to the compiler,
 the op costs no compile time and one dispatcher call per linear.
 
-Static or asymmetric activations, an ``mm_method`` other than torch's int8 GEMM,
-and a build without the dispatcher library go to the next provider.
+Static or asymmetric activations, an ``mm_method`` other than torch's int8 GEMM (but
+where the library has a GEMM of its own), and a build without the dispatcher library go
+to the next provider.
 """
 
 import torch
@@ -28,6 +30,27 @@ _LIB.define("int8_linear_dynamic(Tensor x, Tensor weight, Tensor weight_scale, T
 #: whether the op has its C++ kernel (no Python kernel: without the library the
 #: provider declines)
 NATIVE_DISPATCH = native.torch_ops() is not None
+
+
+def own_gemm() -> bool:
+    """Whether the library has an exact int8 GEMM of its own (AVX2 without AVX-512,
+    where torch's is not exact): ``vllm_accel::int8_gemm``, which the W8A8 method
+    then picks (``mm_method`` "native") and this op runs."""
+    return NATIVE_DISPATCH and bool(native.library().accel_int8_gemm_available())
+
+
+def takes_mm_method(mm_method: str) -> bool:
+    """Whether the op computes what ``mm_method`` would (the same exact int32 sums):
+    torch's int8 GEMM or the library's."""
+    return mm_method in ("int_mm", "native")
+
+
+_LIB.define("int8_gemm(Tensor a, Tensor w) -> Tensor")
+
+
+@torch.library.register_fake("vllm_accel::int8_gemm", lib=_LIB)
+def _int8_gemm_shape(a, w):
+    return a.new_empty((a.shape[0], w.shape[0]), dtype=torch.int32)
 
 
 @torch.library.register_fake("vllm_accel::int8_linear_dynamic", lib=_LIB)
@@ -47,7 +70,7 @@ def int8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tenso
             and x.device.type == "cpu" and native.dtype_code(x.dtype) is not None
             and weight.dtype == torch.int8 and weight.dim() == 2
             and weight_scale.dtype == torch.float32
-            and mm_method == "int_mm"):  # (the method resolves "auto" at load)
+            and takes_mm_method(mm_method)):  # (the method resolves "auto" at load)
         return torch.ops.vllm_accel.int8_linear_dynamic(x, weight, weight_scale, bias)
     return fallback_kernel("int8_linear", NATIVE)(
         x, weight, weight_scale, input_scale=input_scale, input_zero_point=input_zero_point,

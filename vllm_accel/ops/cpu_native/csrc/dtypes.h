@@ -21,6 +21,14 @@ enum DType : int { kFloat32 = 0, kBFloat16 = 1, kFloat16 = 2 };
 
 struct bf16 { uint16_t bits; };
 
+// IEEE half precision as a storage type (arithmetic is float32's): _Float16 on x86,
+// __fp16 on Arm, whose GCC 12 has no _Float16 in C++
+#if defined(__aarch64__) || defined(__arm__)
+using half = __fp16;
+#else
+using half = _Float16;
+#endif
+
 inline float to_float(float x) { return x; }
 inline float to_float(bf16 x) {
   uint32_t u = uint32_t(x.bits) << 16;
@@ -28,11 +36,11 @@ inline float to_float(bf16 x) {
   std::memcpy(&f, &u, 4);
   return f;
 }
-inline float to_float(_Float16 x) { return float(x); }
+inline float to_float(half x) { return float(x); }
 inline float to_float(int8_t x) { return float(x); }
 
 inline void store(float x, float* dst) { *dst = x; }
-inline void store(float x, _Float16* dst) { *dst = _Float16(x); }
+inline void store(float x, half* dst) { *dst = half(x); }
 inline void store(float x, bf16* dst) {  // branch-free, so loops vectorize
   uint32_t u;
   std::memcpy(&u, &x, 4);
@@ -47,7 +55,7 @@ inline __m512 load16(const bf16* p) {
   const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(x), 16));
 }
-inline __m512 load16(const _Float16* p) {
+inline __m512 load16(const half* p) {
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
 inline __m512 load16(const int8_t* p) {
@@ -74,7 +82,7 @@ inline __m256 load8(const bf16* p) {
   const __m128i x = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(x), 16));
 }
-inline __m256 load8(const _Float16* p) {
+inline __m256 load8(const half* p) {
   return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
 }
 inline __m256 load8(const int8_t* p) {
@@ -88,7 +96,7 @@ int dispatch(int dtype, F&& f) {
   switch (dtype) {
     case kFloat32: f(float{}); return 0;
     case kBFloat16: f(bf16{}); return 0;
-    case kFloat16: f(_Float16{}); return 0;
+    case kFloat16: f(half{}); return 0;
   }
   return -1;
 }

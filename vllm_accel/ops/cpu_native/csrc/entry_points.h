@@ -51,6 +51,9 @@ int accel_int8_linear_amx(const int8_t* q, int64_t q_stride, const int8_t* w, in
                           int64_t m, int64_t n, int64_t k, const float* row_scales,
                           const float* col_scales, const float* bias, int32_t y_dtype, void* y,
                           int64_t y_stride);
+int accel_int8_gemm_available();
+int accel_int8_gemm(const int8_t* q, int64_t q_stride, const int8_t* w, int64_t w_stride,
+                    int64_t m, int64_t n, int64_t k, int32_t* acc, int64_t acc_stride);
 int accel_int8_dequant(const int32_t* acc, int64_t acc_stride, int64_t m, int64_t n,
                        const float* row_scales, const float* col_scales, const float* bias,
                        int32_t y_dtype, void* y, int64_t y_stride);

@@ -1,6 +1,6 @@
 // W8A8 with dynamic per-token activations (torch_ops.cpp: vllm_accel::int8_linear_dynamic):
-// the activation quantizer, the int8 GEMM where the CPU has AMX (torch's otherwise), and
-// the dequantizing epilogue, each one pass in C++.
+// the activation quantizer, the int8 GEMM where the CPU has AMX or only AVX2 (torch's
+// otherwise), and the dequantizing epilogue, each one pass in C++.
 //
 // Traced as torch ops, these elementwise steps are what inductor generates C++ for in
 // a compiled W8A8 engine (120 linears of the default model: ~1200 generated kernels,
@@ -35,7 +35,7 @@ inline void store16(__m512 v, float* p) { _mm512_storeu_ps(p, v); }
 inline void store16(__m512 v, bf16* p) {
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), to_bf16(v));
 }
-inline void store16(__m512 v, _Float16* p) {
+inline void store16(__m512 v, accel::half* p) {
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(p),
                       _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
 }
@@ -88,7 +88,7 @@ inline void store16(__m512 v, __mmask16 mask, float* p) { _mm512_mask_storeu_ps(
 inline void store16(__m512 v, __mmask16 mask, bf16* p) {
   _mm256_mask_storeu_epi16(p, mask, to_bf16(v));
 }
-inline void store16(__m512 v, __mmask16 mask, _Float16* p) {
+inline void store16(__m512 v, __mmask16 mask, accel::half* p) {
   _mm256_mask_storeu_epi16(p, mask, _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
 }
 
@@ -127,6 +127,90 @@ struct Dequant {
 }  // namespace amx_int8
 #endif  // AMX
 
+#if defined(ACCEL_AVX2) && !defined(__AVX512F__)
+// The int8 GEMM for CPUs with AVX2 but no AVX-512 (AMD Zen 1-3): oneDNN's AVX2 int8 GEMM,
+// what torch._int_mm runs there, adds pairs of products in saturating int16
+// (VPMADDUBSW) and is wrong wherever two large products meet. Here both operands are
+// widened to int16 and VPMADDWD adds each pair into int32: the exact sums. Tiles of
+// kRowsW weight rows by kRowsX rows of x (8 accumulators, 4 weight vectors of the 16
+// registers), 16 columns a step, the last k % 16 columns in scalar code; the rows of x
+// in blocks of kBlockM (kept in L2) against every weight block.
+#define ACCEL_INT8_GEMM 1
+namespace avx2_int8 {
+
+constexpr int kRowsW = 4, kRowsX = 2;
+constexpr int64_t kBlockM = 64;
+constexpr int64_t kParallelMinWork = int64_t(1) << 18;  // as the epilogue's threads
+
+inline __m256i widen(const int8_t* p) {
+  return _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+
+inline int32_t sum_lanes(__m256i v) {
+  __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1));
+  return _mm_cvtsi128_si32(s);
+}
+
+// acc[m][j] = q row m . w row j over k, for MR rows of q and NB rows of w
+template <int NB, int MR>
+void tile(const int8_t* q, int64_t q_stride, const int8_t* w, int64_t w_stride, int64_t k,
+          int32_t* acc, int64_t acc_stride) {
+  __m256i sums[MR][NB];
+  for (int m = 0; m < MR; ++m)
+    for (int j = 0; j < NB; ++j) sums[m][j] = _mm256_setzero_si256();
+  int64_t kk = 0;
+  for (; kk + 16 <= k; kk += 16) {
+    __m256i wv[NB];
+    for (int j = 0; j < NB; ++j) wv[j] = widen(w + j * w_stride + kk);
+    for (int m = 0; m < MR; ++m) {
+      const __m256i xv = widen(q + m * q_stride + kk);
+      for (int j = 0; j < NB; ++j)
+        sums[m][j] = _mm256_add_epi32(sums[m][j], _mm256_madd_epi16(xv, wv[j]));
+    }
+  }
+  for (int m = 0; m < MR; ++m)
+    for (int j = 0; j < NB; ++j) {
+      int32_t s = sum_lanes(sums[m][j]);
+      for (int64_t t = kk; t < k; ++t) s += int32_t(q[m * q_stride + t]) * w[j * w_stride + t];
+      acc[m * acc_stride + j] = s;
+    }
+}
+
+template <int NB>
+void weight_block(const int8_t* q, int64_t q_stride, int64_t rows, const int8_t* w,
+                  int64_t w_stride, int64_t k, int32_t* acc, int64_t acc_stride) {
+  int64_t r = 0;
+  for (; r + kRowsX <= rows; r += kRowsX)
+    tile<NB, kRowsX>(q + r * q_stride, q_stride, w, w_stride, k, acc + r * acc_stride, acc_stride);
+  for (; r < rows; ++r)
+    tile<NB, 1>(q + r * q_stride, q_stride, w, w_stride, k, acc + r * acc_stride, acc_stride);
+}
+
+void gemm(const int8_t* q, int64_t q_stride, const int8_t* w, int64_t w_stride, int64_t m,
+          int64_t n, int64_t k, int32_t* acc, int64_t acc_stride) {
+  const int64_t blocks = (n + kRowsW - 1) / kRowsW;
+  for (int64_t row0 = 0; row0 < m; row0 += kBlockM) {
+    const int64_t rows = std::min(kBlockM, m - row0);
+    const int8_t* qb = q + row0 * q_stride;
+    int32_t* ab = acc + row0 * acc_stride;
+#pragma omp parallel for schedule(static) if (rows * n * k >= kParallelMinWork)
+    for (int64_t b = 0; b < blocks; ++b) {
+      const int64_t n0 = b * kRowsW;
+      if (n0 + kRowsW <= n)
+        weight_block<kRowsW>(qb, q_stride, rows, w + n0 * w_stride, w_stride, k, ab + n0,
+                             acc_stride);
+      else
+        for (int64_t j = n0; j < n; ++j)
+          weight_block<1>(qb, q_stride, rows, w + j * w_stride, w_stride, k, ab + j, acc_stride);
+    }
+  }
+}
+
+}  // namespace avx2_int8
+#endif  // AVX2 without AVX-512
+
 }  // namespace
 
 extern "C" {
@@ -161,6 +245,30 @@ int accel_int8_linear_amx(const int8_t* q, int64_t q_stride, const int8_t* w, in
   (void)q, (void)q_stride, (void)w, (void)w_stride, (void)m, (void)n, (void)k, (void)row_scales,
       (void)col_scales, (void)bias, (void)y_dtype, (void)y, (void)y_stride;
   return -5;
+}
+
+// 1 where this build has an int8 GEMM of its own (accel_int8_gemm: AVX2 without
+// AVX-512, where torch's is inexact), else 0.
+int accel_int8_gemm_available() {
+#ifdef ACCEL_INT8_GEMM
+  return 1;
+#else
+  return 0;
+#endif
+}
+
+// acc[M, N] (int32, row stride acc_stride) = q[M, K] @ w[N, K].T, exact; -5 where not
+// built (accel_int8_gemm_available).
+int accel_int8_gemm(const int8_t* q, int64_t q_stride, const int8_t* w, int64_t w_stride,
+                    int64_t m, int64_t n, int64_t k, int32_t* acc, int64_t acc_stride) {
+#ifdef ACCEL_INT8_GEMM
+  avx2_int8::gemm(q, q_stride, w, w_stride, m, n, k, acc, acc_stride);
+  return 0;
+#else
+  (void)q, (void)q_stride, (void)w, (void)w_stride, (void)m, (void)n, (void)k, (void)acc,
+      (void)acc_stride;
+  return -5;
+#endif
 }
 
 int accel_int8_dequant(const int32_t* acc, int64_t acc_stride, int64_t m, int64_t n,

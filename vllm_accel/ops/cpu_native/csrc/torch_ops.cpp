@@ -177,14 +177,22 @@ at::Tensor int8_linear_dynamic(const at::Tensor& x, const at::Tensor& weight,
     at::Tensor b;
     if (bias.has_value()) b = bias->to(at::kFloat).contiguous();
     const float* bias_ptr = b.defined() ? b.data_ptr<float>() : nullptr;
-    // AMX tiles with the epilogue inside where the CPU has them (the same bytes), torch's
-    // int8 GEMM and the epilogue on its int32 sums otherwise
+    // AMX tiles with the epilogue inside where the CPU has them (the same bytes); else
+    // the int32 sums of the library's AVX2 GEMM (torch's is inexact there) or torch's,
+    // and the epilogue on them
     if (weight.stride(1) != 1 ||
         accel_int8_linear_amx(q.data_ptr<int8_t>(), k, weight.data_ptr<int8_t>(),
                               weight.stride(0), m, n, k, row_scales.data_ptr<float>(),
                               col_scales.data_ptr<float>(), bias_ptr, code, y.data_ptr(),
                               y.stride(0)) != 0) {
-      const at::Tensor acc = at::_int_mm(q, weight.t());
+      at::Tensor acc;
+      if (accel_int8_gemm_available() && weight.stride(1) == 1) {
+        acc = at::empty({m, n}, x.options().dtype(at::kInt));
+        accel_int8_gemm(q.data_ptr<int8_t>(), k, weight.data_ptr<int8_t>(), weight.stride(0), m,
+                        n, k, acc.data_ptr<int32_t>(), n);
+      } else {
+        acc = at::_int_mm(q, weight.t());
+      }
       accel_int8_dequant(acc.data_ptr<int32_t>(), acc.stride(0), m, n,
                          row_scales.data_ptr<float>(), col_scales.data_ptr<float>(), bias_ptr,
                          code, y.data_ptr(), y.stride(0));
@@ -192,6 +200,25 @@ at::Tensor int8_linear_dynamic(const at::Tensor& x, const at::Tensor& weight,
   }
   int8_linear_calls.add(m);
   return y.view(out_sizes);
+}
+
+// vllm_accel::int8_gemm: a[M, K] @ w[N, K].T in exact int32 (torch._int_mm's contract)
+// on the library's own GEMM, for CPUs where torch's is not exact (int8_linear.cpp).
+at::Tensor int8_gemm(const at::Tensor& a, const at::Tensor& w) {
+  TORCH_CHECK(a.dim() == 2 && w.dim() == 2 && a.scalar_type() == at::kChar &&
+                  w.scalar_type() == at::kChar && a.size(1) == w.size(1) && a.device().is_cpu() &&
+                  w.device().is_cpu(),
+              "int8_gemm: unsupported inputs a ", a.sizes(), " ", a.scalar_type(), ", w ",
+              w.sizes(), " ", w.scalar_type());
+  TORCH_CHECK(accel_int8_gemm_available(), "int8_gemm: this build has no int8 GEMM of its own");
+  const at::Tensor a2 = a.stride(1) == 1 ? a : a.contiguous();
+  const at::Tensor w2 = w.stride(1) == 1 ? w : w.contiguous();
+  const int64_t m = a2.size(0), n = w2.size(0), k = a2.size(1);
+  at::Tensor acc = at::empty({m, n}, a.options().dtype(at::kInt));
+  if (m && n)
+    accel_int8_gemm(a2.data_ptr<int8_t>(), a2.stride(0), w2.data_ptr<int8_t>(), w2.stride(0), m, n,
+                    k, acc.data_ptr<int32_t>(), n);
+  return acc;
 }
 
 // Bytes of float32 (k_scale, v_scale) after each token's codes in an INT8 page
@@ -668,6 +695,7 @@ TORCH_LIBRARY_IMPL(vllm_accel, CPU, m) {
   m.impl("bf16_linear", &bf16_linear);
   m.impl("int4pack_linear", &int4pack_linear);
   m.impl("int8_linear_dynamic", &int8_linear_dynamic);
+  m.impl("int8_gemm", &int8_gemm);
   m.impl("cpu_paged_attention", &cpu_paged_attention);
   m.impl("cpu_cache_write", &cpu_cache_write);
   m.impl("cpu_attention_step", &cpu_attention_step);
