@@ -3,7 +3,8 @@
 Values are read lazily (on attribute access), so a variable set after import -- by
 ``--device`` in the API process, or inherited by spawned EngineCore/worker
 processes -- is always seen. The ``ACCEL_`` prefix keeps vLLM's unknown-``VLLM_*``
-warning quiet. README's "Configuration" table mirrors the docs below.
+warning quiet. ``docs/configuration.md`` is generated from the docs below
+(``python -m vllm_accel.tools.configuration --write``).
 """
 
 import os
@@ -79,8 +80,10 @@ environment_variables: dict[str, tuple[Callable[[], Any], str]] = {
         "virtual GCU: a torch device on host memory running the CPU's kernels, "
         "driven through the Enflame card path; built at first use with the C++ "
         "compiler) or `virtual-sophtpu` (the same device under Sophgo's torch_tpu "
-        "contract, driven through the SG2260 card path). Forcing a real backend "
-        "whose library is missing is an error.",
+        "contract, driven through the SG2260 card path; `--device sophtpu`). Forcing "
+        "a real backend whose library is missing is an error; so is `auto` with both "
+        "vendor libraries installed. Detection reads package metadata only (no vendor "
+        "import).",
     ),
     "ACCEL_SIM_DEVICE_MEMORY_GB": (
         _float("ACCEL_SIM_DEVICE_MEMORY_GB", 48.0),
@@ -97,27 +100,32 @@ environment_variables: dict[str, tuple[Callable[[], Any], str]] = {
         "`on` (default): the simulator backs the model's parameters (the weights its "
         "kernels read in place; weights vLLM hands to oneDNN stay in oneDNN's buffers) "
         "with 2 MiB transparent huge pages (`MADV_HUGEPAGE` + `MADV_COLLAPSE`, Linux >= "
-        "6.1, in place), so decode's weight stream does not stall on 4 KiB page walks; "
-        "`off` keeps 4 KiB pages.",
+        "6.1, in place: same addresses and values), so decode's weight stream does not "
+        "stall on 4 KiB page walks; the worker logs how many MiB it got. `off` keeps "
+        "4 KiB pages.",
     ),
     "ACCEL_SIM_WEIGHT_ARENA": (
         _switch("ACCEL_SIM_WEIGHT_ARENA", True),
         "`on` (default): after loading, the simulator copies the model's parameters "
         "into one block in module order (a Llama layer's QKV, O, gate/up, down, layer "
-        "after layer) and points them there, so a decode step reads its weights as one "
-        "forward stream (in huge pages with ACCEL_SIM_HUGE_PAGES) instead of ~120 short "
-        "ones; a tensor also held outside the model stays where it loaded. `off` leaves "
-        "every tensor where it loaded.",
+        "after layer) and points them there (`Tensor.set_`: every holder sees the "
+        "move), so a decode step reads its weights as one forward stream (in huge "
+        "pages with ACCEL_SIM_HUGE_PAGES) instead of ~120 short ones; a tensor also "
+        "held outside the model stays where it loaded; the worker logs the MiB moved "
+        "and left. `off` leaves every tensor where it loaded.",
     ),
     "ACCEL_SIM_SHARE_SCHEDULER_CORE": (
         _switch("ACCEL_SIM_SHARE_SCHEDULER_CORE", True),
-        "`on` (default): with one simulated device on the host, its worker also runs "
-        "on the core vLLM's CPU binding keeps for EngineCore, for every step, and "
-        "EngineCore sleeps instead of spinning while it waits for the worker's reply "
-        "(patches.py), so a batch-1 decode streams its weights with every core's "
-        "bandwidth; `off`: vLLM's binding as is (a core kept for EngineCore, which "
-        "spins through each step). An exported `VLLM_CPU_NUM_OF_RESERVED_CPU` wins "
-        "over either.",
+        "`on` (default): with one simulated device on the host (no TP/DP) and vLLM's "
+        "automatic core binding, its worker also runs on the core vLLM's CPU binding "
+        "keeps for EngineCore (`VLLM_CPU_NUM_OF_RESERVED_CPU=0` for the engine's "
+        "processes), a thread on every core for every step, and EngineCore sleeps "
+        "instead of spinning while it waits for the worker's reply (patches.py), so a "
+        "batch-1 decode streams its weights with every core's bandwidth; the worker "
+        "and EngineCore log it. `off`: vLLM's binding as is (a core kept for "
+        "EngineCore, which spins through each step). An exported "
+        "`VLLM_CPU_NUM_OF_RESERVED_CPU` wins over either; in-process engines "
+        "(`VLLM_ENABLE_V1_MULTIPROCESSING=0`) are never bound by vLLM.",
     ),
     "ACCEL_VIRTUAL_DEVICE_COUNT": (
         lambda: int(os.environ.get("ACCEL_VIRTUAL_DEVICE_COUNT", "8")),
@@ -128,16 +136,20 @@ environment_variables: dict[str, tuple[Callable[[], Any], str]] = {
     ),
     "ACCEL_KERNEL_PROVIDER": (
         lambda: os.environ.get("ACCEL_KERNEL_PROVIDER", "").strip().lower(),
-        "Force one kernel provider (e.g. `reference`, `torch_fast`, `triton`) "
-        "instead of the backend's preferred ones; empty means the backend's order. "
-        "`triton` on the simulator needs `TRITON_INTERPRET=1` (Triton has no CPU "
-        "backend).",
+        "Force one kernel provider (`reference`: the slow, obviously correct kernels "
+        "the tests use as an oracle; `torch_fast`: pure torch; `cpu_native`: the "
+        "simulator's C++; `triton`; `vendor`) instead of the backend's preferred "
+        "order (the simulator: `cpu_native`, then `torch_fast`); empty means the "
+        "backend's order. `triton` on the simulator needs `TRITON_INTERPRET=1` "
+        "(Triton has no CPU backend).",
     ),
     "ACCEL_KV_SCALES": (
         lambda: os.environ.get("ACCEL_KV_SCALES", ""),
         "Path of a JSON file with static per-layer INT8 KV scales "
-        "(`{\"<layer>\": {\"k_scale\": s, \"v_scale\": s}}`), used with "
-        "`--kv-cache-dtype int8` instead of dynamic per-token scales.",
+        "(`{\"<layer>\": {\"k_scale\": s, \"v_scale\": s}}`, like the GCU fork's "
+        "`int8_kv_cache.json`; `k_zero`/`v_zero` must be 0), used with "
+        "`--kv-cache-dtype int8` instead of dynamic per-token scales. A malformed file "
+        "fails at startup naming the file, the entry and the fix.",
     ),
     "ACCEL_MODEL_CACHE": (
         lambda: os.path.expanduser(
@@ -148,8 +160,10 @@ environment_variables: dict[str, tuple[Callable[[], Any], str]] = {
     "ACCEL_NATIVE_CACHE": (
         _path("ACCEL_NATIVE_CACHE", "~/.cache/vllm-accel/native"),
         "Directory where the simulated GCU's C++ kernels (`cpu_native`) and the "
-        "virtual GCU are built on first use, for this CPU, with `$CXX` (else `c++`/`g++`); "
-        "`off` (or `0`, `none`, empty) disables them and the torch kernels run.",
+        "virtual GCU are built on first use, for this CPU (one build per CPU model, "
+        "flags and -march), with `$CXX` (else `c++`/`g++`; GCC >= 12 or Clang >= 15); "
+        "`off` (or `0`, `none`, empty) disables them and the torch kernels run. "
+        "Without a usable compiler the plugin warns once and runs the torch kernels.",
     ),
     "ACCEL_NATIVE_MARCH": (
         lambda: os.environ.get("ACCEL_NATIVE_MARCH", "").strip() or "native",
