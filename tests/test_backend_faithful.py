@@ -92,6 +92,18 @@ GCU_DISPATCH = textwrap.dedent("""
         c, s = ang[pos].cos()[:, None], ang[pos].sin()[:, None]
         a, bb = t[..., :4], t[..., 4:]
         return torch.cat((a * c - bb * s, bb * c + a * s), -1).view(3, -1)
+    # MoE routing: softmax top-2 of 8, renormalised and not (the op has no renormalize
+    # argument: the adapter does it), and a grouped rule the op lacks (falls back)
+    from vllm_accel.ops.reference import moe as moe_ref
+    logits = torch.randn(6, 8) * 2
+    for renorm in (True, False):
+        w, ids = registry.get_kernel("moe_route")(logits, 2, renormalize=renorm,
+                                                  routed_scaling_factor=2.0)
+        rw, rids = moe_ref.moe_route(logits, 2, renormalize=renorm, routed_scaling_factor=2.0)
+        assert torch.equal(ids.sort(1).values, rids.sort(1).values)
+        assert torch.allclose(w.sort(1).values, rw.sort(1).values, atol=1e-6)
+    registry.get_kernel("moe_route")(logits, 2, renormalize=True, num_expert_group=2,
+                                     topk_group=1)
     rq, rk = registry.get_kernel("rotary_embedding")(pos, q, kk, cache, 8, 8, True)
     assert torch.allclose(rq.double(), ref_rope(q), atol=1e-5)
     assert torch.allclose(rk.double(), ref_rope(kk), atol=1e-5)
@@ -106,8 +118,10 @@ def test_gcu_vendor_ops_are_used_when_registered(tmp_path):
     assert "'gcu_vendor:rms_norm': 'registered" in out
     assert "xformers not usable on gcu" in out  # no xformers with GCU kernels here
     # one plain + one fused norm (the variance_size call fell back), one silu, one
-    # rope (the key=None call fell back)
-    assert "CALLS {'rms_norm': 1, 'fused_add_rms_norm': 1, 'silu_and_mul': 1, 'rotary_embedding': 1}" in out
+    # rope (the key=None call fell back), two routings (the grouped one fell back)
+    assert ("CALLS {'rms_norm': 1, 'fused_add_rms_norm': 1, 'silu_and_mul': 1, "
+            "'topk_softmax': 2, 'rotary_embedding': 1}") in out
+    assert "'gcu_vendor:moe_route': 'registered (_moe_C::topk_softmax)'" in out
 
 
 def test_gcu_without_vendor_ops_falls_back_to_our_kernels(tmp_path):

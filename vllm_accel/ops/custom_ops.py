@@ -1,4 +1,5 @@
-"""Out-of-tree replacements for vLLM's RMSNorm, SiluAndMul and RotaryEmbedding.
+"""Out-of-tree replacements for vLLM's RMSNorm, SiluAndMul and RotaryEmbedding, and
+for its unquantized MoE method (:mod:`vllm_accel.ops.moe`).
 
 Each replacement subclasses the vLLM op (same constructor, same buffers and
 parameters, so weight loading is unchanged) and routes ``forward_native``,
@@ -38,6 +39,7 @@ from vllm.model_executor.layers.rotary_embedding.base import RotaryEmbedding
 from vllm_accel.logger import init_logger
 from vllm_accel.ops.cpu_native import elementwise as _cpu_native  # noqa: F401  (registers)
 from vllm_accel.ops.reference import elementwise as _reference  # noqa: F401  (registers)
+from vllm_accel.ops.moe import AccelFusedMoEMethod, UnquantizedFusedMoEMethod
 from vllm_accel.ops.registry import get_kernel
 
 logger = init_logger(__name__)
@@ -168,6 +170,7 @@ OOT_OPS: tuple[tuple[type[CustomOp], type[CustomOp]], ...] = (
     (RMSNorm, AccelRMSNorm),
     (SiluAndMul, AccelSiluAndMul),
     (RotaryEmbedding, AccelRotaryEmbedding),
+    (UnquantizedFusedMoEMethod, AccelFusedMoEMethod),
 )
 
 for _vllm_cls, _ours in OOT_OPS:

@@ -14,6 +14,8 @@ Providers:
   namespace for PrivateUse1): ``rms_norm``, ``fused_add_rms_norm``,
   ``silu_and_mul``, ``rotary_embedding``. Its paged-attention and cache ops use
   vLLM's ``[nb, H, D/x, bs, x]`` cache layout, not ours, so attention stays ours.
+  Routing for MoE: ``_moe_C::topk_softmax`` (softmax top-k; vLLM's schema, with or
+  without its ``renormalize`` argument, which older forks lack).
 * ``sophgo_vendor``: Sophgo's ``my_ops::rmsnorm_forward``. Its attention ops fuse
   RoPE and use their own cache layout, so they are not plugged in.
 * ``xformers``: ``paged_prefill`` through ``xformers.ops.memory_efficient_attention``
@@ -89,6 +91,36 @@ def _gcu_rotary_embedding(ops):
     return gcu_rotary_embedding
 
 
+def _gcu_topk_softmax(ops):
+    op = ops["_moe_C::topk_softmax"]
+    # (topk_weights!, topk_ids!, token_expert_indices!, gating_output[, renormalize, ...])
+    takes_renormalize = len(op._schema.arguments) > 4
+
+    def gcu_moe_route(router_logits, top_k, *, renormalize, scoring_func="softmax",
+                      num_expert_group=None, topk_group=None, e_score_correction_bias=None,
+                      routed_scaling_factor=1.0):
+        if (scoring_func != "softmax" or e_score_correction_bias is not None
+                or (num_expert_group or 1) > 1):
+            return fallback_kernel("moe_route", GCU_VENDOR)(
+                router_logits, top_k, renormalize=renormalize, scoring_func=scoring_func,
+                num_expert_group=num_expert_group, topk_group=topk_group,
+                e_score_correction_bias=e_score_correction_bias,
+                routed_scaling_factor=routed_scaling_factor)
+        m, device = router_logits.shape[0], router_logits.device
+        weights = torch.empty(m, top_k, dtype=torch.float32, device=device)
+        ids = torch.empty(m, top_k, dtype=torch.int32, device=device)
+        token_expert = torch.empty(m, top_k, dtype=torch.int32, device=device)
+        op(weights, ids, token_expert, router_logits.to(torch.float32).contiguous(),
+           *((renormalize,) if takes_renormalize else ()))
+        if renormalize and not takes_renormalize:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        if routed_scaling_factor != 1.0:
+            weights = weights * routed_scaling_factor
+        return weights, ids
+
+    return gcu_moe_route
+
+
 # ---------------------------------------------------------------------------
 # Sophgo (torch_tpu my_ops) adapters.
 # ---------------------------------------------------------------------------
@@ -114,6 +146,7 @@ VENDOR_KERNELS: tuple[tuple[str, str, tuple[str, ...], str, Callable], ...] = (
     (GCU_VENDOR, "rms_norm", ("_C::rms_norm", "_C::fused_add_rms_norm"), "any", _gcu_rms_norm),
     (GCU_VENDOR, "silu_and_mul", ("_C::silu_and_mul",), "all", _gcu_silu_and_mul),
     (GCU_VENDOR, "rotary_embedding", ("_C::rotary_embedding",), "all", _gcu_rotary_embedding),
+    (GCU_VENDOR, "moe_route", ("_moe_C::topk_softmax",), "all", _gcu_topk_softmax),
     (SOPHGO_VENDOR, "rms_norm", ("my_ops::rmsnorm_forward",), "all", _sophgo_rms_norm),
 )
 

@@ -80,3 +80,28 @@ for _name, _schema in SCHEMAS.items():
         _define.define(_schema)
     for _key in ("PrivateUse1", "CPU"):
         _impl.impl(_name, globals()[_name], _key)
+
+
+# MoE routing under vLLM's _moe_C namespace, in the schema of the vLLM 0.6-0.8 forks
+# Enflame ships (no renormalize argument): softmax top-k, float32 weights.
+_moe_define = torch.library.Library("_moe_C", "FRAGMENT")
+_moe_impl = torch.library.Library("_moe_C", "IMPL")
+
+
+def topk_softmax(topk_weights, topk_indices, token_expert_indices, gating_output):
+    CALLS["topk_softmax"] += 1
+    probs = torch.softmax(gating_output.float(), dim=-1)
+    values, ids = probs.topk(topk_weights.shape[1], dim=-1)
+    topk_weights.copy_(values)
+    topk_indices.copy_(ids.to(topk_indices.dtype))
+    m = gating_output.shape[0]
+    token_expert_indices.copy_(torch.arange(m * ids.shape[1], dtype=torch.int32).view(m, -1))
+
+
+try:
+    torch._C._dispatch_find_schema_or_throw("_moe_C::topk_softmax", "")
+except RuntimeError:
+    _moe_define.define("topk_softmax(Tensor! topk_weights, Tensor! topk_indices, "
+                       "Tensor! token_expert_indices, Tensor gating_output) -> ()")
+for _key in ("PrivateUse1", "CPU"):
+    _moe_impl.impl("topk_softmax", topk_softmax, _key)

@@ -13,6 +13,11 @@
 #include <ATen/ops/add.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
+#include <ATen/ops/from_blob.h>
+#include <ATen/ops/gelu.h>
+#include <ATen/ops/mul.h>
+#include <ATen/ops/sigmoid.h>
+#include <ATen/ops/zeros.h>
 #include <ATen/ops/linear.h>
 #include <ATen/record_function.h>
 #include <c10/util/Exception.h>
@@ -21,6 +26,8 @@
 #include <atomic>
 #include <cstdint>
 #include <optional>
+#include <cstring>
+#include <vector>
 #include <string_view>
 #include <tuple>
 
@@ -38,7 +45,7 @@ struct KernelCalls {
   }
 };
 KernelCalls bf16_linear_calls, int4pack_linear_calls, int8_linear_calls, attention_step_calls,
-    rms_norm_calls, silu_and_mul_calls, rotary_calls, decoder_layer_calls;
+    rms_norm_calls, silu_and_mul_calls, rotary_calls, decoder_layer_calls, moe_experts_calls;
 
 // The block size (outputs) of torch's int4 layout where accel_int4pack_gemv reads it, 0
 // where it does not: torch picks its layout by the CPU capability it runs with, so
@@ -635,6 +642,115 @@ std::tuple<at::Tensor, at::Tensor> cpu_decoder_layer(
   return {layer_linear(act, down_weight, down_quant, std::nullopt), residual_out};
 }
 
+// Expert `e`'s slice of a per-expert tensor, or nothing.
+std::optional<at::Tensor> expert_slice(const std::optional<at::Tensor>& t, int64_t e) {
+  if (!t.has_value()) return std::nullopt;
+  return t->select(0, e);
+}
+
+// act(h[:, :I]) * h[:, I:] for the gated activations of moe.py (0 silu, 1 gelu,
+// 2 gelu_tanh).
+at::Tensor moe_gated_activation(const at::Tensor& h, int64_t activation) {
+  if (activation == 0) {
+    at::Tensor out = cpu_silu_and_mul(h);
+    if (out.defined()) return out;
+  }
+  const int64_t d = h.size(1) / 2;
+  const at::Tensor gate = h.narrow(1, 0, d), up = h.narrow(1, d, d);
+  if (activation == 0) return at::mul(at::mul(gate, at::sigmoid(gate)), up);
+  return at::mul(at::gelu(gate, activation == 2 ? "tanh" : "none"), up);
+}
+
+template <typename T>
+void moe_accumulate(float* acc, const at::Tensor& y, const std::vector<int64_t>& rows,
+                    const std::vector<float>& weights, int64_t h) {
+  const T* src = y.data_ptr<T>();
+  for (size_t r = 0; r < rows.size(); ++r) {
+    float* dst = acc + rows[r] * h;
+    const T* row = src + int64_t(r) * h;
+    const float w = weights[r];
+    for (int64_t c = 0; c < h; ++c) dst[c] += w * static_cast<float>(row[c]);
+  }
+}
+
+// vllm_accel::cpu_moe_experts: moe.py's experts contract (reference/moe.py) for
+// 2-D contiguous CPU x. The (token, choice) pairs are bucketed by this rank's expert
+// slot (expert_map: global id -> slot, -1 elsewhere); each expert held here runs its
+// tokens through layer_linear twice (the bf16 kernel, or with w13_quant / w2_quant
+// the int4 or int8 one, as the decoder layer's linears) and its weighted rows are
+// summed into a float32 accumulator.
+at::Tensor cpu_moe_experts(const at::Tensor& x, const at::Tensor& w13, const at::Tensor& w2,
+                           const at::Tensor& topk_weights, const at::Tensor& topk_ids,
+                           const std::optional<at::Tensor>& expert_map,
+                           const std::optional<at::Tensor>& w13_quant,
+                           const std::optional<at::Tensor>& w2_quant,
+                           const std::optional<at::Tensor>& w13_bias,
+                           const std::optional<at::Tensor>& w2_bias, int64_t activation,
+                           bool apply_router_weight_on_input) {
+  TORCH_CHECK(x.dim() == 2 && x.device().is_cpu(), "cpu_moe_experts: x must be 2-D on the CPU");
+  TORCH_CHECK(topk_ids.dim() == 2 && topk_ids.size(0) == x.size(0) &&
+                  topk_weights.sizes() == topk_ids.sizes(),
+              "cpu_moe_experts: topk_ids/topk_weights must be [tokens, k]");
+  TORCH_CHECK(activation >= 0 && activation <= 2, "cpu_moe_experts: unknown activation ",
+              activation);
+  const int64_t m = x.size(0), top_k = topk_ids.size(1), hidden = w2.size(1);
+  const int64_t num_local = w13.size(0);
+  const at::Tensor ids = topk_ids.to(at::kLong).contiguous();
+  const at::Tensor weights = topk_weights.to(at::kFloat).contiguous();
+  at::Tensor map;
+  if (expert_map.has_value()) map = expert_map->to(at::kLong).contiguous();
+  const int64_t* id = ids.data_ptr<int64_t>();
+  const float* wt = weights.data_ptr<float>();
+  const int64_t num_global = map.defined() ? map.size(0) : num_local;
+  std::vector<std::vector<int64_t>> rows(num_local);
+  std::vector<std::vector<float>> row_weights(num_local);
+  for (int64_t p = 0; p < m * top_k; ++p) {
+    TORCH_CHECK(id[p] >= 0 && id[p] < num_global, "cpu_moe_experts: expert id ", id[p],
+                " outside [0, ", num_global, ")");
+    const int64_t e = map.defined() ? map.data_ptr<int64_t>()[id[p]] : id[p];
+    if (e < 0) continue;
+    rows[e].push_back(p / top_k);
+    row_weights[e].push_back(wt[p]);
+  }
+  const at::Tensor xc = x.contiguous();
+  at::Tensor acc = at::zeros({m, hidden}, x.options().dtype(at::kFloat));
+  const int64_t row_bytes = xc.size(1) * xc.element_size();
+  int64_t touched = 0;
+  for (int64_t e = 0; e < num_local; ++e) {
+    const std::vector<int64_t>& r = rows[e];
+    if (r.empty()) continue;
+    ++touched;
+    const int64_t n = int64_t(r.size());
+    at::Tensor xe = at::empty({n, xc.size(1)}, xc.options());
+    auto* dst = static_cast<char*>(xe.data_ptr());
+    const auto* src = static_cast<const char*>(xc.data_ptr());
+    for (int64_t i = 0; i < n; ++i) std::memcpy(dst + i * row_bytes, src + r[i] * row_bytes, row_bytes);
+    if (apply_router_weight_on_input) {
+      const at::Tensor w = at::from_blob(const_cast<float*>(row_weights[e].data()), {n, 1},
+                                         at::TensorOptions().dtype(at::kFloat));
+      xe = at::mul(xe.to(at::kFloat), w).to(xc.scalar_type());
+    }
+    const at::Tensor h = layer_linear(xe, w13.select(0, e), expert_slice(w13_quant, e),
+                                      expert_slice(w13_bias, e));
+    const at::Tensor y =
+        layer_linear(moe_gated_activation(h, activation), w2.select(0, e),
+                     expert_slice(w2_quant, e), expert_slice(w2_bias, e))
+            .contiguous();
+    const std::vector<float> ones(apply_router_weight_on_input ? r.size() : 0, 1.0f);
+    const std::vector<float>& scale = apply_router_weight_on_input ? ones : row_weights[e];
+    switch (y.scalar_type()) {
+      case at::kFloat: moe_accumulate<float>(acc.data_ptr<float>(), y, r, scale, hidden); break;
+      case at::kBFloat16:
+        moe_accumulate<at::BFloat16>(acc.data_ptr<float>(), y, r, scale, hidden);
+        break;
+      case at::kHalf: moe_accumulate<at::Half>(acc.data_ptr<float>(), y, r, scale, hidden); break;
+      default: TORCH_CHECK(false, "cpu_moe_experts: unsupported dtype ", y.scalar_type());
+    }
+  }
+  moe_experts_calls.add(touched);
+  return x.scalar_type() == at::kFloat ? acc : acc.to(x.scalar_type());
+}
+
 }  // namespace
 
 extern "C" {
@@ -651,6 +767,7 @@ int64_t accel_torch_ops_kernel_calls(const char* op, int64_t* rows) {
                          : name == "cpu_silu_and_mul" ? &silu_and_mul_calls
                          : name == "cpu_rotary_embedding" ? &rotary_calls
                          : name == "cpu_decoder_layer" ? &decoder_layer_calls
+                         : name == "cpu_moe_experts" ? &moe_experts_calls
                                                   : nullptr;
   if (counter == nullptr) return -1;
   *rows = counter->rows.load();
@@ -686,6 +803,9 @@ TORCH_LIBRARY_FRAGMENT(vllm_accel, m) {
         "Tensor? qkv_quant=None, Tensor? o_quant=None, Tensor? gate_up_quant=None, "
         "Tensor? down_quant=None) "
         "-> (Tensor, Tensor)");
+  m.def("cpu_moe_experts(Tensor x, Tensor w13, Tensor w2, Tensor topk_weights, Tensor topk_ids, "
+        "Tensor? expert_map, Tensor? w13_quant, Tensor? w2_quant, Tensor? w13_bias, "
+        "Tensor? w2_bias, int activation, bool apply_router_weight_on_input) -> Tensor");
 }
 
 // Impls for ops whose schemas Python defines (bf16_linear.py, wint_gemv.py,
@@ -703,4 +823,5 @@ TORCH_LIBRARY_IMPL(vllm_accel, CPU, m) {
   m.impl("cpu_silu_and_mul", &cpu_silu_and_mul);
   m.impl("cpu_rotary_embedding", &cpu_rotary_embedding);
   m.impl("cpu_decoder_layer", &cpu_decoder_layer);
+  m.impl("cpu_moe_experts", &cpu_moe_experts);
 }
