@@ -90,6 +90,8 @@ ENGINES: dict[str, dict[str, Any]] = {
 BASELINES = (("accel", "stock"), ("accel-int8", "accel"), ("virtual", "accel"),
              ("accel-w4a16", "stock"), ("accel-w8a8", "stock"))
 
+#: read the plugin's MoE expert counts around generate (benchmarks/moe.py sets it)
+COUNT_MOE_EXPERTS = False
 WARMUP_PROMPTS = 2
 WARMUP_OUTPUT_LEN = 8
 TOKEN_ID_MARGIN = 100
@@ -114,6 +116,21 @@ def _probe_worker(worker: Any = None) -> dict[str, Any]:
         "omp_num_threads": _os.environ.get("OMP_NUM_THREADS"),
         "cpu_affinity": affinity,
     }
+
+
+def _moe_experts_counts(worker: Any = None) -> list[int] | None:
+    """In the model worker: (layer calls, experts run summed) of the plugin's C++ MoE op
+    so far, or None where it is not loaded (stock vLLM)."""
+    import ctypes
+
+    if "vllm_accel.ops.cpu_native.moe" not in sys.modules:
+        return None
+    from vllm_accel.ops.cpu_native import build as native
+
+    lib = native.torch_ops()
+    rows = ctypes.c_int64()
+    calls = lib.accel_torch_ops_kernel_calls(b"cpu_moe_experts", ctypes.byref(rows))
+    return [calls, rows.value]
 
 
 def _token_prompts(token_lists: list[list[int]]) -> list[Any]:
@@ -173,6 +190,8 @@ def run_worker(spec_path: str) -> None:
     output_len = spec["output_len"]
     params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
     prompts = _token_prompts(spec["prompts"])
+    count_experts = spec.get("probe_threads") and spec.get("count_moe_experts")
+    experts0 = llm.collective_rpc(_moe_experts_counts)[0] if count_experts else None
     engine_core = _engine_core_process()
     cpu0 = _cpu_seconds(engine_core)
     t0 = time.perf_counter()
@@ -197,6 +216,11 @@ def run_worker(spec_path: str) -> None:
             f"out={output_len}: {bad[:8]}{' ...' if len(bad) > 8 else ''}"
         )
 
+    moe_experts = None
+    if experts0 is not None:
+        experts1 = llm.collective_rpc(_moe_experts_counts)[0]
+        moe_experts = {"layer_calls": experts1[0] - experts0[0],
+                       "experts_run": experts1[1] - experts0[1]}
     probe: dict[str, Any] | None = None
     if spec.get("probe_threads"):
         try:
@@ -245,6 +269,8 @@ def run_worker(spec_path: str) -> None:
                                   else round((cpu1 - cpu0) / generate_s, 3)),
         "bench_proc": {"pid": os.getpid(), "torch_threads": torch.get_num_threads()},
         "engine_worker": probe,
+        # the plugin's MoE op during generate: layer calls and experts run (summed)
+        "moe_experts": moe_experts,
     }
     print(RESULT_TAG + json.dumps(result), flush=True)
 
@@ -402,6 +428,8 @@ def print_roofline(results, workloads, model, args, bandwidth, all_cores) -> Non
     dtype_bytes = {"bfloat16": 2, "float16": 2, "float32": 4}.get(args.dtype)
     if dtype_bytes is None or args.quantization or quantized_checkpoint(model):
         return  # bytes per step of a quantized model depend on its format
+    if "num_experts_per_tok" in json.loads((Path(model) / "config.json").read_text()):
+        return  # a MoE step's bytes depend on the experts it runs (benchmarks/moe.py)
     cores, bandwidth_all = all_cores
     for r in results:
         w = workloads[r["workload"]]
@@ -603,6 +631,7 @@ def main(argv: list[str] | None = None) -> int:
                 "input_len": w["input_len"],
                 "output_len": w["output_len"],
                 "probe_threads": not args.no_thread_probe,
+                "count_moe_experts": COUNT_MOE_EXPERTS,
             }
             env = dict(ENGINES[engine]["env"])
             if not args.no_thread_probe:
