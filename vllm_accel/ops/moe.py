@@ -96,19 +96,12 @@ def unsupported_features(layer) -> list[tuple[str, str]]:
     return missing
 
 
-_logged = False
-
-
 def _log_once(layer) -> None:
-    global _logged
-    if not _logged:
-        _logged = True
-        routing = ("the model's custom routing function" if layer.custom_routing_function
-                   else f"{layer.scoring_func} top-{layer.top_k} ({resolve_provider('moe_route')})")
-        logger.info("MoE layers (%s and the others): vllm_accel AccelFusedMoEMethod, %d of %d "
-                    "experts here, routing %s, experts %s", layer.layer_name,
-                    layer.local_num_experts, layer.global_num_experts, routing,
-                    resolve_provider("moe_experts"))
+    routing = ("the model's custom routing function" if layer.custom_routing_function
+               else f"{layer.scoring_func} top-{layer.top_k} ({resolve_provider('moe_route')})")
+    logger.info_once("MoE layers: vllm_accel AccelFusedMoEMethod, %d of %d experts here, "
+                     "routing %s, experts %s", layer.local_num_experts,
+                     layer.global_num_experts, routing, resolve_provider("moe_experts"))
 
 
 class AccelFusedMoEMethod(UnquantizedFusedMoEMethod):
