@@ -97,11 +97,13 @@ def unsupported_features(layer) -> list[tuple[str, str]]:
 
 
 def _log_once(layer) -> None:
+    """Once per process (each EP rank names its own share of the experts)."""
     routing = ("the model's custom routing function" if layer.custom_routing_function
                else f"{layer.scoring_func} top-{layer.top_k} ({resolve_provider('moe_route')})")
     logger.info_once("MoE layers: vllm_accel AccelFusedMoEMethod, %d of %d experts here, "
                      "routing %s, experts %s", layer.local_num_experts,
-                     layer.global_num_experts, routing, resolve_provider("moe_experts"))
+                     layer.global_num_experts, routing, resolve_provider("moe_experts"),
+                     scope="process")
 
 
 class AccelFusedMoEMethod(UnquantizedFusedMoEMethod):
