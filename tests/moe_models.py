@@ -29,8 +29,9 @@ FAMILIES = {
 
 
 def build_tiny_moe(path: Path, family: str, *, hidden: int = 128, layers: int = 2,
-                   vocab: int = 512, seed: int = 0) -> Path:
-    """A ``family`` checkpoint at ``path`` (4 query / 2 KV heads of 32)."""
+                   vocab: int = 512, seed: int = 0, **moe_overrides) -> Path:
+    """A ``family`` checkpoint at ``path`` (4 query / 2 KV heads of 32);
+    ``moe_overrides`` replace the family's MoE arguments."""
     import transformers
     from transformers import AutoModelForCausalLM
 
@@ -38,7 +39,7 @@ def build_tiny_moe(path: Path, family: str, *, hidden: int = 128, layers: int = 
     config = getattr(transformers, config_name)(
         vocab_size=vocab, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=4,
         num_key_value_heads=2, head_dim=32, max_position_embeddings=1024, rms_norm_eps=1e-5,
-        tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, **moe)
+        tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, **{**moe, **moe_overrides})
     config.dtype = torch.float32
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
@@ -51,13 +52,17 @@ def build_tiny_moe(path: Path, family: str, *, hidden: int = 128, layers: int = 
     return path
 
 
-def hf_logprobs(model_dir: Path, sequences: list[list[int]]) -> list[torch.Tensor]:
+def hf_logprobs(model_dir: Path, sequences: list[list[int]],
+                prepare=None) -> list[torch.Tensor]:
     """Each sequence's next-token log-probs ``[len, vocab]`` from HF in float64
-    (eager experts: HF's grouped matmul has no float64)."""
+    (eager experts: HF's grouped matmul has no float64); ``prepare(model)`` may add
+    hooks first (e.g. activation fake-quant)."""
     from transformers import AutoModelForCausalLM
 
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float64,
                                               experts_implementation="eager")
+    if prepare is not None:
+        prepare(hf)
     out = []
     with torch.no_grad():
         for seq in sequences:
@@ -66,13 +71,14 @@ def hf_logprobs(model_dir: Path, sequences: list[list[int]]) -> list[torch.Tenso
 
 
 def assert_matches_hf(model_dir: Path, prompts: list[list[int]], outputs: list[dict],
-                      nats: float = 2e-3, top_nats: float = 0.0) -> None:
+                      nats: float = 2e-3, top_nats: float = 0.0, prepare=None) -> tuple[float, float]:
     """Each generated token (``outputs``: engine_run's, ``logprobs`` 1) is HF float64's
     top-1 given the tokens before it (or within ``top_nats`` of it), and its log-prob
-    within ``nats`` of HF's. Returns (largest top-1 gap, largest log-prob error)."""
+    within ``nats`` of HF's (``prepare``: :func:`hf_logprobs`'). Returns (largest
+    top-1 gap, largest log-prob error)."""
     worst_gap = worst_err = 0.0
     sequences = [p + o["token_ids"] for p, o in zip(prompts, outputs, strict=True)]
-    for prompt, out, logp in zip(prompts, outputs, hf_logprobs(model_dir, sequences),
+    for prompt, out, logp in zip(prompts, outputs, hf_logprobs(model_dir, sequences, prepare),
                                  strict=True):
         for step, (token, top) in enumerate(zip(out["token_ids"], out["logprobs"])):
             row = logp[len(prompt) - 1 + step]

@@ -44,14 +44,20 @@ from pathlib import Path
 import torch
 
 #: decoder Linear layers that are quantized (lm_head and embeddings are not)
-QUANTIZED_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+#: (Mixtral names its experts' gate/down/up w1/w2/w3; routers, ``gate``, stay float)
+QUANTIZED_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
+                     "w1", "w2", "w3")
 #: layers sharing an input (and so one act-order permutation)
 SHARED_INPUT = {"q_proj": "attn_in", "k_proj": "attn_in", "v_proj": "attn_in",
-                "gate_proj": "mlp_in", "up_proj": "mlp_in"}
+                "gate_proj": "mlp_in", "up_proj": "mlp_in", "w1": "mlp_in", "w3": "mlp_in"}
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                    "tokenizer.model", "vocab.json", "merges.txt", "added_tokens.json",
                    "chat_template.jinja", "generation_config.json")
-_LINEAR_RE = re.compile(r"^(?P<prefix>.*\.layers\.\d+\.(?:self_attn|mlp)\.(?P<name>\w+))\.weight$")
+#: a decoder Linear, or a MoE expert's (``mlp.experts.<e>.gate_proj``, Mixtral's
+#: ``block_sparse_moe.experts.<e>.w1``, as GPTQModel and llmcompressor write MoE
+#: checkpoints: one set of tensors per expert)
+LINEAR_RE = re.compile(r"^(?P<prefix>.*\.layers\.\d+\.(?:self_attn|(?:mlp|block_sparse_moe)"
+                       r"(?:\.experts\.\d+)?)\.(?P<name>\w+))\.weight$")
 
 
 # ---------------------------------------------------------------------------
@@ -223,7 +229,7 @@ def quantize_checkpoint(src: Path, dst: Path, *, bits: int = 4, group_size: int 
     float_state: dict[str, torch.Tensor] = {}
     quantized: dict[str, QuantizedWeight] = {}
     for name, tensor in state.items():
-        m = _LINEAR_RE.match(name)
+        m = LINEAR_RE.match(name)
         if m is None or m["name"] not in QUANTIZED_LINEARS:
             out_state[name] = tensor
             float_state[name] = tensor
@@ -231,7 +237,8 @@ def quantize_checkpoint(src: Path, dst: Path, *, bits: int = 4, group_size: int 
         prefix, proj = m["prefix"], m["name"]
         perm = None
         if desc_act and group_size != -1:
-            layer = prefix.rsplit(".", 2)[0]
+            # an expert's gate/up share its own order (each expert has its Hessian)
+            layer = prefix.rsplit(".", 1 if ".experts." in prefix else 2)[0]
             key = (layer, SHARED_INPUT.get(proj, proj))
             if key not in perms:
                 perms[key] = torch.randperm(tensor.shape[1], generator=gen)
@@ -438,7 +445,7 @@ def _write_quantized(src: Path, dst: Path, quantize_one, skip: tuple[str, ...],
     float_state: dict[str, torch.Tensor] = {}
     quantized = {}
     for name, tensor in state.items():
-        m = _LINEAR_RE.match(name)
+        m = LINEAR_RE.match(name)
         if (m is None or m["name"] not in QUANTIZED_LINEARS
                 or any(s in m["prefix"] for s in skip)):
             out_state[name] = tensor
@@ -511,7 +518,7 @@ def quantize_checkpoint_ct(src: Path, dst: Path, *, bits: int = 4, group_size: i
     regexes = [re.compile(i[3:]) for i in ignore if i.startswith("re:")]
     exact = {i for i in ignore if not i.startswith("re:")}
     src, dst = Path(src), Path(dst)
-    state_names = [m["prefix"] for n in _load_state_dict(src) if (m := _LINEAR_RE.match(n))]
+    state_names = [m["prefix"] for n in _load_state_dict(src) if (m := LINEAR_RE.match(n))]
     skip = tuple(p for p in state_names
                  if p in exact or any(r.match(p) for r in regexes))
     layers = _write_quantized(src, dst, lambda w: quantize_ct(w, bits, group_size, symmetric),

@@ -36,9 +36,8 @@ from pathlib import Path
 
 import torch
 
-from quantizer import QUANTIZED_LINEARS, _copy_side_files, _load_state_dict
+from quantizer import LINEAR_RE, QUANTIZED_LINEARS, _copy_side_files, _load_state_dict
 
-_LINEAR_RE = re.compile(r"^(?P<prefix>.*\.layers\.\d+\.(?:self_attn|mlp)\.(?P<name>\w+))\.weight$")
 
 
 def _args(**kw):
@@ -68,7 +67,9 @@ def quantization_config(strategy: str = "channel", static: bool = False,
     qc = QuantizationConfig(
         config_groups={"group_0": QuantizationScheme(targets=["Linear"], weights=weights,
                                                      input_activations=acts)},
-        format="int-quantized", quantization_status="compressed", ignore=["lm_head"])
+        format="int-quantized", quantization_status="compressed",
+        # MoE routers stay float, as llmcompressor's MoE recipes ignore them
+        ignore=["lm_head", "re:.*mlp.gate$", "re:.*block_sparse_moe.gate$"])
     return {"version": compressed_tensors.__version__, "quant_method": "compressed-tensors",
             "sparsity_config": {}, "transform_config": {},
             **json.loads(json.dumps(qc.model_dump(exclude=["quant_method"]), default=str))}
@@ -226,7 +227,7 @@ def quantize_checkpoint_int8(src: Path, dst: Path, *, strategy: str = "channel",
     float_state: dict[str, torch.Tensor] = {}
     layers: dict[str, Int8Layer] = {}
     for name, tensor in state.items():
-        m = _LINEAR_RE.match(name)
+        m = LINEAR_RE.match(name)
         if m is None or m["name"] not in QUANTIZED_LINEARS:
             out_state[name] = tensor
             float_state[name] = tensor

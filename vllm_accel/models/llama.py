@@ -45,9 +45,7 @@ from vllm_accel.logger import init_logger
 from vllm_accel.ops.attention import INT8_KV, AccelAttentionImpl
 from vllm_accel.ops.cpu_native import bf16_linear
 from vllm_accel.ops.cpu_native import build as native
-from vllm_accel.ops.cpu_native import int8_linear as native_w8a8
 from vllm_accel.ops.cpu_native.attention import PREFILL_NATIVE_MAX_PAIRS
-from vllm_accel.ops.cpu_native.wint_gemv import NATIVE
 from vllm_accel.ops.custom_ops import AccelRotaryEmbedding
 from vllm_accel.quant.packed import InstalledWInt
 from vllm_accel.quant.w8a8 import AccelW8A8LinearMethod, InstalledW8A8
@@ -59,10 +57,6 @@ logger = init_logger(__name__)
 #: that only change the cache, such as Llama 3's, keep them)
 _BASE_ROPE_FORWARDS = {getattr(cls, name) for cls in (RotaryEmbedding, AccelRotaryEmbedding)
                        for name in ("forward_native", "forward_cpu", "forward_oot")}
-
-
-#: the int4 layout's tensors the C++ layer op reads (ops/torch_fast/wint_gemm.py prepare)
-_INT4_PREPARED = {"int4_weight", "int4_scales_zeros"}
 
 
 def _layer_weight(linear: torch.nn.Module, linear_type: type, bias_ok: bool
@@ -81,16 +75,11 @@ def _layer_weight(linear: torch.nn.Module, linear_type: type, bias_ok: bool
     wint = getattr(linear, "wint", None)
     if (isinstance(linear.quant_method, WIntLinearMethod)
             and type(linear.quant_method).apply is WIntLinearMethod.apply
-            and isinstance(wint, InstalledWInt) and wint.provider == NATIVE
-            and set(wint.names) == _INT4_PREPARED):
-        return wint.int4_weight, wint.int4_scales_zeros
+            and isinstance(wint, InstalledWInt)):
+        return wint.cpp_operands()
     w8a8 = getattr(linear, "w8a8", None)
-    if (type(linear.quant_method) is AccelW8A8LinearMethod and isinstance(w8a8, InstalledW8A8)
-            and w8a8.kernel is native_w8a8.int8_linear and native_w8a8.NATIVE_DISPATCH
-            and w8a8.input_scale is None and w8a8.input_symmetric
-            and native_w8a8.takes_mm_method(w8a8.mm_method) and w8a8.weight.dim() == 2
-            and w8a8.weight.stride(1) == 1):
-        return w8a8.weight, w8a8.weight_scale
+    if type(linear.quant_method) is AccelW8A8LinearMethod and isinstance(w8a8, InstalledW8A8):
+        return w8a8.cpp_operands()
     return None
 
 

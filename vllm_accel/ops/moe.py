@@ -27,6 +27,9 @@ routing itself, through the kernel registry like attention and the linears:
 The runner adds the shared experts and all-reduces across ranks; DeepSeek's runner
 scales the output by ``routed_scaling_factor`` itself (the layer's factor is 1 then).
 
+Quantized experts (GPTQ, compressed-tensors W8A8) have methods of their own in
+:mod:`vllm_accel.quant.moe` that share this routing (:class:`AccelMoERouting`).
+
 On the simulator vLLM calls the runner as plain Python inside the compiled graph, so
 the experts run as one opaque op a layer: ``vllm_accel::cpu_moe_experts`` (C++, no
 Python per call) or ``vllm_accel::moe_experts`` (which resolves the provider when it
@@ -106,17 +109,21 @@ def _log_once(layer) -> None:
                      scope="process")
 
 
-class AccelFusedMoEMethod(UnquantizedFusedMoEMethod):
-    """Unquantized experts on the kernel registry's ``moe_route`` / ``moe_experts``,
-    weights in vLLM's own layout (``w13_weight`` ``[E, 2I, H]``, ``w2_weight``
-    ``[E, H, I]``), read in place."""
+def check_supported(layer) -> None:
+    """Refuse, at startup, a layer whose routing or expert rules these kernels do not
+    compute, naming the layer, each feature and its fix."""
+    missing = unsupported_features(layer)
+    if missing:
+        raise ValueError(
+            f"vllm_accel: MoE layer {layer.layer_name} needs "
+            + "; ".join(f"{what} (fix: {fix})" for what, fix in missing)
+            + ", which the plugin's MoE kernels do not support yet.")
 
-    def __init__(self, moe) -> None:
-        # (not UnquantizedFusedMoEMethod.__init__: its oracle picks a vLLM kernel)
-        FusedMoEMethodBase.__init__(self, moe)
-        self.unquantized_backend = UnquantizedMoeBackend.OOT
-        self.experts_cls = None
-        self.supports_pre_processed_weights = True
+
+class AccelMoERouting:
+    """The part every MoE method of ours shares (unquantized and quantized experts,
+    :mod:`vllm_accel.quant.moe`): monolithic, routing through ``moe_route``; a
+    subclass provides ``experts(layer, x, topk_weights, topk_ids)``."""
 
     @property
     def is_monolithic(self) -> bool:
@@ -125,25 +132,6 @@ class AccelFusedMoEMethod(UnquantizedFusedMoEMethod):
     @property
     def supports_eplb(self) -> bool:
         return False
-
-    def create_weights(self, layer, num_experts, hidden_size, intermediate_size_per_partition,
-                       params_dtype, **extra_weight_attrs):
-        missing = unsupported_features(layer)
-        if missing:
-            raise ValueError(
-                f"vllm_accel: MoE layer {layer.layer_name} needs "
-                + "; ".join(f"{what} (fix: {fix})" for what, fix in missing)
-                + ", which the plugin's MoE kernels do not support yet.")
-        super().create_weights(layer, num_experts, hidden_size, intermediate_size_per_partition,
-                               params_dtype, **extra_weight_attrs)
-
-    def process_weights_after_loading(self, layer) -> None:
-        _log_once(layer)
-        # The kernels read vLLM's layout in place; contiguous rows per expert.
-        for name in ("w13_weight", "w2_weight", "w13_bias", "w2_bias"):
-            p = getattr(layer, name, None)
-            if p is not None and not p.is_contiguous():
-                p.data = p.data.contiguous()
 
     def route(self, layer, x: torch.Tensor, router_logits: torch.Tensor):
         """(topk weights float32, global expert ids int32) for each token."""
@@ -163,16 +151,7 @@ class AccelFusedMoEMethod(UnquantizedFusedMoEMethod):
 
     def experts(self, layer, x: torch.Tensor, topk_weights: torch.Tensor,
                 topk_ids: torch.Tensor) -> torch.Tensor:
-        activation = layer.activation.value
-        w13_bias, w2_bias = getattr(layer, "w13_bias", None), getattr(layer, "w2_bias", None)
-        if _cpu_native.takes(x) and resolve_provider("moe_experts") == _cpu_native.NATIVE:
-            return _cpu_native.cpu_moe_experts(
-                x, layer.w13_weight, layer.w2_weight, topk_weights, topk_ids,
-                layer.expert_map, None, None, w13_bias, w2_bias, activation,
-                layer.apply_router_weight_on_input)
-        return torch.ops.vllm_accel.moe_experts(
-            x, layer.w13_weight, layer.w2_weight, topk_weights, topk_ids, layer.expert_map,
-            w13_bias, w2_bias, activation, layer.apply_router_weight_on_input)
+        raise NotImplementedError
 
     def apply_monolithic(self, layer, x: torch.Tensor, router_logits: torch.Tensor,
                          input_ids: torch.Tensor | None = None) -> torch.Tensor:
@@ -183,3 +162,43 @@ class AccelFusedMoEMethod(UnquantizedFusedMoEMethod):
               shared_experts=None, shared_experts_input=None) -> torch.Tensor:
         # the modular entry (a caller that routed already): the same experts
         return self.experts(layer, x, topk_weights, topk_ids)
+
+
+class AccelFusedMoEMethod(AccelMoERouting, UnquantizedFusedMoEMethod):
+    """Unquantized experts on the kernel registry's ``moe_route`` / ``moe_experts``,
+    weights in vLLM's own layout (``w13_weight`` ``[E, 2I, H]``, ``w2_weight``
+    ``[E, H, I]``), read in place."""
+
+    def __init__(self, moe) -> None:
+        # (not UnquantizedFusedMoEMethod.__init__: its oracle picks a vLLM kernel)
+        FusedMoEMethodBase.__init__(self, moe)
+        self.unquantized_backend = UnquantizedMoeBackend.OOT
+        self.experts_cls = None
+        self.supports_pre_processed_weights = True
+
+    def create_weights(self, layer, num_experts, hidden_size, intermediate_size_per_partition,
+                       params_dtype, **extra_weight_attrs):
+        check_supported(layer)
+        super().create_weights(layer, num_experts, hidden_size, intermediate_size_per_partition,
+                               params_dtype, **extra_weight_attrs)
+
+    def process_weights_after_loading(self, layer) -> None:
+        _log_once(layer)
+        # The kernels read vLLM's layout in place; contiguous rows per expert.
+        for name in ("w13_weight", "w2_weight", "w13_bias", "w2_bias"):
+            p = getattr(layer, name, None)
+            if p is not None and not p.is_contiguous():
+                p.data = p.data.contiguous()
+
+    def experts(self, layer, x: torch.Tensor, topk_weights: torch.Tensor,
+                topk_ids: torch.Tensor) -> torch.Tensor:
+        activation = layer.activation.value
+        w13_bias, w2_bias = getattr(layer, "w13_bias", None), getattr(layer, "w2_bias", None)
+        if _cpu_native.takes(x) and resolve_provider("moe_experts") == _cpu_native.NATIVE:
+            return _cpu_native.cpu_moe_experts(
+                x, layer.w13_weight, layer.w2_weight, topk_weights, topk_ids,
+                layer.expert_map, None, None, w13_bias, w2_bias, activation,
+                layer.apply_router_weight_on_input)
+        return torch.ops.vllm_accel.moe_experts(
+            x, layer.w13_weight, layer.w2_weight, topk_weights, topk_ids, layer.expert_map,
+            w13_bias, w2_bias, activation, layer.apply_router_weight_on_input)

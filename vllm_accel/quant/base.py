@@ -78,11 +78,13 @@ class AccelQuantConfig(QuantizationConfig):
                        if holds(name, info)})
 
     def is_quantizable_linear(self, layer: torch.nn.Module, prefix: str, *, what: str,
-                              moe_fix: str, lm_head_quantized: bool,
+                              lm_head_quantized: bool,
+                              moe_fix: str = "",
                               lm_head_fix: str) -> bool:
         """True for a Linear layer this method may serve; False for layers vLLM
         keeps in full precision (embeddings, norms, an unquantized lm_head).
-        Quantized MoE experts and a quantized lm_head are refused, naming the layer."""
+        A quantized lm_head is refused, naming the layer; a MoE layer reaching here
+        (a method without quantized experts) is refused with ``moe_fix``."""
         from vllm.model_executor.layers.linear import LinearBase
         from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
 
@@ -111,5 +113,6 @@ def layer_error(quant_name: str, prefix: str, problem: str, fix: str) -> ValueEr
 
 
 def is_moe(layer: torch.nn.Module) -> bool:
-    """Fused MoE experts (no quantized MoE support yet in any of our methods)."""
+    """Fused MoE experts (vLLM's ``RoutedExperts``), which a quantization config
+    serves with a MoE method rather than a linear one."""
     return any(c.__name__ in ("FusedMoE", "RoutedExperts") for c in type(layer).__mro__)

@@ -52,9 +52,9 @@ from vllm.model_executor.parameter import (
 )
 
 from vllm_accel.logger import init_logger
-from vllm_accel.quant.base import AccelQuantConfig
+from vllm_accel.quant.base import AccelQuantConfig, is_moe
 from vllm_accel.quant.packed import WIntResident, resident_from_codes, unpack_int32
-from vllm_accel.quant.w8a8 import AccelW8A8LinearMethod
+from vllm_accel.quant.w8a8 import AccelW8A8LinearMethod, AccelW8A8MoEMethod
 from vllm_accel.quant.wint_method import WIntLinearMethod
 
 logger = init_logger(__name__)
@@ -241,9 +241,10 @@ class AccelCompressedTensorsConfig(AccelQuantConfig):
                             "with stored scales) is not supported",
                             "re-export without kv_cache_scheme and use --kv-cache-dtype "
                             "int8_per_token_head for a quantized KV cache")
+        if is_moe(layer):
+            return self._moe_method(layer, prefix)
         if not self.is_quantizable_linear(
                 layer, prefix, what="compressed-tensors quantized",
-                moe_fix="serve a dense model, or add the experts to `ignore`",
                 lm_head_quantized=self.scheme_for(layer, prefix) is not None,
                 lm_head_fix="add 'lm_head' to `ignore` and re-export"):
             return None
@@ -251,6 +252,27 @@ class AccelCompressedTensorsConfig(AccelQuantConfig):
         if scheme is None:
             return UnquantizedLinearMethod()
         return self._linear_method(scheme, prefix)
+
+    def _moe_method(self, layer: torch.nn.Module, prefix: str):
+        """llmcompressor writes a MoE layer's experts as linears ``experts.<e>.<proj>``:
+        expert 0's gate projection stands for all. W8A8 int8 experts (per-channel,
+        dynamic per-token) are served; other expert schemes fail naming the fix."""
+        from vllm.model_executor.layers.fused_moe import UnquantizedFusedMoEMethod
+
+        expert = f"{prefix}.0.{layer.ckpt_gate_proj_name}"
+        scheme = self.scheme_for(torch.nn.Linear(0, 0), expert)
+        if scheme is None:
+            return UnquantizedFusedMoEMethod(layer.moe_config)  # ours (register_oot)
+        method = self._linear_method(scheme, expert)
+        w = scheme.weights or {}
+        if (isinstance(method, AccelW8A8LinearMethod) and w.get("strategy") == "channel"
+                and method.input_dynamic):
+            return AccelW8A8MoEMethod(layer.moe_config, prefix)
+        raise self.fail(prefix, f"MoE experts quantized as {scheme.describe()} are not "
+                        "supported (served: W8A8 int8 with per-channel weights and dynamic "
+                        "per-token activations; GPTQ checkpoints through gcu_gptq)",
+                        "re-export the experts with llmcompressor's W8A8 preset, add them "
+                        "to `ignore`, or serve a GPTQ export of the model")
 
     def _linear_method(self, scheme: CTScheme, prefix: str) -> LinearMethodBase:
         w, a = scheme.weights, scheme.input_activations

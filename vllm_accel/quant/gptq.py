@@ -44,8 +44,15 @@ from vllm.model_executor.parameter import (
     RowvLLMParameter,
 )
 
-from vllm_accel.quant.base import AccelQuantConfig
-from vllm_accel.quant.packed import WIntResident, compact_float, pack_nibbles, unpack_int32
+from vllm_accel.quant.base import AccelQuantConfig, is_moe
+from vllm_accel.quant.moe import QuantMoEMethod
+from vllm_accel.quant.packed import (
+    WIntResident,
+    compact_float,
+    installed,
+    pack_nibbles,
+    unpack_int32,
+)
 from vllm_accel.quant.wint_method import WIntLinearMethod
 
 QUANT_NAME = "gcu_gptq"
@@ -223,10 +230,10 @@ class AccelGPTQConfig(AccelQuantConfig):
             is_layer_gptq_quantized,
         )
 
+        if is_moe(layer):
+            return self._moe_method(layer, prefix)
         if not self.is_quantizable_linear(
-                layer, prefix, what="GPTQ-quantized",
-                moe_fix="serve a dense model, or leave the experts unquantized (GPTQModel "
-                "dynamic rule '-:.*experts.*')", lm_head_quantized=self.lm_head_quantized,
+                layer, prefix, what="GPTQ-quantized", lm_head_quantized=self.lm_head_quantized,
                 lm_head_fix="re-quantize with lm_head=False"):
             return None
         params = self.layer_params(prefix)
@@ -234,6 +241,22 @@ class AccelGPTQConfig(AccelQuantConfig):
                 prefix, self.modules_in_block_to_quantize, self.packed_modules_mapping):
             return UnquantizedLinearMethod()
         return AccelGPTQLinearMethod(params, prefix)
+
+    def _moe_method(self, layer: torch.nn.Module, prefix: str):
+        """GPTQModel writes a MoE layer's experts as linears ``experts.<e>.<proj>``:
+        expert 0's gate projection stands for all (its ``dynamic`` rule and whether
+        the checkpoint quantized it)."""
+        from vllm.model_executor.layers.fused_moe import UnquantizedFusedMoEMethod
+        from vllm.model_executor.layers.quantization.utils.gptq_utils import (
+            is_layer_gptq_quantized,
+        )
+
+        expert = f"{prefix}.0.{layer.ckpt_gate_proj_name}"
+        params = self.layer_params(expert)
+        if params is None or not is_layer_gptq_quantized(
+                expert, self.modules_in_block_to_quantize, self.packed_modules_mapping):
+            return UnquantizedFusedMoEMethod(layer.moe_config)  # ours (register_oot)
+        return AccelGPTQMoEMethod(params, layer.moe_config, prefix)
 
     def apply_vllm_mapper(self, hf_to_vllm_mapper) -> None:
         if self.modules_in_block_to_quantize:
@@ -362,3 +385,127 @@ class AccelGPTQLinearMethod(WIntLinearMethod, quant_name=QUANT_NAME, cache_forma
         p = self.params
         return (f"{p.bits}-bit group {p.group_size}{' sym' if p.sym else ' asym'}"
                 f"{' act-order' if res.perm is not None else ''}")
+
+
+def _expert_g_idx_loader(layer: torch.nn.Module, prefix: str):
+    """Weight loader for the experts' ``g_idx`` (vLLM's MoE loader has no case for
+    it): the local expert's row; gate and up (``w1``/``w3``) read the same input, so
+    they must agree (as in real GPTQ checkpoints); ``w2``'s rows narrowed to this
+    tensor-parallel rank's share of the intermediate channels."""
+
+    def load(param, loaded_weight, weight_name, shard_id, expert_id, return_success=False):
+        e = layer._map_global_expert_id_to_local_expert_id(expert_id)
+        if e == -1:
+            return False if return_success else None
+        dst = param.data[e]
+        if shard_id == "w2":
+            tp, rank = layer.moe_config.tp_size, layer.moe_config.tp_rank
+            n = loaded_weight.shape[0] // tp
+            dst.copy_(loaded_weight.narrow(0, rank * n, n))
+        else:
+            if bool((dst >= 0).any()) and not torch.equal(dst, loaded_weight.to(dst.dtype)):
+                raise AccelGPTQConfig.fail(
+                    f"{prefix}.{expert_id}", "its gate and up projections have different "
+                    "act-order g_idx", "re-quantize so that gate and up share one "
+                    "act-order (as GPTQ does), or with desc_act=False")
+            dst.copy_(loaded_weight)
+        return True if return_success else None
+
+    return load
+
+
+class AccelGPTQMoEMethod(QuantMoEMethod):
+    """GPTQ experts: vLLM's MoE loader fills ``[E, ...]`` stacks of the checkpoint's
+    tensors (``w13_qweight`` ``[E, H/pf, 2I]``, ``w13_scales``/``w13_qzeros`` per
+    group, ``w2_*`` likewise, K-first as GPTQ stores them); after loading each expert
+    is converted like a dense GPTQ linear (:func:`gptq_to_resident`)."""
+
+    quant_name = QUANT_NAME
+    PROJECTIONS = ("w13", "w2")
+    TENSORS = ("qweight", "scales", "qzeros", "g_idx")
+
+    def __init__(self, params: GPTQLayerParams, moe, prefix: str) -> None:
+        super().__init__(moe, prefix)
+        self.params = params
+        self.pack_factor = 32 // params.bits
+        self.w2_group_offset = 0
+
+    def create_weights(self, layer, num_experts, hidden_size, intermediate_size_per_partition,
+                       params_dtype, **extra_weight_attrs):
+        from vllm.model_executor.layers.fused_moe import FusedMoeWeightScaleSupported
+        from vllm.model_executor.utils import set_weight_attrs
+
+        self.check_layer(layer)
+        p, pf, h, i = self.params, self.pack_factor, hidden_size, intermediate_size_per_partition
+        tp = layer.moe_config.tp_size
+        if p.desc_act and tp > 1:
+            raise self.fail(
+                f"act-order (desc_act) experts at tensor-parallel size {tp}: each rank's "
+                "share of a down projection would need every group's scales",
+                "serve with --enable-expert-parallel (each rank holds whole experts), or "
+                "a checkpoint quantized with desc_act=False")
+        if not self.moe.is_act_and_mul:
+            raise self.fail("experts without a gated (act-and-mul) activation",
+                            "a model with gated experts (Mixtral, Qwen-MoE, DeepSeek)")
+        if h % pf or i % pf:
+            raise self.fail(f"hidden size {h} or intermediate size {i} (per rank) is not a "
+                            f"multiple of {pf}, the {p.bits}-bit values per int32",
+                            "use a tensor-parallel size that keeps them multiples")
+        gs13 = h if p.group_size == -1 else p.group_size
+        gs2 = i if p.group_size == -1 else p.group_size
+        if h % gs13 or i % gs2:
+            raise self.fail(f"group size {p.group_size} does not divide the hidden size {h} "
+                            f"and the intermediate size {i} (per rank)",
+                            "use a tensor-parallel size that keeps whole groups per rank, "
+                            "or expert parallelism (--enable-expert-parallel)")
+        g13, g2 = h // gs13, i // gs2
+        self.w2_group_offset = layer.moe_config.tp_rank * g2 if p.group_size != -1 else 0
+        strategy = (FusedMoeWeightScaleSupported.CHANNEL if p.group_size == -1
+                    else FusedMoeWeightScaleSupported.GROUP).value
+        attrs = {**extra_weight_attrs, "quant_method": strategy, "is_transposed": True}
+        e = num_experts
+        shapes = {
+            "w13_qweight": ((e, h // pf, 2 * i), torch.int32),
+            "w2_qweight": ((e, i // pf, h), torch.int32),
+            # fp32 holds fp16 or bf16 checkpoint scales exactly; compacted at load
+            "w13_scales": ((e, g13, 2 * i), torch.float32),
+            "w2_scales": ((e, g2, h), torch.float32),
+            "w13_qzeros": ((e, g13, 2 * i // pf), torch.int32),
+            "w2_qzeros": ((e, g2, h // pf), torch.int32),
+        }
+        for name, (shape, dtype) in shapes.items():
+            param = torch.nn.Parameter(torch.empty(shape, dtype=dtype), requires_grad=False)
+            layer.register_parameter(name, param)
+            set_weight_attrs(param, attrs)
+        # -1 = "not in the checkpoint" (exports without act-order may omit g_idx)
+        for name, width in (("w13_g_idx", h), ("w2_g_idx", i)):
+            param = torch.nn.Parameter(torch.full((e, width), -1, dtype=torch.int32),
+                                       requires_grad=False)
+            layer.register_parameter(name, param)
+            set_weight_attrs(param, {"weight_loader": _expert_g_idx_loader(layer, self.prefix)})
+        if self.moe.has_bias:
+            for name, width in (("w13_bias", 2 * i), ("w2_bias", h)):
+                param = torch.nn.Parameter(torch.zeros(e, width, dtype=params_dtype),
+                                           requires_grad=False)
+                layer.register_parameter(name, param)
+                set_weight_attrs(param, extra_weight_attrs)
+
+    def checkpoint_tensors(self) -> tuple[str, ...]:
+        return tuple(f"{proj}_{t}" for proj in self.PROJECTIONS for t in self.TENSORS)
+
+    def expert_linears(self, layer, e: int):
+        p = self.params
+
+        def one(proj: str, group_offset: int):
+            t = {name: getattr(layer, f"{proj}_{name}")[e] for name in self.TENSORS}
+            return installed(gptq_to_resident(
+                t["qweight"], t["qzeros"], t["scales"], t["g_idx"], bits=p.bits,
+                group_size=p.group_size, checkpoint_format=p.checkpoint_format,
+                group_offset=group_offset, prefix=f"{self.prefix}.{e}.{proj}"))
+
+        return one("w13", 0), one("w2", self.w2_group_offset)
+
+    def describe(self) -> str:
+        p = self.params
+        return (f"{p.bits}-bit group {p.group_size}{' sym' if p.sym else ' asym'}"
+                f"{' act-order' if p.desc_act else ''}")

@@ -274,6 +274,7 @@ class InstalledWInt(torch.nn.Module):
                  prepared: dict[str, torch.Tensor] | None = None) -> None:
         super().__init__()
         self.bits, self.group_size = res.bits, res.group_size
+        self.out_features = res.out_features
         self.provider = provider
         # resolved once per layer: the workers register their providers first
         self.kernel = (get_kernel(KERNEL_NAME) if provider is None
@@ -295,17 +296,35 @@ class InstalledWInt(torch.nn.Module):
                            bias=bias)
 
 
-def install_resident(layer: torch.nn.Module, res: WIntResident) -> None:
-    """Install the weight on ``layer`` as ``layer.wint``: the preferred provider's
-    prepared layout when it has one for this layer (called while vLLM loads the
-    model, so the default dtype is the activation dtype), else the generic one."""
+    def cpp_operands(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(int4 weight, scales and zeros) where the simulator's C++ ops (the decoder
+        layer, the MoE experts) compute this weight with ``int4pack_linear``: the
+        cpu_native provider's int4 layout without an act-order permutation; else None."""
+        if self.provider != CPP_PROVIDER or set(self.names) != _INT4_PREPARED:
+            return None
+        return self.int4_weight, self.int4_scales_zeros
+
+
+#: the provider whose prepared int4 layout the C++ ops read, and that layout's tensors
+CPP_PROVIDER = "cpu_native"
+_INT4_PREPARED = {"int4_weight", "int4_scales_zeros"}
+
+
+def installed(res: WIntResident) -> InstalledWInt:
+    """The module serving ``res``: the preferred provider's prepared layout when it
+    has one (called while vLLM loads the model, so the default dtype is the
+    activation dtype), else the generic one."""
     provider = resolve_provider(PREPARE_NAME)
     prepared = get_kernel(PREPARE_NAME, provider)(res, torch.get_default_dtype())
     if prepared is None:
-        layer.wint = InstalledWInt(res)
-        return
+        return InstalledWInt(res)
     res.prepared = (provider, prepared)
-    layer.wint = InstalledWInt(res, provider, prepared)
+    return InstalledWInt(res, provider, prepared)
+
+
+def install_resident(layer: torch.nn.Module, res: WIntResident) -> None:
+    """Install the weight on ``layer`` as ``layer.wint`` (:func:`installed`)."""
+    layer.wint = installed(res)
 
 
 class ResidentStats(LayerTotals):

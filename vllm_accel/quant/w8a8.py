@@ -55,6 +55,7 @@ from vllm.model_executor.parameter import (
 from vllm_accel.logger import init_logger
 from vllm_accel.ops.registry import get_kernel, register_kernel
 from vllm_accel.quant.base import layer_error, load_summary
+from vllm_accel.quant.moe import QuantMoEMethod
 from vllm_accel.quant.stats import LayerTotals
 
 logger = init_logger(__name__)
@@ -331,8 +332,23 @@ class InstalledW8A8(torch.nn.Module):
                 self.register_parameter(name, torch.nn.Parameter(t, requires_grad=False))
         self.input_symmetric = input_symmetric
         self.mm_method = mm_method
+        self.out_features = res.weight.shape[0]
         # resolved once per layer: the workers register their providers first
         self.kernel = get_kernel("int8_linear")
+
+    def cpp_operands(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(int8 weight ``[N, K]``, float32 per-channel scales) where the simulator's
+        C++ ops (the decoder layer, the MoE experts) compute this linear with
+        ``int8_linear_dynamic``: the cpu_native kernel, dynamic symmetric per-token
+        activations and an int8 GEMM it runs; else None."""
+        from vllm_accel.ops.cpu_native import int8_linear as native_w8a8
+
+        if (self.kernel is native_w8a8.int8_linear and native_w8a8.NATIVE_DISPATCH
+                and self.input_scale is None and self.input_symmetric
+                and native_w8a8.takes_mm_method(self.mm_method) and self.weight.dim() == 2
+                and self.weight.stride(1) == 1):
+            return self.weight, self.weight_scale
+        return None
 
     def forward(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         return self.kernel(x, self.weight, self.weight_scale, input_scale=self.input_scale,
@@ -453,3 +469,60 @@ class AccelW8A8LinearMethod(LinearMethodBase):
     def apply(self, layer: torch.nn.Module, x: torch.Tensor,
               bias: torch.Tensor | None = None) -> torch.Tensor:
         return layer.w8a8(x, bias)
+
+
+class AccelW8A8MoEMethod(QuantMoEMethod):
+    """W8A8 int8 experts (per-channel weights, dynamic symmetric per-token
+    activations, as llmcompressor's W8A8 preset writes them): vLLM's MoE loader fills
+    ``w13_weight`` ``[E, 2I, H]`` / ``w2_weight`` ``[E, H, I]`` int8 and their
+    per-channel scales; each expert then serves like a dense W8A8 linear."""
+
+    quant_name = QUANT_NAME
+    TENSORS = ("w13_weight", "w2_weight", "w13_weight_scale", "w2_weight_scale")
+
+    def create_weights(self, layer, num_experts, hidden_size, intermediate_size_per_partition,
+                       params_dtype, **extra_weight_attrs):
+        from vllm.model_executor.layers.fused_moe import FusedMoeWeightScaleSupported
+        from vllm.model_executor.utils import set_weight_attrs
+
+        self.check_layer(layer)
+        if not self.moe.is_act_and_mul:
+            raise self.fail("experts without a gated (act-and-mul) activation",
+                            "a model with gated experts (Mixtral, Qwen-MoE, DeepSeek)")
+        e, h, i = num_experts, hidden_size, intermediate_size_per_partition
+        weights = {"w13_weight": (e, 2 * i, h), "w2_weight": (e, h, i)}
+        # NaN marks "not loaded" (w8a8_to_resident refuses it)
+        scales = {"w13_weight_scale": (e, 2 * i, 1), "w2_weight_scale": (e, h, 1)}
+        scale_attrs = {**extra_weight_attrs,
+                       "quant_method": FusedMoeWeightScaleSupported.CHANNEL.value}
+        for group, dtype, fill, attrs in ((weights, torch.int8, 0, extra_weight_attrs),
+                                          (scales, torch.float32, float("nan"), scale_attrs)):
+            for name, shape in group.items():
+                param = torch.nn.Parameter(torch.full(shape, fill, dtype=dtype),
+                                           requires_grad=False)
+                layer.register_parameter(name, param)
+                set_weight_attrs(param, attrs)
+        if self.moe.has_bias:
+            for name, width in (("w13_bias", 2 * i), ("w2_bias", h)):
+                param = torch.nn.Parameter(torch.zeros(e, width, dtype=params_dtype),
+                                           requires_grad=False)
+                layer.register_parameter(name, param)
+                set_weight_attrs(param, extra_weight_attrs)
+
+    def checkpoint_tensors(self) -> tuple[str, ...]:
+        return self.TENSORS
+
+    def expert_linears(self, layer, e: int):
+        mm_method = resolve_mm_method(layer.w13_weight.device)
+        i = layer.w2_weight.shape[2]
+
+        def one(proj: str, widths: list[int]):
+            res = w8a8_to_resident(getattr(layer, f"{proj}_weight")[e],
+                                   getattr(layer, f"{proj}_weight_scale")[e], widths,
+                                   strategy="channel", prefix=f"{self.prefix}.{e}.{proj}")
+            return InstalledW8A8(res, True, mm_method)
+
+        return one("w13", [i, i]), one("w2", [layer.w2_weight.shape[1]])
+
+    def describe(self) -> str:
+        return "int8 per-channel weights, dynamic per-token int8 activations"

@@ -128,3 +128,30 @@ def moe_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                 y = y + w2_bias[e].to(compute_dtype)
             out[t] += y if apply_router_weight_on_input else weight * y
     return out.to(x.dtype)
+
+
+@register_kernel("moe_quant_experts")
+def moe_quant_experts(x: torch.Tensor, w13: list, w2: list, topk_weights: torch.Tensor,
+                      topk_ids: torch.Tensor, *, expert_map: torch.Tensor | None = None,
+                      activation: str = "silu", apply_router_weight_on_input: bool = False,
+                      w13_bias: torch.Tensor | None = None,
+                      w2_bias: torch.Tensor | None = None) -> torch.Tensor:
+    """Quantized experts (``w13[e]`` / ``w2[e]``: the dense quantized linears'
+    modules, ``module(x, bias)``, computing in x's dtype), one token at a time; the
+    activation and the weighted sum in float64."""
+    slots = local_slots(topk_ids, expert_map)
+    out = torch.zeros(x.shape[0], w2[0].out_features, dtype=torch.float64, device=x.device)
+    for t in range(x.shape[0]):
+        for j in range(slots.shape[1]):
+            e = int(slots[t, j])
+            if e < 0:
+                continue
+            weight = topk_weights[t, j].to(torch.float64)
+            xt = x[t:t + 1]
+            if apply_router_weight_on_input:
+                xt = (xt.to(torch.float64) * weight).to(x.dtype)
+            h = w13[e](xt, None if w13_bias is None else w13_bias[e]).to(torch.float64)
+            act = gated_activation(h, activation).to(x.dtype)
+            y = w2[e](act, None if w2_bias is None else w2_bias[e])[0].to(torch.float64)
+            out[t] += y if apply_router_weight_on_input else weight * y
+    return out.to(x.dtype)
