@@ -41,7 +41,8 @@ VLLM = str(Path(sys.executable).parent / "vllm")
 #: (`--no-loadscope-reorder`: xdist would otherwise start the files with the most tests
 #: first, which left the engine-heavy ones running alone at the end), so no long file
 #: starts last
-SLOW_FILES = ("test_scaling_out.py", "test_e2e_fp8_kv.py", "test_quant_compiled.py",  # 350-500
+SLOW_FILES = ("test_attention_models.py", "test_moe_engine.py", "test_moe_quant.py",
+              "test_scaling_out.py", "test_e2e_fp8_kv.py", "test_quant_compiled.py",  # 350-500
               "test_virtual_gcu.py", "test_quant_w8a8.py", "test_reliability.py",  # 200-300
               "test_e2e_tiny.py", "test_e2e_int8_kv.py", "test_e2e_tensor_parallel.py",
               "test_server.py", "test_repack_cache.py", "test_e2e_default_model.py",

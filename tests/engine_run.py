@@ -59,6 +59,17 @@ def _kernel_calls(worker, ops: list[str]) -> dict:
     return counts
 
 
+def _output(o) -> dict:
+    """One request's output: tokens, text, per-step log-probs and, per prompt position,
+    the top-ranked token id (None for position 0)."""
+    return {"token_ids": list(o.outputs[0].token_ids), "text": o.outputs[0].text,
+            "logprobs": [{str(t): lp.logprob for t, lp in step.items()}
+                         for step in (o.outputs[0].logprobs or [])],
+            "prompt_top": [None if step is None else
+                           int(next(t for t, lp in step.items() if lp.rank == 1))
+                           for step in (o.prompt_logprobs or [])]}
+
+
 #: engines that shut down only at interpreter exit (spec ``engine_until_exit``)
 _ENGINES_KEPT_UNTIL_EXIT: list = []
 
@@ -81,16 +92,7 @@ def main() -> None:
     results = {"platform": type(current_platform).__name__, "outputs": []}
     if prompts:
         outs = llm.generate(prompts, params, use_tqdm=False)
-        results["outputs"] = [
-            {"token_ids": list(o.outputs[0].token_ids), "text": o.outputs[0].text,
-             "logprobs": [{str(t): lp.logprob for t, lp in step.items()}
-                          for step in (o.outputs[0].logprobs or [])],
-             # per prompt position: the top-ranked token id (None for position 0)
-             "prompt_top": [None if step is None else
-                            int(next(t for t, lp in step.items() if lp.rank == 1))
-                            for step in (o.prompt_logprobs or [])]}
-            for o in outs
-        ]
+        results["outputs"] = [_output(o) for o in outs]
     if spec.get("requests"):
         from vllm.sampling_params import StructuredOutputsParams
 
@@ -107,11 +109,12 @@ def main() -> None:
         outs = llm.generate([r["prompt"] for r in spec["requests"]], params_list, use_tqdm=False)
         results["requests"] = [{"token_ids": list(o.outputs[0].token_ids),
                                 "text": o.outputs[0].text} for o in outs]
-    results["batches"] = []
+    results["batches"], results["batch_outputs"] = [], []
     for batch in spec.get("prompt_batches", []):
         outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in batch], params,
                             use_tqdm=False)
         results["batches"].append([list(o.outputs[0].token_ids) for o in outs])
+        results["batch_outputs"].append([_output(o) for o in outs])
     if spec["llm"].get("disable_log_stats") is False:  # LLM disables stats by default
         metrics = {m.name: getattr(m, "value", None) for m in llm.get_metrics()}
         results["prefix_cache"] = {name: metrics[name] for name in

@@ -60,7 +60,8 @@ def hf_logprobs(model_dir: Path, sequences: list[list[int]],
     from transformers import AutoModelForCausalLM
 
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float64,
-                                              experts_implementation="eager")
+                                              experts_implementation="eager",
+                                              attn_implementation="eager")
     if prepare is not None:
         prepare(hf)
     out = []

@@ -87,16 +87,62 @@ def make_case(reqs, bs, h, hkv, d, dtype, seed, layout="LHBNC", fill=None):
     return qs, ks, vs, block_table, kv_cache
 
 
-def reference(q, k, v, scale):
-    """float64 causal attention; q holds the last len(q) of len(k) positions."""
+def reference(q, k, v, scale, sliding_window=None, logits_soft_cap=None, alibi_slopes=None,
+              sinks=None):
+    """float64 causal attention; q holds the last len(q) of len(k) positions. The model
+    features, written out from their definitions: logits soft-capped as
+    ``c * tanh(s / c)``, plus ``slope[h] * (j - i)`` (ALiBi), keys ``j`` with
+    ``i - j < window`` only, and a sink logit per head in the softmax's denominator."""
     q, k, v = q.double(), k.double(), v.double()
     group = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
     scores = torch.einsum("qhd,khd->hqk", q, k) * scale
+    if logits_soft_cap:
+        scores = logits_soft_cap * torch.tanh(scores / logits_soft_cap)
     context = k.shape[0] - q.shape[0]
     q_pos = torch.arange(q.shape[0])[:, None] + context
-    scores = scores.masked_fill(torch.arange(k.shape[0])[None, :] > q_pos, float("-inf"))
-    return torch.einsum("hqk,khd->qhd", torch.softmax(scores, dim=-1), v)
+    distance = torch.arange(k.shape[0])[None, :] - q_pos  # j - i
+    if alibi_slopes is not None:
+        scores = scores + torch.as_tensor(alibi_slopes).double()[:, None, None] * distance
+    hidden = distance > 0
+    if sliding_window is not None:
+        hidden |= -distance >= sliding_window
+    scores = scores.masked_fill(hidden, float("-inf"))
+    if sinks is not None:
+        sink = torch.as_tensor(sinks).double()[:, None, None].expand(-1, q.shape[0], 1)
+        probs = torch.softmax(torch.cat((scores, sink), dim=-1), dim=-1)[..., :-1]
+    else:
+        probs = torch.softmax(scores, dim=-1)
+    return torch.einsum("hqk,khd->qhd", probs, v)
+
+
+def alibi_slopes(num_heads: int) -> torch.Tensor:
+    """The ALiBi paper's slopes (as Bloom and vLLM compute them), for any head count."""
+    closest = 2 ** math.floor(math.log2(num_heads))
+    base = 2.0 ** (-(2.0 ** -(math.log2(closest) - 3)))
+    slopes = [base ** (i + 1) for i in range(closest)]
+    if closest != num_heads:
+        extra = 2.0 ** (-(2.0 ** -(math.log2(2 * closest) - 3)))
+        slopes += [extra ** (2 * i + 1) for i in range(num_heads - closest)]
+    return torch.tensor(slopes, dtype=torch.float32)
+
+
+def free_before_window(kv_cache, block_table, reqs, window):
+    """What vLLM's sliding-window KV manager does to blocks no query of a request can
+    see any more: their table entries point at its null block. Here that block is an
+    unowned one filled with NaN, so a kernel that reads it (even masked: NaN x 0 is
+    NaN) returns NaN. Returns the null block's id."""
+    bs = kv_cache.shape[2]
+    owned = {int(b) for i, (_, s) in enumerate(reqs) for b in block_table[i, :math.ceil(s / bs)]}
+    null = next(b for b in range(kv_cache.shape[0]) if b not in owned)
+    if kv_cache.dtype == torch.int8:
+        kv_cache[null].view(torch.uint8).fill_(0xFF)  # NaN scales (and codes -1)
+    else:
+        kv_cache[null] = float("nan")
+    for i, (q_len, seq_len) in enumerate(reqs):
+        first = max(0, seq_len - q_len + 1 - window)  # the first query's window
+        block_table[i, :first // bs] = null
+    return null
 
 
 #: Bound: |out - ref| <= INT8_ERR * max|V of the request| + TOL[dtype] (the bf16/fp32

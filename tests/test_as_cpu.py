@@ -29,7 +29,8 @@ GEMM_SUITES = ["tests/test_cpu_native_bf16_linear.py", "tests/test_cpu_native_in
                "tests/test_quant_w8a8.py"]
 KERNEL_SUITES = {"avx512": GEMM_SUITES,
                  "avx2": [*GEMM_SUITES, "tests/test_native_kernels.py",
-                          "tests/test_attention_kernels.py", "tests/test_attention_int8.py"]}
+                          "tests/test_attention_kernels.py", "tests/test_attention_int8.py",
+                          "tests/test_attention_features.py"]}
 KERNEL_SUITES["baseline"] = KERNEL_SUITES["avx2"]
 
 

@@ -21,10 +21,7 @@ def test_platform_selects_gcu_attn(selector):
     assert path == "vllm_accel.ops.attention.AccelAttentionBackend"
 
 
-@pytest.mark.parametrize("flag, feature", [
-    ("use_mla", "MLA"), ("has_sink", "attention sinks"),
-    ("has_sliding_window", "sliding-window attention"), ("use_sparse", "sparse attention"),
-])
+@pytest.mark.parametrize("flag, feature", [("use_mla", "MLA"), ("use_sparse", "sparse attention")])
 def test_unsupported_features_fail_with_a_clear_error(selector, flag, feature):
     from vllm.platforms import current_platform
 
@@ -32,11 +29,24 @@ def test_unsupported_features_fail_with_a_clear_error(selector, flag, feature):
         current_platform.get_attn_backend_cls(None, selector(**{flag: True}))
 
 
-def test_impl_rejects_soft_cap_and_encoder_attention():
+@pytest.mark.parametrize("flag", ["has_sink", "has_sliding_window"])
+def test_windows_and_sinks_select_gcu_attn(selector, flag):
+    from vllm.platforms import current_platform
+
+    path = current_platform.get_attn_backend_cls(None, selector(**{flag: True}))
+    assert path == "vllm_accel.ops.attention.AccelAttentionBackend"
+
+
+def test_impl_takes_the_features_and_rejects_what_it_cannot_serve():
     from vllm_accel.ops.attention import AccelAttentionImpl
 
-    with pytest.raises(NotImplementedError, match="logits soft-cap"):
-        AccelAttentionImpl(8, 64, 0.125, 2, None, None, "auto", logits_soft_cap=30.0)
+    impl = AccelAttentionImpl(8, 64, 0.125, 2, [0.5] * 8, 4096, "auto", logits_soft_cap=30.0,
+                              sinks=torch.zeros(8))
+    assert impl.features["sliding_window"] == 4096 and impl.features["logits_soft_cap"] == 30.0
+    assert impl.features["alibi_slopes"].dtype == torch.float32
+    assert set(impl.features) == {"sliding_window", "logits_soft_cap", "alibi_slopes", "sinks"}
+    assert AccelAttentionImpl(8, 64, 0.125, 2, None, None, "auto").features == {}
     with pytest.raises(NotImplementedError, match="encoder_only attention"):
         AccelAttentionImpl(8, 64, 0.125, 2, None, None, "auto", attn_type="encoder_only")
-    AccelAttentionImpl(8, 64, 0.125, 2, None, None, "auto")
+    with pytest.raises(NotImplementedError, match="attention sinks of shape"):
+        AccelAttentionImpl(8, 64, 0.125, 2, None, None, "auto", sinks=torch.zeros(4))

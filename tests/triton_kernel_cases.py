@@ -15,8 +15,9 @@ import os
 import pytest
 import torch
 
-from paged_cases import (HKV, INT8_ERR, TOL, assert_within_int8_bound, batch_mix, build,
-                         kernel_args, make_case, reference)
+from paged_cases import (HKV, INT8_ERR, TOL, alibi_slopes, assert_within_int8_bound,
+                         batch_mix, build, free_before_window, kernel_args, make_case,
+                         reference)
 
 from vllm_accel.ops.triton import int8_gemm, paged_attention, wint_gemm
 
@@ -87,6 +88,83 @@ def test_paged_decode_long_context_spans_partitions(dtype):
     out = paged_attention.paged_decode(query, cache, block_table, seq_lens, d**-0.5)
     expected = torch.cat([reference(q, k, v, d**-0.5) for q, k, v in zip(qs, ks, vs)])
     _check(out, expected, dtype)
+
+
+def _features(name: str, bs: int, h: int) -> dict:
+    """The model features of ``reference/attention.py``; windows on and across block
+    boundaries (the blocks before them freed to a NaN null block by the cases)."""
+    sinks = torch.randn(h, generator=torch.Generator().manual_seed(h)) * 2
+    return {"window": {"sliding_window": bs},
+            "window,soft_cap": {"sliding_window": bs + 5, "logits_soft_cap": 5.0},
+            "alibi": {"alibi_slopes": alibi_slopes(h)},
+            "sinks,window": {"sinks": sinks, "sliding_window": 2 * bs - 3},
+            "soft_cap": {"logits_soft_cap": 5.0}}[name]
+
+
+FEATURE_CASES = ["window", "window,soft_cap", "alibi", "sinks,window", "soft_cap"]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("mix", ["decode", "prefill_ctx", "mixed"])
+@pytest.mark.parametrize("features", FEATURE_CASES)
+def test_features(features, mix, dtype):
+    bs, ratio, d = 16, 3, 64
+    reqs = batch_mix(mix, bs)
+    f = _features(features, bs, ratio * HKV)
+    qs, ks, vs, block_table, cache = make_case(reqs, bs, ratio * HKV, HKV, d, dtype, seed=11)
+    if "sliding_window" in f:
+        free_before_window(cache, block_table, reqs, f["sliding_window"])
+    qsl, seq_lens = kernel_args(reqs)
+    query, cache, block_table, seq_lens = on_device(torch.cat(qs), cache, block_table, seq_lens)
+    dev = {k: (v.to(DEVICE) if isinstance(v, torch.Tensor) else v) for k, v in f.items()}
+    if mix == "decode":
+        out = paged_attention.paged_decode(query, cache, block_table, seq_lens, d**-0.5, **dev)
+    else:
+        out = paged_attention.paged_prefill(query, cache, block_table, qsl, seq_lens, d**-0.5,
+                                            **dev)
+    _check(out, torch.cat([reference(q, k, v, d**-0.5, **f) for q, k, v in zip(qs, ks, vs)]),
+           dtype)
+
+
+@pytest.mark.parametrize("features", ["sinks,window", "alibi"])
+def test_features_across_decode_partitions(features):
+    """A window and sinks (or ALiBi) over contexts longer than a partition: programs
+    wholly before the window add nothing, the merge adds the sink."""
+    bs, d, dtype = 64, 64, torch.float32
+    reqs = [(1, paged_attention.PARTITION * 2 + 37), (1, 5), (1, paged_attention.PARTITION)]
+    f = _features(features, bs, 4 * HKV)
+    if "sliding_window" in f:
+        f["sliding_window"] = paged_attention.PARTITION + 100
+    qs, ks, vs, block_table, cache = make_case(reqs, bs, 4 * HKV, HKV, d, dtype, seed=3)
+    if "sliding_window" in f:
+        free_before_window(cache, block_table, reqs, f["sliding_window"])
+    seq_lens = torch.tensor([s for _, s in reqs], dtype=torch.int32)
+    query, cache, block_table, seq_lens = on_device(torch.cat(qs), cache, block_table, seq_lens)
+    dev = {k: (v.to(DEVICE) if isinstance(v, torch.Tensor) else v) for k, v in f.items()}
+    out = paged_attention.paged_decode(query, cache, block_table, seq_lens, d**-0.5, **dev)
+    _check(out, torch.cat([reference(q, k, v, d**-0.5, **f) for q, k, v in zip(qs, ks, vs)]),
+           dtype)
+
+
+@pytest.mark.parametrize("mix", ["decode", "mixed"])
+def test_int8_cache_with_features(mix):
+    bs, ratio, d, dtype = 16, 3, 64, torch.bfloat16
+    reqs = batch_mix(mix, bs)
+    f = _features("sinks,window", bs, ratio * HKV)
+    f["logits_soft_cap"] = 5.0
+    qs, ks, vs, block_table, cache, _ = build(reqs, bs, ratio, d, dtype, "LHBNC", seed=5)
+    free_before_window(cache, block_table, reqs, f["sliding_window"])
+    expected = torch.cat([reference(q, k, v, d**-0.5, **f) for q, k, v in zip(qs, ks, vs)])
+    vmax = torch.cat([v.abs().max().double().expand(len(q), 1, 1) for q, v in zip(qs, vs)])
+    qsl, seq_lens = kernel_args(reqs)
+    query, cache, block_table, seq_lens = on_device(torch.cat(qs), cache, block_table, seq_lens)
+    dev = {k: (v.to(DEVICE) if isinstance(v, torch.Tensor) else v) for k, v in f.items()}
+    if mix == "decode":
+        out = paged_attention.paged_decode(query, cache, block_table, seq_lens, d**-0.5, **dev)
+    else:
+        out = paged_attention.paged_prefill(query, cache, block_table, qsl, seq_lens, d**-0.5,
+                                            **dev)
+    assert_within_int8_bound(out.cpu(), expected, vmax, dtype)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -235,8 +235,6 @@ class AccelPlatform(CpuPlatform):
         reject_unsupported({
             "MLA": config.use_mla,
             "sparse attention": config.use_sparse,
-            "attention sinks": config.has_sink,
-            "sliding-window attention": config.has_sliding_window,
             "non-causal attention": config.use_non_causal,
             f"{config.attn_type} attention": config.attn_type != "decoder",
         })

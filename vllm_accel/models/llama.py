@@ -129,6 +129,8 @@ def _why_not_fused(layer: "AccelLlamaDecoderLayer") -> str | None:
         return (f"attention {type(impl).__name__} without the one-call cache write and "
                 "attention step (another backend or kernel provider, an fp8 cache, or a "
                 "shared KV cache)")
+    if impl.features:
+        return f"attention with {', '.join(impl.features)} (the C++ layer runs plain causal)"
     dtype = layer.input_layernorm.weight.dtype
     if (attn.kv_cache_dtype not in ("auto", INT8_KV)
             and STR_DTYPE_TO_TORCH_DTYPE.get(attn.kv_cache_dtype) != dtype):

@@ -215,14 +215,14 @@ class AccelAttentionImpl(AttentionImpl):
         kv_sharing_target_layer_name: str | None = None,
         sinks: torch.Tensor | None = None,
     ) -> None:
-        unsupported = {
-            "ALiBi": alibi_slopes is not None,
-            "sliding-window attention": sliding_window is not None,
-            "logits soft-cap": bool(logits_soft_cap),
-            "attention sinks": sinks is not None,
+        reject_unsupported({
             f"{attn_type} attention": attn_type != AttentionType.DECODER,
-        }
-        reject_unsupported(unsupported)
+            f"sliding window {sliding_window}": sliding_window is not None
+            and sliding_window < 1,
+            f"attention sinks of shape {tuple(getattr(sinks, 'shape', ()))} (one per "
+            f"query head: {num_heads})": sinks is not None
+            and tuple(sinks.shape) != (num_heads,),
+        })
         self.num_heads = num_heads
         self.head_size = head_size
         self.scale = float(scale)
@@ -237,7 +237,19 @@ class AccelAttentionImpl(AttentionImpl):
         self._paged_decode = get_kernel("paged_decode" + suffix)
         self._paged_prefill = get_kernel("paged_prefill" + suffix)
         self._attention_step = _fused_attention_step(suffix)
+        #: the model's attention features, as every provider's kernels take them
+        #: (reference/attention.py); the sinks are the layer's parameter (loaded later)
+        self.features = {name: value for name, value in (
+            ("sliding_window", sliding_window),
+            ("logits_soft_cap", logits_soft_cap or None),
+            ("alibi_slopes", None if alibi_slopes is None
+             else torch.tensor(alibi_slopes, dtype=torch.float32)),
+            ("sinks", sinks)) if value is not None}
         self._layer_scales: tuple[float | None, float | None] | None = None  # on first use
+        if self.features:
+            logger.info_once("%s: attention with %s", BACKEND_NAME, ", ".join(
+                f"{name} {value}" if name in ("sliding_window", "logits_soft_cap")
+                else name for name, value in self.features.items()))
         logger.info_once(
             "%s attention kernels: %s%s",
             BACKEND_NAME,
@@ -295,12 +307,13 @@ class AccelAttentionImpl(AttentionImpl):
         if attn_metadata is None:  # profiling / warm-up run: no cache yet
             return output
         md = attn_metadata
+        features = self._device_features(query.device)
         writes = (self.kv_sharing_target_layer_name is None and key is not None
                   and value is not None)
         if (writes and self._attention_step is not None and self._attention_step(
                 query, key, value, kv_cache, md.slot_mapping, md.block_table,
                 md.query_start_loc_cpu, md.seq_lens, output, self.scale,
-                *self._layer_kv_scales(layer))):
+                *self._layer_kv_scales(layer), **features)):
             return output
         if writes:
             self.do_kv_cache_update(layer, key, value, kv_cache, md.slot_mapping)
@@ -317,7 +330,7 @@ class AccelAttentionImpl(AttentionImpl):
         if nd:
             out[:ndt] = self._paged_decode(
                 query[:ndt], kv_cache, md.block_table[:nd], md.seq_lens[:nd], self.scale,
-                *fp8_scales,
+                *fp8_scales, **features,
             )
         if ndt < n:
             qsl = md.query_start_loc_cpu[nd:]
@@ -329,5 +342,13 @@ class AccelAttentionImpl(AttentionImpl):
                 md.seq_lens[nd:],
                 self.scale,
                 *fp8_scales,
+                **features,
             )
         return output
+
+    def _device_features(self, device: torch.device) -> dict:
+        """The features with the ALiBi slopes on the query's device (moved once)."""
+        slopes = self.features.get("alibi_slopes")
+        if slopes is not None and slopes.device != device:
+            self.features["alibi_slopes"] = slopes.to(device)
+        return self.features

@@ -99,7 +99,17 @@ def _iota(n: int) -> torch.Tensor:
     return torch.arange(n + 1, dtype=torch.int32)
 
 
-def _attention(query, kv_cache, block_table, query_start_loc, seq_lens, scale, padded=True):
+def _per_head(t: torch.Tensor | None, num_heads: int) -> torch.Tensor | None:
+    """ALiBi slopes or sink logits as the kernel reads them: float32 ``[H]`` on the CPU."""
+    if t is None:
+        return None
+    if not isinstance(t, torch.Tensor):
+        t = torch.tensor(t)
+    return t.to(device="cpu", dtype=torch.float32).contiguous().view(num_heads)
+
+
+def _attention(query, kv_cache, block_table, query_start_loc, seq_lens, scale, padded=True,
+               sliding_window=None, logits_soft_cap=None, alibi_slopes=None, sinks=None):
     """Run the C++ kernel; ``query`` ``[T, H, D]``, returns ``[T, H, D]``."""
     num_rows, num_heads, head_size = query.shape
     out = torch.empty_like(query)
@@ -113,6 +123,9 @@ def _attention(query, kv_cache, block_table, query_start_loc, seq_lens, scale, p
         kv_cache.shape[2], head_size, kv_cache.shape[0],
         _ptr(block_table), block_table.stride(0), block_table.shape[1], _ptr(query_start_loc),
         _ptr(seq_lens), seq_lens.shape[0], num_heads, kv_cache.shape[1], ctypes.c_float(scale),
+        sliding_window or 0, ctypes.c_float(logits_soft_cap or 0.0),
+        None if alibi_slopes is None else _ptr(alibi_slopes),
+        None if sinks is None else _ptr(sinks),
     )
     if rc:
         _raise_for(rc, "accel_paged_attention")
@@ -128,51 +141,70 @@ def _dispatched() -> bool:
     return native.torch_ops() is not None
 
 
-def _run(query, kv_cache, block_table, query_start_loc, seq_lens, scale, padded):
+def _run(query, kv_cache, block_table, query_start_loc, seq_lens, scale, padded,
+         sliding_window=None, logits_soft_cap=None, alibi_slopes=None, sinks=None):
     """The kernel's ``[T, H, D]`` output, or ``None`` where it does not take these inputs."""
+    num_heads = query.shape[1]
+    alibi_slopes, sinks = _per_head(alibi_slopes, num_heads), _per_head(sinks, num_heads)
     if _dispatched():
-        out = torch.ops.vllm_accel.cpu_paged_attention(query, kv_cache, block_table,
-                                                       query_start_loc, seq_lens, scale, padded)
+        out = torch.ops.vllm_accel.cpu_paged_attention(
+            query, kv_cache, block_table, query_start_loc, seq_lens, scale, padded,
+            sliding_window or 0, logits_soft_cap or 0.0, alibi_slopes, sinks)
         return out if out.dim() == 3 else None
     if (not _native_ok(query, kv_cache, block_table, seq_lens, query_start_loc)
             or query_start_loc.shape[0] != seq_lens.shape[0] + 1
             or int(query_start_loc[-1]) > query.shape[0]):
         return None
-    return _attention(query, kv_cache, block_table, query_start_loc, seq_lens, scale, padded)
+    return _attention(query, kv_cache, block_table, query_start_loc, seq_lens, scale, padded,
+                      sliding_window, logits_soft_cap, alibi_slopes, sinks)
 
 
 def _decode(name):
-    def paged_decode(query, kv_cache, block_table, seq_lens, scale):
+    def paged_decode(query, kv_cache, block_table, seq_lens, scale, **features):
         """One query token per request ``[B, H, D]``."""
         if seq_lens.shape[0] == query.shape[0]:
             out = _run(query, kv_cache, block_table, _iota(query.shape[0]), seq_lens, scale,
-                       padded=False)
+                       padded=False, **features)
             if out is not None:
                 return out
-        return fallback_kernel(name, NATIVE)(query, kv_cache, block_table, seq_lens, scale)
+        return fallback_kernel(name, NATIVE)(query, kv_cache, block_table, seq_lens, scale,
+                                             **features)
 
     paged_decode.__name__ = name
     return register_kernel(name, NATIVE)(paged_decode)
 
 
-def _prefill_pairs(query_start_loc: torch.Tensor, seq_lens: torch.Tensor) -> int:
-    """Sum over query rows of the keys each row sees (the causal work)."""
+def _prefill_pairs(query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
+                   sliding_window: int | None = None) -> int:
+    """Sum over query rows of the keys each row sees (the causal work; with a window,
+    at most that many a row)."""
     q_lens = (query_start_loc[1:] - query_start_loc[:-1]).long()
     context = seq_lens.long() - q_lens
-    return int((q_lens * context + q_lens * (q_lens + 1) // 2).sum())
+    pairs = q_lens * context + q_lens * (q_lens + 1) // 2
+    if sliding_window:
+        # rows past the window's length see `sliding_window` keys each
+        w = sliding_window
+        first = context + 1  # the first row's keys
+        full = (seq_lens.long() - torch.maximum(first, torch.full_like(first, w)) + 1).clamp(min=0)
+        short = q_lens - full  # rows seeing fewer than w keys: first .. w-1
+        last_short = first + short - 1
+        pairs = full * w + (first + last_short) * short // 2
+    return int(pairs.sum())
 
 
 def _prefill(name):
-    def paged_prefill(query, kv_cache, block_table, query_start_loc, seq_lens, scale):
+    def paged_prefill(query, kv_cache, block_table, query_start_loc, seq_lens, scale,
+                      **features):
         """Causal attention for the newest ``q_len`` tokens of each request."""
         if (query_start_loc.shape[0] == seq_lens.shape[0] + 1
-                and _prefill_pairs(query_start_loc, seq_lens) <= PREFILL_NATIVE_MAX_PAIRS):
+                and _prefill_pairs(query_start_loc, seq_lens, features.get("sliding_window"))
+                <= PREFILL_NATIVE_MAX_PAIRS):
             out = _run(query, kv_cache, block_table, query_start_loc, seq_lens, scale,
-                       padded=True)
+                       padded=True, **features)
             if out is not None:
                 return out
         return fallback_kernel(name, NATIVE)(query, kv_cache, block_table, query_start_loc,
-                                             seq_lens, scale)
+                                             seq_lens, scale, **features)
 
     paged_prefill.__name__ = name
     return register_kernel(name, NATIVE)(paged_prefill)
@@ -224,14 +256,19 @@ def _cache_write(name, int8):
 
 def _attention_step(name):
     def attention_step(query, key, value, kv_cache, slot_mapping, block_table, query_start_loc,
-                       seq_lens, output, scale, k_scale=None, v_scale=None) -> bool:
+                       seq_lens, output, scale, k_scale=None, v_scale=None, *,
+                       sliding_window=None, logits_soft_cap=None, alibi_slopes=None,
+                       sinks=None) -> bool:
         """A layer's cache write and attention over the whole batch in one C++ call,
         into ``output`` ``[T, H, D]``: True, or False with nothing done where the
         kernels must run one by one (inputs they do not take, a long prefill, or no
         dispatcher library)."""
+        num_heads = query.shape[1]
         return _dispatched() and torch.ops.vllm_accel.cpu_attention_step(
             query, key, value, kv_cache, slot_mapping, block_table, query_start_loc, seq_lens,
-            output, scale, k_scale or 0.0, v_scale or 0.0, PREFILL_NATIVE_MAX_PAIRS)
+            output, scale, k_scale or 0.0, v_scale or 0.0, PREFILL_NATIVE_MAX_PAIRS,
+            sliding_window or 0, logits_soft_cap or 0.0, _per_head(alibi_slopes, num_heads),
+            _per_head(sinks, num_heads))
 
     attention_step.__name__ = name
     return register_kernel(name, NATIVE)(attention_step)

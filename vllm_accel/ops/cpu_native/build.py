@@ -60,7 +60,7 @@ _SIGNATURES = {
     "accel_vector_lanes": (),
     "accel_paged_attention": (
         _i32, _ptr, _i64, _i64, _ptr, _i64, _i64, _ptr, _i32, _i64, _i64, _i32, _i32, _i64,
-        _ptr, _i64, _i64, _ptr, _ptr, _i32, _i32, _i32, _f32,
+        _ptr, _i64, _i64, _ptr, _ptr, _i32, _i32, _i32, _f32, _i32, _f32, _ptr, _ptr,
     ),
     "accel_cache_write": (
         _i32, _ptr, _ptr, _i64, _i64, _i64, _i64, _ptr, _i32, _i64, _i64, _ptr, _i64, _i32,

@@ -1,10 +1,22 @@
 """The ``reference`` provider of paged attention: written for obviousness, not speed.
 
 One request at a time, its pages read with plain indexing, K/V dequantized to
-float32 (INT8 codes times their scales; float8 values times the layer's scales), heads expanded for GQA, softmax over an explicit causal mask. The tests
-hold every other provider (``torch_fast``, ``cpu_native``, ``triton``, a vendor's) to
-the same float64 oracle, and ``ACCEL_KERNEL_PROVIDER=reference`` runs it in the
-engine. Page layout: see ``paged_layout``.
+float32 (INT8 codes times their scales; float8 values times the layer's scales),
+heads expanded for GQA, softmax over an explicit causal mask. The tests hold every
+other provider (``torch_fast``, ``cpu_native``, ``triton``, a vendor's) to the same
+float64 oracle, and ``ACCEL_KERNEL_PROVIDER=reference`` runs it in the engine. Page
+layout: see ``paged_layout``.
+
+The model features every provider's readers take as keyword arguments (absent:
+plain causal attention), in this order on the logits ``s = q.k * scale`` of a query
+at position ``i`` and a key at position ``j <= i``:
+
+- ``logits_soft_cap`` ``c``: ``s = c * tanh(s / c)`` (Gemma 2);
+- ``alibi_slopes`` ``[H]`` float32: ``s += slope[h] * (j - i)`` (Bloom, MPT);
+- ``sliding_window`` ``W``: only keys with ``i - j < W`` (Mistral, Gemma, Phi-3);
+  the blocks before the window may be vLLM's null block (freed), never read;
+- ``sinks`` ``[H]`` float32: a learned logit per head that joins the softmax's
+  denominator and adds no value (gpt-oss).
 """
 
 import torch
@@ -31,9 +43,13 @@ def _request_kv(kv_cache: torch.Tensor, block_ids: torch.Tensor, seq_len: int):
 
 
 def paged_attention(query, kv_cache, block_table, query_start_loc, seq_lens, scale,
-                    k_scale: float = 1.0, v_scale: float = 1.0):
+                    k_scale: float = 1.0, v_scale: float = 1.0, *,
+                    sliding_window: int | None = None, logits_soft_cap: float | None = None,
+                    alibi_slopes: torch.Tensor | None = None,
+                    sinks: torch.Tensor | None = None):
     """Causal attention of each request's newest ``q_len`` tokens over its cache
-    (``k_scale``/``v_scale``: a float8 cache's per-layer scales)."""
+    (``k_scale``/``v_scale``: a float8 cache's per-layer scales; the features: the
+    module docstring)."""
     out = torch.zeros_like(query)
     h = query.shape[1]
     block_size = kv_cache.shape[2]
@@ -42,23 +58,43 @@ def paged_attention(query, kv_cache, block_table, query_start_loc, seq_lens, sca
         start, end = starts[i], starts[i + 1]
         if end == start:
             continue
-        k, v = _request_kv(kv_cache, block_table[i, : -(-seq_len // block_size)], seq_len)
+        q_pos = torch.arange(seq_len - (end - start), seq_len)
+        key_pos = torch.arange(seq_len)
+        # the blocks the window reaches: those before it may be freed
+        first = 0 if sliding_window is None else max(0, int(q_pos[0]) - sliding_window + 1)
+        first_block = first // block_size
+        k, v = _request_kv(kv_cache, block_table[i, first_block: -(-seq_len // block_size)],
+                           seq_len - first_block * block_size)
+        key_pos = key_pos[first_block * block_size:]
         k, v = k * k_scale, v * v_scale
         k = k.repeat_interleave(h // k.shape[0], dim=0)  # [H, S, D]
         v = v.repeat_interleave(h // v.shape[0], dim=0)
         q = query[start:end].float().transpose(0, 1)  # [H, q_len, D]
         scores = q @ k.transpose(1, 2) * scale
-        q_pos = torch.arange(seq_len - (end - start), seq_len)
-        scores.masked_fill_(torch.arange(seq_len)[None, :] > q_pos[:, None], float("-inf"))
-        out[start:end] = (torch.softmax(scores, dim=-1) @ v).transpose(0, 1).to(query.dtype)
+        if logits_soft_cap:
+            scores = logits_soft_cap * torch.tanh(scores / logits_soft_cap)
+        distance = (key_pos[None, :] - q_pos[:, None]).float()  # j - i
+        if alibi_slopes is not None:
+            scores = scores + alibi_slopes.float().view(h, 1, 1) * distance
+        hidden = distance > 0
+        if sliding_window is not None:
+            hidden |= distance <= -sliding_window
+        scores.masked_fill_(hidden, float("-inf"))
+        if sinks is not None:  # one more logit per head, with no value
+            sink = sinks.float().view(h, 1, 1).expand(h, end - start, 1)
+            probs = torch.softmax(torch.cat((scores, sink), dim=-1), dim=-1)[..., :-1]
+        else:
+            probs = torch.softmax(scores, dim=-1)
+        out[start:end] = (probs @ v).transpose(0, 1).to(query.dtype)
     return out
 
 
-def paged_decode(query, kv_cache, block_table, seq_lens, scale, k_scale=1.0, v_scale=1.0):
+def paged_decode(query, kv_cache, block_table, seq_lens, scale, k_scale=1.0, v_scale=1.0,
+                 **features):
     """Decode is prefill with one query token per request."""
     query_start_loc = torch.arange(query.shape[0] + 1, dtype=torch.int32)
     return paged_attention(query, kv_cache, block_table, query_start_loc, seq_lens, scale,
-                           k_scale, v_scale)
+                           k_scale, v_scale, **features)
 
 
 for _suffix in ("", "_int8", "_fp8"):  # the page reader handles every cache dtype

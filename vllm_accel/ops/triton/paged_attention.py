@@ -50,6 +50,8 @@ DECODE_WARPS_INT8 = 4
 DECODE_STAGES = 3
 #: query rows per prefill program (tokens x padded query heads of one KV head)
 PREFILL_ROWS = 64
+#: the window the kernels get for "none": longer than any context
+NO_WINDOW = 2**30
 
 
 @triton.jit
@@ -60,12 +62,23 @@ def _int8_to_float(code):
 
 
 @triton.jit
-def _attend_tile(q, acc, m_i, l_i, cache_ptr, bt_row_ptr, stride_blk, head_off, j, key_ok, key_limit,
-                 scale, HEAD: tl.constexpr, D_PAD: tl.constexpr, BS: tl.constexpr,
-                 INT8: tl.constexpr, IEEE: tl.constexpr, QK_INT8: tl.constexpr):
+def _tanh(x):
+    """tanh from one exp (no tanh in tl): exact limits +-1 for large |x|."""
+    return 1.0 - 2.0 / (tl.exp(2.0 * x) + 1.0)
+
+
+@triton.jit
+def _attend_tile(q, acc, m_i, l_i, cache_ptr, bt_row_ptr, stride_blk, head_off, j, key_ok,
+                 key_first, key_limit, scale, soft_cap, slopes,
+                 HEAD: tl.constexpr, D_PAD: tl.constexpr, BS: tl.constexpr,
+                 INT8: tl.constexpr, IEEE: tl.constexpr, QK_INT8: tl.constexpr,
+                 SOFT_CAP: tl.constexpr, ALIBI: tl.constexpr):
     """One key tile: ``j`` key positions ``[TILE_N]``, ``key_ok`` their validity,
-    ``key_limit`` ``[M, 1]`` the last key each row may see (causal). ``QK_INT8``:
-    ``q`` holds int8 codes and ``scale`` ``[M, 1]`` folds in their scales."""
+    ``key_first`` / ``key_limit`` ``[M, 1]`` the first (sliding window) and last
+    (causal: the query's position) key each row may see. ``QK_INT8``: ``q`` holds
+    int8 codes and ``scale`` ``[M, 1]`` folds in their scales. The features
+    (``reference/attention.py``): ``SOFT_CAP`` caps the logits at ``soft_cap``;
+    ``ALIBI`` adds ``slopes`` ``[M]`` times the distance ``j - key_limit``."""
     d = tl.arange(0, D_PAD)
     blk = tl.load(bt_row_ptr + j // BS, mask=key_ok, other=0).to(tl.int64)
     page = blk * stride_blk + head_off
@@ -94,7 +107,12 @@ def _attend_tile(q, acc, m_i, l_i, cache_ptr, bt_row_ptr, stride_blk, head_off, 
     s = s * scale
     if INT8:
         s = s * k_scale[None, :]
-    s = tl.where(key_ok[None, :] & (j[None, :] <= key_limit), s, float("-inf"))
+    if SOFT_CAP:
+        s = soft_cap * _tanh(s / soft_cap)
+    if ALIBI:
+        s += slopes[:, None] * (j[None, :] - key_limit).to(tl.float32)
+    s = tl.where(key_ok[None, :] & (j[None, :] <= key_limit) & (j[None, :] >= key_first), s,
+                 float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with no key yet
     alpha = tl.exp(m_i - m_safe)
@@ -116,13 +134,25 @@ def _attend_tile(q, acc, m_i, l_i, cache_ptr, bt_row_ptr, stride_blk, head_off, 
 
 
 @triton.jit
+def _finish(acc, m_i, l_i, sinks):
+    """The normalised output of a softmax state, with the rows' sink logits (or
+    ``-inf``: none) in the denominator."""
+    m = tl.maximum(m_i, sinks)
+    m = tl.where(m == float("-inf"), 0.0, m)
+    alpha = tl.exp(m_i - m)
+    total = l_i * alpha + tl.exp(sinks - m)
+    return acc * (alpha / tl.where(total == 0.0, 1.0, total))[:, None]
+
+
+@triton.jit
 def _decode_kernel(q_ptr, cache_ptr, bt_ptr, seq_lens_ptr, out_ptr, part_ptr, stats_ptr,
                    scale, stride_qb, stride_qh, stride_ob, stride_oh, stride_bt,
-                   stride_blk, stride_head, num_heads,
+                   stride_blk, stride_head, num_heads, window, soft_cap, slopes_ptr, sinks_ptr,
                    GROUP: tl.constexpr, M: tl.constexpr, HEAD: tl.constexpr,
                    D_PAD: tl.constexpr, BS: tl.constexpr, TILE: tl.constexpr,
                    PART: tl.constexpr, NUM_PARTS: tl.constexpr, INT8: tl.constexpr,
-                   IEEE: tl.constexpr, UPCAST: tl.constexpr, QK_INT8: tl.constexpr):
+                   IEEE: tl.constexpr, UPCAST: tl.constexpr, QK_INT8: tl.constexpr,
+                   SOFT_CAP: tl.constexpr, ALIBI: tl.constexpr, SINKS: tl.constexpr):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     part = tl.program_id(2)
@@ -147,17 +177,25 @@ def _decode_kernel(q_ptr, cache_ptr, bt_ptr, seq_lens_ptr, out_ptr, part_ptr, st
     m_i = tl.full([M], float("-inf"), tl.float32)
     l_i = tl.zeros([M], tl.float32)
     acc = tl.zeros([M, D_PAD], tl.float32)
-    start = part * PART
-    end = tl.minimum(seq_len, start + PART)
-    limit = tl.full([M, 1], 2**30, tl.int32)
+    # keys [first, seq_len): the window's (blocks before it may be freed), then this
+    # partition's share of them
+    first = tl.maximum(seq_len - window, 0)
+    start = tl.maximum(part * PART, first)
+    end = tl.minimum(seq_len, part * PART + PART)
+    limit = tl.full([M, 1], 1, tl.int32) * (seq_len - 1)
+    slopes = tl.load(slopes_ptr + heads, mask=row_ok, other=0.0) if ALIBI else 0.0
     head_off = kvh.to(tl.int64) * stride_head
     for j0 in range(start, end, TILE):
         j = j0 + tl.arange(0, TILE)
         acc, m_i, l_i = _attend_tile(q, acc, m_i, l_i, cache_ptr, bt_ptr + b * stride_bt,
-                                     stride_blk, head_off, j, j < end, limit, scale,
-                                     HEAD, D_PAD, BS, INT8, IEEE, QK_INT8)
+                                     stride_blk, head_off, j, j < end, first, limit, scale,
+                                     soft_cap, slopes, HEAD, D_PAD, BS, INT8, IEEE, QK_INT8,
+                                     SOFT_CAP, ALIBI)
     if NUM_PARTS == 1:
-        o = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+        if SINKS:
+            o = _finish(acc, m_i, l_i, tl.load(sinks_ptr + heads, mask=row_ok, other=0.0))
+        else:
+            o = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
         tl.store(out_ptr + b * stride_ob + heads[:, None] * stride_oh + d[None, :],
                  o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & (d < HEAD)[None, :])
     else:  # partial state of (b, head, part): acc [D], then (m, l)
@@ -168,10 +206,11 @@ def _decode_kernel(q_ptr, cache_ptr, bt_ptr, seq_lens_ptr, out_ptr, part_ptr, st
 
 
 @triton.jit
-def _merge_kernel(part_ptr, stats_ptr, out_ptr, stride_ob, stride_oh, num_heads,
+def _merge_kernel(part_ptr, stats_ptr, out_ptr, stride_ob, stride_oh, num_heads, sinks_ptr,
                   HEAD: tl.constexpr, D_PAD: tl.constexpr, NUM_PARTS: tl.constexpr,
-                  P_PAD: tl.constexpr):
-    """Combine the partitions' softmax states of one (request, head)."""
+                  P_PAD: tl.constexpr, SINKS: tl.constexpr):
+    """Combine the partitions' softmax states of one (request, head), with the
+    head's sink logit in the denominator (``SINKS``)."""
     b = tl.program_id(0)
     h = tl.program_id(1)
     p = tl.arange(0, P_PAD)
@@ -180,11 +219,12 @@ def _merge_kernel(part_ptr, stats_ptr, out_ptr, stride_ob, stride_oh, num_heads,
     p_ok = p < NUM_PARTS
     m = tl.load(stats_ptr + idx * 2, mask=p_ok, other=float("-inf"))
     l = tl.load(stats_ptr + idx * 2 + 1, mask=p_ok, other=0.0)
-    m_max = tl.max(m, 0)
+    sink = tl.load(sinks_ptr + h) if SINKS else float("-inf")
+    m_max = tl.maximum(tl.max(m, 0), sink)
     m_max = tl.where(m_max == float("-inf"), 0.0, m_max)
     w = tl.exp(m - m_max)
     acc = tl.load(part_ptr + idx[:, None] * D_PAD + d[None, :], mask=p_ok[:, None], other=0.0)
-    total = tl.sum(l * w, 0)
+    total = tl.sum(l * w, 0) + tl.exp(sink - m_max)
     o = tl.sum(acc * w[:, None], 0) / tl.where(total == 0.0, 1.0, total)
     tl.store(out_ptr + b * stride_ob + h * stride_oh + d, o.to(out_ptr.dtype.element_ty),
              mask=d < HEAD)
@@ -193,11 +233,12 @@ def _merge_kernel(part_ptr, stats_ptr, out_ptr, stride_ob, stride_oh, num_heads,
 @triton.jit
 def _prefill_kernel(q_ptr, cache_ptr, bt_ptr, qsl_ptr, seq_lens_ptr, tile_req_ptr,
                     tile_tok_ptr, out_ptr, scale, stride_qt, stride_qh, stride_ot, stride_oh,
-                    stride_bt, stride_blk, stride_head,
-                    GROUP: tl.constexpr, G_PAD: tl.constexpr, M: tl.constexpr,
+                    stride_bt, stride_blk, stride_head, window, soft_cap, slopes_ptr,
+                    sinks_ptr, GROUP: tl.constexpr, G_PAD: tl.constexpr, M: tl.constexpr,
                     HEAD: tl.constexpr, D_PAD: tl.constexpr, BS: tl.constexpr,
                     TILE: tl.constexpr, INT8: tl.constexpr, IEEE: tl.constexpr,
-                    UPCAST: tl.constexpr):
+                    UPCAST: tl.constexpr, SOFT_CAP: tl.constexpr, ALIBI: tl.constexpr,
+                    SINKS: tl.constexpr):
     tile = tl.program_id(0)
     kvh = tl.program_id(1)
     req = tl.load(tile_req_ptr + tile)
@@ -224,13 +265,21 @@ def _prefill_kernel(q_ptr, cache_ptr, bt_ptr, qsl_ptr, seq_lens_ptr, tile_req_pt
     acc = tl.zeros([M, D_PAD], tl.float32)
     limit = tl.where(row_ok, context + tok, -1)[:, None]  # causal: key <= query position
     end = tl.minimum(seq_len, context + tok0 + M // G_PAD)
+    # the window: keys from position - window + 1 (the tile's first row's, for the loop)
+    first = limit - window + 1
+    start = tl.maximum(context + tok0 - window + 1, 0)
+    slopes = tl.load(slopes_ptr + heads, mask=row_ok, other=0.0) if ALIBI else 0.0
     head_off = kvh.to(tl.int64) * stride_head
-    for j0 in range(0, end, TILE):
+    for j0 in range(start, end, TILE):
         j = j0 + tl.arange(0, TILE)
         acc, m_i, l_i = _attend_tile(q, acc, m_i, l_i, cache_ptr, bt_ptr + req * stride_bt,
-                                     stride_blk, head_off, j, j < end, limit, scale,
-                                     HEAD, D_PAD, BS, INT8, IEEE, False)
-    o = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+                                     stride_blk, head_off, j, j < end, first, limit, scale,
+                                     soft_cap, slopes, HEAD, D_PAD, BS, INT8, IEEE, False,
+                                     SOFT_CAP, ALIBI)
+    if SINKS:
+        o = _finish(acc, m_i, l_i, tl.load(sinks_ptr + heads, mask=row_ok, other=0.0))
+    else:
+        o = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
     tl.store(out_ptr + (q_start + tok)[:, None].to(tl.int64) * stride_ot
              + heads[:, None] * stride_oh + d[None, :], o.to(out_ptr.dtype.element_ty),
              mask=io_mask)
@@ -260,11 +309,28 @@ def _common(query: torch.Tensor, kv_cache: torch.Tensor):
     return query, int8, stride_blk, stride_head, head_size, group, ieee, upcast
 
 
+def _features(query: torch.Tensor, sliding_window=None, logits_soft_cap=None,
+              alibi_slopes=None, sinks=None) -> tuple[dict, dict]:
+    """The kernels' feature arguments and their constexpr switches."""
+    def per_head(t):  # float32 [H] on the query's device, or a dummy pointer
+        if t is None:
+            return query
+        return torch.as_tensor(t).to(query.device, torch.float32).contiguous()
+
+    args = {"window": int(sliding_window or NO_WINDOW), "soft_cap": float(logits_soft_cap or 0.0),
+            "slopes_ptr": per_head(alibi_slopes), "sinks_ptr": per_head(sinks)}
+    switches = {"SOFT_CAP": bool(logits_soft_cap), "ALIBI": alibi_slopes is not None,
+                "SINKS": sinks is not None}
+    return args, switches
+
+
 def paged_decode(query: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
-                 seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
+                 seq_lens: torch.Tensor, scale: float, **features) -> torch.Tensor:
     """One query token per request ``[B, H, D]`` over its ``seq_len`` cached keys
-    (``seq_len`` 0: a padded slot, zeros). Same contract as ``torch_fast``."""
+    (``seq_len`` 0: a padded slot, zeros). Same contract as ``torch_fast``, features
+    included (``reference/attention.py``)."""
     query, int8, s_blk, s_head, d, group, ieee, upcast = _common(query, kv_cache)
+    args, switches = _features(query, **features)
     b, h, _ = query.shape
     out = torch.empty(b, h, d, dtype=query.dtype, device=query.device)
     if b == 0:
@@ -283,25 +349,26 @@ def paged_decode(query: torch.Tensor, kv_cache: torch.Tensor, block_table: torch
     _decode_kernel[(b, kv_cache.shape[1], num_parts)](
         query, kv_cache, block_table, seq_lens, out, part, stats, float(scale),
         query.stride(0), query.stride(1), out.stride(0), out.stride(1), block_table.stride(0),
-        s_blk, s_head, h, GROUP=group, M=m, HEAD=d, D_PAD=d_pad, BS=kv_cache.shape[2],
+        s_blk, s_head, h, **args, GROUP=group, M=m, HEAD=d, D_PAD=d_pad, BS=kv_cache.shape[2],
         TILE=TILE_N_INT8 if int8 else TILE_N, PART=partition, NUM_PARTS=num_parts, INT8=int8,
-        IEEE=ieee, UPCAST=upcast, QK_INT8=qk_int8,
+        IEEE=ieee, UPCAST=upcast, QK_INT8=qk_int8, **switches,
         num_warps=DECODE_WARPS_INT8 if int8 else DECODE_WARPS, num_stages=DECODE_STAGES)
     if num_parts > 1:
-        _merge_kernel[(b, h)](part, stats, out, out.stride(0), out.stride(1), h, HEAD=d,
-                              D_PAD=d_pad, NUM_PARTS=num_parts,
-                              P_PAD=triton.next_power_of_2(num_parts))
+        _merge_kernel[(b, h)](part, stats, out, out.stride(0), out.stride(1), h,
+                              args["sinks_ptr"], HEAD=d, D_PAD=d_pad, NUM_PARTS=num_parts,
+                              P_PAD=triton.next_power_of_2(num_parts), SINKS=switches["SINKS"])
     return out
 
 
 def paged_prefill(query: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
                   query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
-                  scale: float) -> torch.Tensor:
+                  scale: float, **features) -> torch.Tensor:
     """Causal attention of each request's newest ``q_len`` tokens ``[T, H, D]`` over
     its cache (chunked prefill, prefix caching); rows past the last request: zeros.
     ``query_start_loc`` may live on the host (vLLM's ``query_start_loc_cpu``): the
     tile plan is built from it without a device sync."""
     query, int8, s_blk, s_head, d, group, ieee, upcast = _common(query, kv_cache)
+    args, switches = _features(query, **features)
     t, h, _ = query.shape
     out = torch.empty(t, h, d, dtype=query.dtype, device=query.device)
     qsl_host = query_start_loc.cpu()
@@ -324,7 +391,7 @@ def paged_prefill(query: torch.Tensor, kv_cache: torch.Tensor, block_table: torc
     _prefill_kernel[(tile_req.shape[0], kv_cache.shape[1])](
         query, kv_cache, block_table, qsl, seq_lens, tile_req, tile_tok, out, float(scale),
         query.stride(0), query.stride(1), out.stride(0), out.stride(1), block_table.stride(0),
-        s_blk, s_head, GROUP=group, G_PAD=g_pad, M=m, HEAD=d,
+        s_blk, s_head, **args, GROUP=group, G_PAD=g_pad, M=m, HEAD=d,
         D_PAD=max(16, triton.next_power_of_2(d)), BS=kv_cache.shape[2], TILE=TILE_N,
-        INT8=int8, IEEE=ieee, UPCAST=upcast)
+        INT8=int8, IEEE=ieee, UPCAST=upcast, **switches)
     return out

@@ -179,17 +179,31 @@ def probe_xformers(device: torch.device) -> tuple[bool, str]:
     return True, "xformers memory_efficient_attention runs on " + device.type
 
 
-def xformers_paged_prefill(query, kv_cache, block_table, query_start_loc, seq_lens, scale):
+def xformers_paged_prefill(query, kv_cache, block_table, query_start_loc, seq_lens, scale,
+                           **features):
     """``paged_prefill`` with xformers doing the attention of each request.
 
     K/V are gathered from our cache, then attention runs in xformers' grouped
     ``[B, M, G, H, K]`` form (G = KV heads, H = query heads per KV head) with a
-    bottom-right causal mask: the request's new queries are its last tokens.
+    bottom-right causal mask: the request's new queries are its last tokens. A
+    sliding window is xformers' bottom-right local mask; soft-cap, ALiBi and sinks
+    go to the next provider.
     """
+    window = features.get("sliding_window")
+    if set(features) - {"sliding_window"}:
+        return fallback_kernel("paged_prefill", XFORMERS)(
+            query, kv_cache, block_table, query_start_loc, seq_lens, scale, **features)
     import xformers.ops as xops
-    from xformers.ops.fmha.attn_bias import LowerTriangularFromBottomRightMask
+    from xformers.ops.fmha.attn_bias import (
+        LowerTriangularFromBottomRightLocalAttentionMask,
+        LowerTriangularFromBottomRightMask,
+    )
 
     from vllm_accel.ops.torch_fast.attention import _gather_kv
+
+    # keys in (i - window, i]: xformers' window counts the query's own key too
+    mask = (LowerTriangularFromBottomRightMask() if window is None
+            else LowerTriangularFromBottomRightLocalAttentionMask(window))
 
     t, h, d = query.shape
     hkv, block_size = kv_cache.shape[1], kv_cache.shape[2]
@@ -200,12 +214,17 @@ def xformers_paged_prefill(query, kv_cache, block_table, query_start_loc, seq_le
         start, end = starts[i], starts[i + 1]
         if end == start:
             continue
-        k, v, _ = _gather_kv(kv_cache, block_table[i:i + 1, :-(-seq_len // block_size)])
-        k = k[:, :seq_len].transpose(0, 1)[None, :, :, None].expand(1, seq_len, hkv, group, d)
-        v = v[:, :seq_len].transpose(0, 1)[None, :, :, None].expand(1, seq_len, hkv, group, d)
+        # from the first query's window on (the blocks before it may be freed); the
+        # mask is bottom-right aligned, so the keys dropped in front change nothing
+        first = 0 if window is None else max(0, seq_len - (end - start) + 1 - window)
+        first_block = first // block_size
+        n = seq_len - first_block * block_size
+        k, v, _ = _gather_kv(kv_cache, block_table[i:i + 1,
+                                                    first_block:-(-seq_len // block_size)])
+        k = k[:, :n].transpose(0, 1)[None, :, :, None].expand(1, n, hkv, group, d)
+        v = v[:, :n].transpose(0, 1)[None, :, :, None].expand(1, n, hkv, group, d)
         q = query[start:end].view(1, end - start, hkv, group, d).to(k.dtype)
-        o = xops.memory_efficient_attention(
-            q, k, v, attn_bias=LowerTriangularFromBottomRightMask(), scale=scale)
+        o = xops.memory_efficient_attention(q, k, v, attn_bias=mask, scale=scale)
         out[start:end] = o.reshape(end - start, h, d).to(query.dtype)
     return out
 

@@ -16,7 +16,8 @@ int accel_paged_attention(int dtype, const void* query, int64_t q_tok_stride,
                           int64_t num_blocks, const int32_t* block_table, int64_t bt_stride,
                           int64_t bt_cols, const int32_t* query_start_loc,
                           const int32_t* seq_lens, int num_reqs, int num_heads,
-                          int num_kv_heads, float scale);
+                          int num_kv_heads, float scale, int sliding_window, float soft_cap,
+                          const float* alibi_slopes, const float* sinks);
 int accel_cache_write(int dtype, const void* key, const void* value, int64_t k_tok_stride,
                       int64_t k_head_stride, int64_t v_tok_stride, int64_t v_head_stride,
                       void* cache, int cache_int8, int64_t block_stride,

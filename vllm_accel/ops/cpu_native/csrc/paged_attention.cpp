@@ -62,6 +62,71 @@ inline void softmax(float* s, int n) {
   for (int t = 0; t < n; ++t) s[t] *= inv;
 }
 
+// What a model adds to plain causal attention (reference/attention.py's features):
+// a sliding window of `window` keys (0: none), a logit soft-cap (0: none), ALiBi
+// slopes and attention-sink logits per query head (null: none).
+struct Features {
+  int window = 0;
+  float soft_cap = 0.f;
+  const float* alibi = nullptr;
+  const float* sinks = nullptr;
+  bool plain() const { return window <= 0 && soft_cap <= 0.f && !alibi && !sinks; }
+};
+
+// The keys one query row reads: its window's blocks from `first_block` on, `keys` of
+// them in all (from that block's first token), the first `skip` before the window;
+// the row's own position `query_pos` and `pos0`, the first key's.
+struct KeyRange {
+  int first_block = 0, keys = 0, skip = 0, pos0 = 0, query_pos = 0;
+  KeyRange() = default;
+  KeyRange(int visible, int block_size, int window) {
+    const int first = window > 0 ? std::max(0, visible - window) : 0;
+    first_block = first / block_size;
+    pos0 = first_block * block_size;
+    keys = visible - pos0;
+    skip = first - pos0;
+    query_pos = visible - 1;
+  }
+};
+
+// A query row's features: applied to its scores before the softmax.
+struct RowFeatures {
+  const Features* features = nullptr;  // null: plain causal attention
+  KeyRange range;
+  int head0 = 0;  // the first query head of the group
+};
+
+// s[0..n), the logits of query head head0 + g: the row's features, then softmax
+// (with the head's sink logit in the denominator, where it has one).
+inline void softmax_row(float* s, int n, const RowFeatures& row, int g) {
+  if (!row.features || row.features->plain()) {
+    softmax(s, n);
+    return;
+  }
+  const Features& f = *row.features;
+  const int h = row.head0 + g, skip = row.range.skip;
+  for (int t = 0; t < skip; ++t) s[t] = -INFINITY;
+  if (f.soft_cap > 0.f) {
+    const float inv = 1.f / f.soft_cap;
+    for (int t = skip; t < n; ++t) s[t] = f.soft_cap * std::tanh(s[t] * inv);
+  }
+  if (f.alibi) {
+    const float slope = f.alibi[h];
+    const int d0 = row.range.pos0 - row.range.query_pos;  // j - i of s[0]
+    for (int t = skip; t < n; ++t) s[t] += slope * float(d0 + t);
+  }
+  float m = f.sinks ? f.sinks[h] : -INFINITY;
+  for (int t = skip; t < n; ++t) m = std::max(m, s[t]);
+  float sum = f.sinks ? std::exp(f.sinks[h] - m) : 0.f;
+  for (int t = 0; t < skip; ++t) s[t] = 0.f;
+  for (int t = skip; t < n; ++t) {
+    s[t] = std::exp(s[t] - m);
+    sum += s[t];
+  }
+  const float inv = 1.f / sum;
+  for (int t = skip; t < n; ++t) s[t] *= inv;
+}
+
 // The (block, kv head) pages of a cache whose elements are E (the model dtype, or
 // int8_t with per-token scales after K and V): where K and V rows and scales are.
 template <typename E>
@@ -130,7 +195,8 @@ struct NextItem {
 template <typename QT, typename Pages>
 void attend_one(const QT* query, int64_t q_head_stride, QT* out, int64_t o_head_stride,
                 const Pages& pages, const int32_t* blocks, int kv_head, int seq_len,
-                int group, float scale, std::vector<float>& qf, std::vector<float>& acc,
+                int group, float scale, const RowFeatures& row_features,
+                std::vector<float>& qf, std::vector<float>& acc,
                 std::vector<float>& scores, std::vector<float>& row) {
   const int d = pages.head_size, bs = pages.block_size;
   if (seq_len <= 0) {
@@ -162,7 +228,7 @@ void attend_one(const QT* query, int64_t q_head_stride, QT* out, int64_t o_head_
     for (int g = 0; g < group; ++g)
       scores[size_t(g) * seq_len + pos] = dot(&qf[size_t(g) * d], row.data(), d) * k_scale;
   });
-  for (int g = 0; g < group; ++g) softmax(&scores[size_t(g) * seq_len], seq_len);
+  for (int g = 0; g < group; ++g) softmax_row(&scores[size_t(g) * seq_len], seq_len, row_features, g);
   for_each_row(true, [&](int pos, float v_scale) {
     for (int g = 0; g < group; ++g)
       axpy(scores[size_t(g) * seq_len + pos] * v_scale, row.data(), &acc[size_t(g) * d], d);
@@ -214,7 +280,8 @@ inline void rows_to_float(const T* src, const Pages& pages, const P* page, bool 
 template <int C, typename QT, typename Pages>
 void attend_one_vec(const QT* query, int64_t q_head_stride, QT* out, int64_t o_head_stride,
                     const Pages& pages, const int32_t* blocks, int kv_head, int seq_len,
-                    int group, float scale, std::vector<float>& qf, std::vector<float>& acc,
+                    int group, float scale, const RowFeatures& row_features,
+                    std::vector<float>& qf, std::vector<float>& acc,
                     std::vector<float>& scores, std::vector<float>& rows) {
   constexpr int D = kLanes * C;
   const int bs = pages.block_size;
@@ -246,7 +313,7 @@ void attend_one_vec(const QT* query, int64_t q_head_stride, QT* out, int64_t o_h
       }
     }
   }
-  for (int g = 0; g < group; ++g) softmax(&scores[size_t(g) * padded], seq_len);
+  for (int g = 0; g < group; ++g) softmax_row(&scores[size_t(g) * padded], seq_len, row_features, g);
   acc.assign(size_t(group) * D, 0.f);
   for (int j = 0; j < num_blocks; ++j) {
     const auto* p = pages.page(blocks[j], kv_head);
@@ -299,7 +366,8 @@ inline void store_pair_sums(const float* lanes, float scale, T* out) {
 template <int C>
 void attend_one_bf16(const bf16* query, int64_t q_head_stride, bf16* out, int64_t o_head_stride,
                      const Pages<bf16>& pages, const int32_t* blocks, int kv_head, int seq_len,
-                     int group, float scale, std::vector<float>& acc, std::vector<float>& scores,
+                     int group, float scale, const RowFeatures& row_features,
+                     std::vector<float>& acc, std::vector<float>& scores,
                      std::vector<bf16>& probs, NextItem<Pages<bf16>>& next) {
   constexpr int D = 16 * C, R = C / 2;  // R: 32-element bf16 vectors per row
   constexpr int GB = C <= 4 ? 4 : C <= 8 ? 2 : 1;  // heads per V pass: GB * C accumulators
@@ -335,7 +403,7 @@ void attend_one_bf16(const bf16* query, int64_t q_head_stride, bf16* out, int64_
   probs.resize(size_t(group) * (padded + 2));
   for (int g = 0; g < group; ++g) {
     float* s = &scores[size_t(g) * padded];
-    softmax(s, seq_len);
+    softmax_row(s, seq_len, row_features, g);
     bf16* pg = &probs[size_t(g) * (padded + 2)];
     for (int t = 0; t < seq_len; ++t) store(s[t], pg + t);
     pg[seq_len].bits = 0;
@@ -420,7 +488,8 @@ inline __m512i load_bytes(const int8_t* p, int n) {
 template <int C>
 void attend_one_int8(const bf16* query, int64_t q_head_stride, bf16* out, int64_t o_head_stride,
                      const Pages<int8_t>& pages, const int32_t* blocks, int kv_head, int seq_len,
-                     int group, float scale, std::vector<float>& qf, std::vector<float>& acc,
+                     int group, float scale, const RowFeatures& row_features,
+                     std::vector<float>& qf, std::vector<float>& acc,
                      std::vector<float>& scores, std::vector<int16_t>& codes,
                      NextItem<Pages<int8_t>>& next) {
   constexpr int D = 16 * C, R = C / 2;  // R: 32-code halves of a row, widened to int16
@@ -503,7 +572,7 @@ void attend_one_int8(const bf16* query, int64_t q_head_stride, bf16* out, int64_
   }
   for (int g = 0; g < group; ++g) {
     float* s = &scores[size_t(g) * padded];
-    softmax(s, seq_len);
+    softmax_row(s, seq_len, row_features, g);
     for (int j = 0; j < num_blocks; ++j) {
       const float* sc = pages.scales(pages.page(blocks[j], kv_head));
       const int n = std::min(bs, seq_len - j * bs);
@@ -568,7 +637,8 @@ inline bool with_vectors(int c, F&& f) {
 template <typename QT, typename Pages>
 bool attend_one_fast(const QT* query, int64_t q_head_stride, QT* out, int64_t o_head_stride,
                      const Pages& pages, const int32_t* blocks, int kv_head, int seq_len,
-                     int group, float scale, std::vector<float>& qf, std::vector<float>& acc,
+                     int group, float scale, const RowFeatures& row_features,
+                     std::vector<float>& qf, std::vector<float>& acc,
                      std::vector<float>& scores, std::vector<float>& rows,
                      std::vector<bf16>& probs, std::vector<int16_t>& codes,
                      NextItem<Pages>& next) {
@@ -581,7 +651,7 @@ bool attend_one_fast(const QT* query, int64_t q_head_stride, QT* out, int64_t o_
         && with_vectors<2, 4, 6, 8, 16>(c16, [&](auto C) {
              attend_one_int8<decltype(C)::value>(query, q_head_stride, out, o_head_stride,
                                                  pages, blocks, kv_head, seq_len, group, scale,
-                                                 qf, acc, scores, codes, next);
+                                                 row_features, qf, acc, scores, codes, next);
            }))
       return true;
   }
@@ -590,8 +660,8 @@ bool attend_one_fast(const QT* query, int64_t q_head_stride, QT* out, int64_t o_
   if constexpr (std::is_same_v<QT, bf16> && !Pages::kInt8) {
     if (with_vectors<2, 4, 6, 8, 16>(c16, [&](auto C) {
           attend_one_bf16<decltype(C)::value>(query, q_head_stride, out, o_head_stride, pages,
-                                              blocks, kv_head, seq_len, group, scale, acc,
-                                              scores, probs, next);
+                                              blocks, kv_head, seq_len, group, scale,
+                                              row_features, acc, scores, probs, next);
         }))
       return true;
   }
@@ -601,25 +671,34 @@ bool attend_one_fast(const QT* query, int64_t q_head_stride, QT* out, int64_t o_
   constexpr int k = 16 / kLanes;
   return with_vectors<2 * k, 4 * k, 5 * k, 6 * k, 8 * k, 16 * k>(pages.head_size / kLanes, [&](auto C) {
     attend_one_vec<decltype(C)::value>(query, q_head_stride, out, o_head_stride, pages, blocks,
-                                       kv_head, seq_len, group, scale, qf, acc, scores, rows);
+                                       kv_head, seq_len, group, scale, row_features, qf, acc,
+                                       scores, rows);
   });
 }
 #endif  // ACCEL_VEC
 
-// Causal attention of every request's newest q_len tokens (decode: q_len 1).
-// Query/output rows of request r: query_start_loc[r] .. query_start_loc[r+1].
-// Work items are (request, kv head, query row): all independent.
+// Causal attention of every request's newest q_len tokens (decode: q_len 1), with the
+// model's features (null: none). Query/output rows of request r: query_start_loc[r] ..
+// query_start_loc[r+1]. Work items are (request, kv head, query row): all independent.
+// A row reads only its window's blocks (those before it may be vLLM's freed null block).
 template <typename QT, typename Pages>
 void paged_attention(const QT* query, int64_t q_tok_stride, int64_t q_head_stride, QT* out,
                      int64_t o_tok_stride, int64_t o_head_stride, const Pages& pages,
                      const int32_t* block_table, int64_t bt_stride, const int32_t* query_start_loc,
                      const int32_t* seq_lens, int num_reqs, int num_heads, int num_kv_heads,
-                     float scale) {
+                     float scale, const Features* features) {
   const int group = num_heads / num_kv_heads;
+  const int window = features ? features->window : 0;
   const int64_t num_rows = query_start_loc[num_reqs];
   std::vector<int32_t> row_req(num_rows);
   for (int r = 0; r < num_reqs; ++r)
     for (int32_t i = query_start_loc[r]; i < query_start_loc[r + 1]; ++i) row_req[i] = r;
+  // Row i is position seq_len - q_len + (i - start): it sees keys up to itself.
+  const auto visible_of = [&](int64_t i) {
+    const int r = row_req[i];
+    return seq_lens[r] - (query_start_loc[r + 1] - query_start_loc[r]) +
+           int(i - query_start_loc[r]) + 1;
+  };
   const int64_t items = num_rows * num_kv_heads;
 #pragma omp parallel
   {
@@ -631,10 +710,10 @@ void paged_attention(const QT* query, int64_t q_tok_stride, int64_t q_head_strid
       const int64_t i = item / num_kv_heads;
       const int kv_head = int(item % num_kv_heads);
       const int r = row_req[i];
-      const int q_len = query_start_loc[r + 1] - query_start_loc[r];
-      // Row i is position seq_len - q_len + (i - start): it sees keys up to itself.
-      const int visible = seq_lens[r] - q_len + int(i - query_start_loc[r]) + 1;
       const int h0 = kv_head * group;
+      const RowFeatures rf{features, KeyRange(visible_of(i), pages.block_size, window), h0};
+      const int32_t* blocks = block_table + r * bt_stride + rf.range.first_block;
+      const int keys = rf.range.keys;
 #ifdef ACCEL_VEC
       // this thread's next item (but at the end of a chunk of the schedule), when it is
       // a decode row: a prefill's rows reread their request's pages, which stay cached
@@ -642,20 +721,21 @@ void paged_attention(const QT* query, int64_t q_tok_stride, int64_t q_head_strid
       if (item + 1 < items) {
         const int64_t i2 = (item + 1) / num_kv_heads;
         const int r2 = row_req[i2];
-        if (query_start_loc[r2 + 1] - query_start_loc[r2] == 1)
-          next = NextItem<Pages>(pages, block_table + r2 * bt_stride, seq_lens[r2],
-                                 int((item + 1) % num_kv_heads));
+        if (query_start_loc[r2 + 1] - query_start_loc[r2] == 1) {
+          const KeyRange next_range(visible_of(i2), pages.block_size, window);
+          next = NextItem<Pages>(pages, block_table + r2 * bt_stride + next_range.first_block,
+                                 next_range.keys, int((item + 1) % num_kv_heads));
+        }
       }
       if (attend_one_fast(query + i * q_tok_stride + h0 * q_head_stride, q_head_stride,
                           out + i * o_tok_stride + h0 * o_head_stride, o_head_stride, pages,
-                          block_table + r * bt_stride, kv_head, visible, group, scale, qf,
-                          acc, scores, row, probs, codes, next))
+                          blocks, kv_head, keys, group, scale, rf, qf, acc, scores, row, probs,
+                          codes, next))
         continue;
 #endif
       attend_one(query + i * q_tok_stride + h0 * q_head_stride, q_head_stride,
-                 out + i * o_tok_stride + h0 * o_head_stride, o_head_stride, pages,
-                 block_table + r * bt_stride, kv_head, visible, group, scale, qf, acc, scores,
-                 row);
+                 out + i * o_tok_stride + h0 * o_head_stride, o_head_stride, pages, blocks,
+                 kv_head, keys, group, scale, rf, qf, acc, scores, row);
     }
   }
 }
@@ -732,14 +812,17 @@ constexpr int kTooFewColumns = -2;  // a seq_len needs more blocks than a table 
 constexpr int kBadBlockId = -3;     // a block id a request reads is outside the cache
 constexpr int kBadSlot = -4;        // a slot is outside the cache
 
+// (With a sliding window, the blocks before a request's first query row's window are
+// not read: vLLM may have freed them.)
 int check_block_table(const int32_t* block_table, int64_t bt_stride, int64_t bt_cols,
-                      const int32_t* seq_lens, int num_reqs, int block_size,
-                      int64_t num_blocks) {
+                      const int32_t* query_start_loc, const int32_t* seq_lens, int num_reqs,
+                      int block_size, int64_t num_blocks, int window) {
   for (int r = 0; r < num_reqs; ++r) {
     const int64_t needed = (int64_t(seq_lens[r]) + block_size - 1) / block_size;
     if (needed > bt_cols) return kTooFewColumns;
     const int32_t* row = block_table + r * bt_stride;
-    for (int64_t b = 0; b < needed; ++b)
+    const int first_visible = seq_lens[r] - (query_start_loc[r + 1] - query_start_loc[r]) + 1;
+    for (int64_t b = KeyRange(first_visible, block_size, window).first_block; b < needed; ++b)
       if (row[b] < 0 || row[b] >= num_blocks) return kBadBlockId;
   }
   return 0;
@@ -768,10 +851,14 @@ int accel_paged_attention(int dtype, const void* query, int64_t q_tok_stride,
                           int64_t num_blocks, const int32_t* block_table, int64_t bt_stride,
                           int64_t bt_cols, const int32_t* query_start_loc,
                           const int32_t* seq_lens, int num_reqs, int num_heads,
-                          int num_kv_heads, float scale) {
-  if (const int rc = check_block_table(block_table, bt_stride, bt_cols, seq_lens, num_reqs,
-                                       block_size, num_blocks))
+                          int num_kv_heads, float scale, int sliding_window, float soft_cap,
+                          const float* alibi_slopes, const float* sinks) {
+  if (const int rc = check_block_table(block_table, bt_stride, bt_cols, query_start_loc,
+                                       seq_lens, num_reqs, block_size, num_blocks,
+                                       sliding_window))
     return rc;
+  const Features features{sliding_window, soft_cap, alibi_slopes, sinks};
+  const Features* f = features.plain() ? nullptr : &features;
   return dispatch(dtype, [&](auto tag) {
     using T = decltype(tag);
     const T* q = static_cast<const T*>(query);
@@ -781,13 +868,13 @@ int accel_paged_attention(int dtype, const void* query, int64_t q_tok_stride,
                           block_size, head_size};
       paged_attention(q, q_tok_stride, q_head_stride, o, o_tok_stride, o_head_stride, pages,
                       block_table, bt_stride, query_start_loc, seq_lens, num_reqs, num_heads,
-                      num_kv_heads, scale);
+                      num_kv_heads, scale, f);
     } else {
       Pages<T> pages{static_cast<const T*>(cache), block_stride, head_stride, block_size,
                      head_size};
       paged_attention(q, q_tok_stride, q_head_stride, o, o_tok_stride, o_head_stride, pages,
                       block_table, bt_stride, query_start_loc, seq_lens, num_reqs, num_heads,
-                      num_kv_heads, scale);
+                      num_kv_heads, scale, f);
     }
   });
 }

@@ -295,11 +295,31 @@ bool write_ok(const at::Tensor& key, const at::Tensor& value, const at::Tensor& 
          value.size(2) == key.size(2);
 }
 
+// A model's attention features (reference/attention.py): the window, the soft-cap and
+// per-query-head ALiBi slopes and sink logits, each float32 [num_heads] on the CPU.
+struct AttentionFeatures {
+  int64_t sliding_window = 0;
+  double soft_cap = 0.;
+  std::optional<at::Tensor> alibi_slopes, sinks;
+
+  // whether the kernels take them for `num_heads` query heads
+  bool ok(int64_t num_heads) const {
+    const auto per_head = [&](const std::optional<at::Tensor>& t) {
+      return !t.has_value() || (cpu_of(*t, at::kFloat) && t->dim() == 1 &&
+                                t->size(0) == num_heads && t->is_contiguous());
+    };
+    return sliding_window >= 0 && soft_cap >= 0. && per_head(alibi_slopes) && per_head(sinks);
+  }
+  static const float* data(const std::optional<at::Tensor>& t) {
+    return t.has_value() ? t->data_ptr<float>() : nullptr;
+  }
+};
+
 // Attention for the query rows of each request (query_start_loc) into `out` (same
 // shape as query, head dim contiguous): rows [0, query_start_loc[-1]), the rest untouched.
 void attend(const at::Tensor& query, const at::Tensor& kv_cache, const at::Tensor& table,
             const at::Tensor& starts, const at::Tensor& lens, const at::Tensor& out,
-            double scale) {
+            double scale, const AttentionFeatures& features) {
   const int rc = accel_paged_attention(
       dtype_code(query.scalar_type()), query.data_ptr(), query.stride(0), query.stride(1),
       out.data_ptr(), out.stride(0), out.stride(1), kv_cache.data_ptr(),
@@ -308,7 +328,9 @@ void attend(const at::Tensor& query, const at::Tensor& kv_cache, const at::Tenso
       kv_cache.size(0), table.data_ptr<int32_t>(), table.stride(0), table.size(1),
       starts.data_ptr<int32_t>(), lens.data_ptr<int32_t>(), static_cast<int>(lens.size(0)),
       static_cast<int>(query.size(1)), static_cast<int>(kv_cache.size(1)),
-      static_cast<float>(scale));
+      static_cast<float>(scale), static_cast<int>(features.sliding_window),
+      static_cast<float>(features.soft_cap), AttentionFeatures::data(features.alibi_slopes),
+      AttentionFeatures::data(features.sinks));
   check_rc(rc, "accel_paged_attention");
 }
 
@@ -338,15 +360,19 @@ at::Tensor contiguous_rows(const at::Tensor& t) {
 at::Tensor cpu_paged_attention(const at::Tensor& query, const at::Tensor& kv_cache,
                                const at::Tensor& block_table,
                                const at::Tensor& query_start_loc, const at::Tensor& seq_lens,
-                               double scale, bool zero_tail) {
-  if (!read_ok(query, kv_cache, block_table, query_start_loc, seq_lens)) {
+                               double scale, bool zero_tail, int64_t sliding_window,
+                               double soft_cap, const std::optional<at::Tensor>& alibi_slopes,
+                               const std::optional<at::Tensor>& sinks) {
+  const AttentionFeatures features{sliding_window, soft_cap, alibi_slopes, sinks};
+  if (!read_ok(query, kv_cache, block_table, query_start_loc, seq_lens) ||
+      !features.ok(query.size(1))) {
     return at::empty({0}, query.options());
   }
   const at::Tensor starts = query_start_loc.contiguous(), lens = seq_lens.contiguous();
   const int64_t rows = starts.data_ptr<int32_t>()[starts.size(0) - 1];
   if (rows > query.size(0)) return at::empty({0}, query.options());
   at::Tensor out = at::empty_like(query);
-  attend(query, kv_cache, contiguous_rows(block_table), starts, lens, out, scale);
+  attend(query, kv_cache, contiguous_rows(block_table), starts, lens, out, scale, features);
   if (zero_tail && rows < out.size(0)) out.narrow(0, rows, out.size(0) - rows).zero_();
   return out;
 }
@@ -359,6 +385,15 @@ bool cpu_cache_write(const at::Tensor& key, const at::Tensor& value, const at::T
   if (!write_ok(key, value, kv_cache, slot_mapping)) return false;
   write(key, value, kv_cache, slot_mapping, k_scale, v_scale);
   return true;
+}
+
+// The keys the q newest rows of a request of `len` tokens see in all (window: at most
+// that many each; 0: none), as attention.py's _prefill_pairs.
+int64_t prefill_row_keys(int64_t q, int64_t len, int64_t window) {
+  int64_t keys = 0;
+  if (window <= 0) return q * (len - q) + q * (q + 1) / 2;
+  for (int64_t row = len - q + 1; row <= len; ++row) keys += std::min(row, window);
+  return keys;
 }
 
 // vllm_accel::cpu_attention_step: an attention layer's whole forward in one call: the
@@ -374,9 +409,14 @@ bool cpu_attention_step(const at::Tensor& query, const at::Tensor& key, const at
                         const at::Tensor& kv_cache, const at::Tensor& slot_mapping,
                         const at::Tensor& block_table, const at::Tensor& query_start_loc,
                         const at::Tensor& seq_lens, const at::Tensor& output, double scale,
-                        double k_scale, double v_scale, int64_t max_prefill_pairs) {
+                        double k_scale, double v_scale, int64_t max_prefill_pairs,
+                        int64_t sliding_window, double soft_cap,
+                        const std::optional<at::Tensor>& alibi_slopes,
+                        const std::optional<at::Tensor>& sinks) {
+  const AttentionFeatures features{sliding_window, soft_cap, alibi_slopes, sinks};
   if (!write_ok(key, value, kv_cache, slot_mapping) ||
       !read_ok(query, kv_cache, block_table, query_start_loc, seq_lens) ||
+      !features.ok(query.size(1)) ||
       output.sizes() != query.sizes() || output.scalar_type() != query.scalar_type() ||
       !output.device().is_cpu() || output.stride(2) != 1) {
     return false;
@@ -391,11 +431,11 @@ bool cpu_attention_step(const at::Tensor& query, const at::Tensor& key, const at
   int64_t prefill_pairs = 0;
   for (int64_t i = 0; i < reqs; ++i) {
     const int64_t q = start[i + 1] - start[i];
-    if (q > 1) prefill_pairs += q * (len[i] - q) + q * (q + 1) / 2;
+    if (q > 1) prefill_pairs += prefill_row_keys(q, len[i], sliding_window);
   }
   if (prefill_pairs > max_prefill_pairs) return false;
   write(key, value, kv_cache, slot_mapping, k_scale, v_scale);
-  attend(query, kv_cache, contiguous_rows(block_table), starts, lens, output, scale);
+  attend(query, kv_cache, contiguous_rows(block_table), starts, lens, output, scale, features);
   attention_step_calls.add(start[reqs]);
   return true;
 }
@@ -624,7 +664,7 @@ std::tuple<at::Tensor, at::Tensor> cpu_decoder_layer(
                           k_rot.view({tokens, num_kv_heads, head_size}),
                           v.view({tokens, num_kv_heads, head_size}), kv_cache, slot_mapping,
                           block_table, query_start_loc, seq_lens, attn, scale, k_scale, v_scale,
-                          max_prefill_pairs)) {
+                          max_prefill_pairs, 0, 0., std::nullopt, std::nullopt)) {
     return {};
   }
   phase.next("accel_layer::o_proj");
@@ -783,13 +823,16 @@ void accel_torch_ops_set_int4pack_layout(int block_n) { int4pack_block_n = block
 // vLLM's attention op or in eager mode, never traced.
 TORCH_LIBRARY_FRAGMENT(vllm_accel, m) {
   m.def("cpu_paged_attention(Tensor query, Tensor kv_cache, Tensor block_table, "
-        "Tensor query_start_loc, Tensor seq_lens, float scale, bool zero_tail) -> Tensor");
+        "Tensor query_start_loc, Tensor seq_lens, float scale, bool zero_tail, "
+        "int sliding_window=0, float soft_cap=0., Tensor? alibi_slopes=None, "
+        "Tensor? sinks=None) -> Tensor");
   m.def("cpu_cache_write(Tensor key, Tensor value, Tensor(a!) kv_cache, Tensor slot_mapping, "
         "float k_scale, float v_scale) -> bool");
   m.def("cpu_attention_step(Tensor query, Tensor key, Tensor value, Tensor(a!) kv_cache, "
         "Tensor slot_mapping, Tensor block_table, Tensor query_start_loc, Tensor seq_lens, "
         "Tensor(b!) output, float scale, float k_scale, float v_scale, "
-        "int max_prefill_pairs) -> bool");
+        "int max_prefill_pairs, int sliding_window=0, float soft_cap=0., "
+        "Tensor? alibi_slopes=None, Tensor? sinks=None) -> bool");
   m.def("cpu_rms_norm(Tensor x, Tensor? weight, float eps, Tensor? residual) -> (Tensor, Tensor)");
   m.def("cpu_silu_and_mul(Tensor x) -> Tensor");
   m.def("cpu_rotary_embedding(Tensor positions, Tensor query, Tensor? key, Tensor cos_sin_cache, "
