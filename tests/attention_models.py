@@ -5,7 +5,8 @@ plain causal (a few MB each, HF safetensors), for the engine tests of
 Each family is built from HF transformers' own config class, with the feature that
 matters set small enough that the tests' sequences (up to ~90 tokens) cross it: a
 sliding window of ``WINDOW`` tokens (per layer where the family alternates), Gemma 2's
-logit soft-caps, Bloom's ALiBi, GraniteSWA's attention sinks. Weights are drawn wider
+logit soft-caps, Bloom's ALiBi, GraniteSWA's attention sinks; and encoder-only
+embedding models (BERT, XLM-RoBERTa: bidirectional attention, no KV cache). Weights are drawn wider
 than HF's init (std 0.08, LM head / tied embedding 0.4) so the logits are peaked and a
 kernel's rounding flips no token.
 """
@@ -74,3 +75,52 @@ def build_tiny(path: Path, family: str, *, hidden: int = 128, layers: int = 2,
                 p.normal_(0, 1.0)
     model.save_pretrained(path, safe_serialization=True)
     return path
+
+
+#: encoder-only embedding families -> (HF config class, what vLLM serves them as)
+ENCODERS = {
+    "bert": ("BertConfig", "BertModel -> BertEmbeddingModel, CLS pooling"),
+    "xlm_roberta": ("XLMRobertaConfig", "XLMRobertaModel -> RobertaEmbeddingModel (position "
+                    "ids after the padding index), CLS pooling"),
+}
+
+
+def build_tiny_encoder(path: Path, family: str, *, hidden: int = 128, layers: int = 2,
+                       vocab: int = 512, seed: int = 0) -> Path:
+    """An encoder-only ``family`` checkpoint (4 heads of 32), saved as its base model
+    (what embedding checkpoints ship)."""
+    import transformers
+    from transformers import AutoModel
+
+    config = getattr(transformers, ENCODERS[family][0])(
+        vocab_size=vocab, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=4,
+        intermediate_size=2 * hidden, max_position_embeddings=514, pad_token_id=1,
+        bos_token_id=0, eos_token_id=2, layer_norm_eps=1e-5,
+        # (released checkpoints' config.json carry it; vLLM 0.32 reads it)
+        position_embedding_type="absolute")
+    config.dtype = torch.float32
+    torch.manual_seed(seed)
+    model = AutoModel.from_config(config, dtype=torch.float32, add_pooling_layer=False)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.normal_(0, 0.08)
+    model.save_pretrained(path, safe_serialization=True)
+    # vLLM's pooling entry points load a tokenizer: the default model's (the prompts
+    # are token ids below this model's vocabulary)
+    from quantizer import _copy_side_files
+    from vllm_accel.tools.models import prepare_default_model
+
+    _copy_side_files(prepare_default_model(), path)
+    return path
+
+
+def hf_cls_embeddings(model_dir: Path, prompts: list[list[int]]) -> list[torch.Tensor]:
+    """HF float64: each prompt's first-token hidden state, L2-normalised (CLS pooling,
+    as vLLM's embedding runner pools these models)."""
+    from transformers import AutoModel
+
+    hf = AutoModel.from_pretrained(model_dir, dtype=torch.float64, attn_implementation="eager")
+    with torch.no_grad():
+        return [torch.nn.functional.normalize(
+            hf(torch.tensor([p])).last_hidden_state[0, 0], dim=0) for p in prompts]

@@ -5,7 +5,8 @@ spawns EngineCore and workers; a fresh interpreter keeps pytest's process free
 of their state). Input: a JSON file path with ``llm`` (LLM kwargs), ``prompts``
 (strings or token-id lists), ``sampling`` (SamplingParams kwargs), ``chat``
 (optional list of message lists, sampled with ``chat_sampling`` if given), ``prompt_batches`` (optional: lists of prompts
-generated one batch after another, e.g. to hit the prefix cache), ``requests``
+generated one batch after another, e.g. to hit the prefix cache), ``embed`` (optional: token-id
+prompts embedded by a pooling model), ``requests``
 (optional: {"prompt", "sampling"} pairs, each with its own SamplingParams kwargs;
 ``structured_outputs`` there is a StructuredOutputsParams dict). Output: one
 stdout line "ENGINE_RESULT <json>" (outputs, batch outputs, prefix-cache and
@@ -109,6 +110,10 @@ def main() -> None:
         outs = llm.generate([r["prompt"] for r in spec["requests"]], params_list, use_tqdm=False)
         results["requests"] = [{"token_ids": list(o.outputs[0].token_ids),
                                 "text": o.outputs[0].text} for o in outs]
+    if spec.get("embed"):  # a pooling model: one embedding per token-id prompt
+        outs = llm.embed([TokensPrompt(prompt_token_ids=p) for p in spec["embed"]],
+                         use_tqdm=False)
+        results["embeddings"] = [list(o.outputs.embedding) for o in outs]
     results["batches"], results["batch_outputs"] = [], []
     for batch in spec.get("prompt_batches", []):
         outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in batch], params,

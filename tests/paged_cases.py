@@ -88,11 +88,13 @@ def make_case(reqs, bs, h, hkv, d, dtype, seed, layout="LHBNC", fill=None):
 
 
 def reference(q, k, v, scale, sliding_window=None, logits_soft_cap=None, alibi_slopes=None,
-              sinks=None):
+              sinks=None, causal=True):
     """float64 causal attention; q holds the last len(q) of len(k) positions. The model
     features, written out from their definitions: logits soft-capped as
     ``c * tanh(s / c)``, plus ``slope[h] * (j - i)`` (ALiBi), keys ``j`` with
-    ``i - j < window`` only, and a sink logit per head in the softmax's denominator."""
+    ``i - j < window`` only, and a sink logit per head in the softmax's denominator.
+    Bidirectional (``causal=False``, q and k the same positions): every key, the window
+    ``|i - j| < window`` and ALiBi ``-slope[h] * |i - j|``."""
     q, k, v = q.double(), k.double(), v.double()
     group = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
@@ -103,10 +105,11 @@ def reference(q, k, v, scale, sliding_window=None, logits_soft_cap=None, alibi_s
     q_pos = torch.arange(q.shape[0])[:, None] + context
     distance = torch.arange(k.shape[0])[None, :] - q_pos  # j - i
     if alibi_slopes is not None:
-        scores = scores + torch.as_tensor(alibi_slopes).double()[:, None, None] * distance
-    hidden = distance > 0
+        scores = scores + torch.as_tensor(alibi_slopes).double()[:, None, None] * (
+            distance if causal else -distance.abs())
+    hidden = distance > 0 if causal else torch.zeros_like(distance, dtype=torch.bool)
     if sliding_window is not None:
-        hidden |= -distance >= sliding_window
+        hidden |= distance.abs() >= sliding_window
     scores = scores.masked_fill(hidden, float("-inf"))
     if sinks is not None:
         sink = torch.as_tensor(sinks).double()[:, None, None].expand(-1, q.shape[0], 1)

@@ -1,5 +1,6 @@
 """Attention features (sliding window, logit soft-cap, ALiBi, sinks) of every paged
-reader against the float64 oracle (``paged_cases.reference``, written from the
+reader, and the cache-less ``varlen_attention`` of encoder-only layers (bidirectional),
+against the float64 oracle (``paged_cases.reference``, written from the
 features' definitions), over the readers' paths: decode, prefill, prefill after cached
 context (chunked prefill crossing the window), mixed batches; block sizes 16/64;
 GQA 1/3/8 and MQA; head sizes 64/128/256 and 72 (no vector instantiation).
@@ -205,3 +206,25 @@ def test_attention_step_with_features_writes_and_attends():
     assert cpu_native._prefill_pairs(torch.tensor([0, 600], dtype=torch.int32),
                                      torch.tensor([600], dtype=torch.int32), 20) == sum(
         min(i + 1, 20) for i in range(600))
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["bidirectional", "causal"])
+@pytest.mark.parametrize("features", ["none", "window=bs+5,soft_cap", "alibi", "sinks",
+                                      "alibi,window=bs+1,soft_cap"])
+@pytest.mark.parametrize("provider", ["reference", "torch_fast"])
+def test_varlen_attention_matches_the_float64_oracle(provider, features, causal):
+    """Packed sequences of 1-300 tokens (past the torch kernel's 256-row query chunk),
+    GQA 3, with padding rows after the last (zeros)."""
+    hkv, ratio, d = 2, 3, 64
+    h = hkv * ratio
+    f = {} if features == "none" else FEATURES[features](16, h)
+    g = torch.Generator().manual_seed(len(features))
+    lengths = [1, 37, 300, 16]
+    q, k, v = (torch.randn(sum(lengths) + 3, n, d, generator=g) for n in (h, hkv, hkv))
+    starts = torch.tensor([0, *lengths]).cumsum(0).to(torch.int32)
+    out = get_kernel("varlen_attention", provider)(q, k, v, starts, d ** -0.5, causal=causal,
+                                                   **f)
+    expected = torch.cat([reference(q[a:b], k[a:b], v[a:b], d ** -0.5, causal=causal, **f)
+                          for a, b in zip(starts[:-1].tolist(), starts[1:].tolist())])
+    torch.testing.assert_close(out[:-3].double(), expected, **TOL[torch.float32])
+    assert (out[-3:] == 0).all()

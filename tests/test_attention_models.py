@@ -4,7 +4,9 @@ Gemma 2 (alternating windows, logit soft-caps), Gemma 3 text, StarCoder2 (vLLM's
 Transformers backend), Bloom (ALiBi) and GraniteSWA (attention sinks), on the
 simulator (compiled and eager) and on the virtual GCU (the card path), with prefix
 caching and chunked prefill over prompts longer than the window, in blocks of 16 so
-that vLLM frees the blocks behind the window while requests run.
+that vLLM frees the blocks behind the window while requests run. Encoder-only
+embedding models (BERT, XLM-RoBERTa) through vLLM's pooling runner: their embeddings
+vs HF's CLS hidden state.
 
 Teacher-forced: each greedy token is HF float64's top-1 given the tokens before it,
 its log-prob within 2e-3 nats of HF's.
@@ -14,7 +16,10 @@ import random
 
 import pytest
 
-from attention_models import FAMILIES, WINDOW, build_tiny
+import torch
+
+from attention_models import (ENCODERS, FAMILIES, WINDOW, build_tiny, build_tiny_encoder,
+                              hf_cls_embeddings)
 from conftest import VIRTUAL_GCU_ENV, run_engine
 from moe_models import assert_matches_hf
 
@@ -80,3 +85,42 @@ def test_family_matches_hf(case, models, tmp_path):
         assert f"sliding_window {WINDOW}" in log
     outputs = [o for batch in results["batch_outputs"] for o in batch]
     assert_matches_hf(models[family], prompts, outputs)
+
+
+#: name: (family, path env, compiled)
+ENCODER_CASES = {
+    "bert-sim-compiled": ("bert", SIM, True),
+    "bert-virtual": ("bert", VIRTUAL, False),
+    "xlm_roberta-sim-eager": ("xlm_roberta", SIM, False),
+    "xlm_roberta-virtual": ("xlm_roberta", VIRTUAL, False),
+}
+
+
+@pytest.fixture(scope="module")
+def encoders(tmp_path_factory):
+    root = tmp_path_factory.mktemp("encoders")
+    return {family: build_tiny_encoder(root / family, family, seed=i)
+            for i, family in enumerate(ENCODERS)}
+
+
+@pytest.mark.engine
+@pytest.mark.parametrize("case", list(ENCODER_CASES))
+def test_encoder_embeddings_match_hf(case, encoders, tmp_path):
+    """Bidirectional attention within each sequence (``varlen_attention``), several
+    sequences of different lengths in one batch: each embedding within 1e-5 of HF
+    float64's (cosine >= 0.99999)."""
+    family, env, compiled = ENCODER_CASES[case]
+    rng = random.Random(case)
+    prompts = [[0] + [rng.randrange(3, 512) for _ in range(n)] + [2] for n in (5, 60, 1, 130)]
+    spec = {"llm": {"model": str(encoders[family]), "runner": "pooling", "dtype": "float32",
+                    "enforce_eager": not compiled, "max_model_len": 256, "seed": 0},
+            "embed": prompts, "sampling": {}}
+    results, log = run_engine(spec, tmp_path, env=env)
+    assert "encoder_only" not in log or "does not support" not in log
+    if env is VIRTUAL:
+        assert "device gcu via virtual" in log
+    for got, want in zip(results["embeddings"], hf_cls_embeddings(encoders[family], prompts),
+                         strict=True):
+        got = torch.tensor(got, dtype=torch.float64)
+        assert torch.nn.functional.cosine_similarity(got, want, dim=0) >= 0.99999
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=0)

@@ -229,14 +229,18 @@ class AccelPlatform(CpuPlatform):
 
     @classmethod
     def get_attn_backend_cls(cls, selected_backend, attn_selector_config, num_heads=None) -> str:
-        from vllm_accel.ops.attention import BACKEND_NAME, reject_unsupported
+        from vllm_accel.ops.attention import (
+            BACKEND_NAME,
+            SUPPORTED_ATTN_TYPES,
+            reject_unsupported,
+        )
 
         config = attn_selector_config
         reject_unsupported({
             "MLA": config.use_mla,
             "sparse attention": config.use_sparse,
             "non-causal attention": config.use_non_causal,
-            f"{config.attn_type} attention": config.attn_type != "decoder",
+            f"{config.attn_type} attention": config.attn_type not in SUPPORTED_ATTN_TYPES,
         })
         if selected_backend is not None and selected_backend.name != BACKEND_NAME:
             logger.warning_once(

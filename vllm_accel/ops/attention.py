@@ -40,6 +40,9 @@ from vllm_accel.ops.registry import get_kernel, providers_of, resolve_provider
 logger = init_logger(__name__)
 
 BACKEND_NAME = "ACCEL_ATTN"
+#: decoder layers over the paged cache; encoder-only layers (BERT-style embedding and
+#: reranker models) within each sequence of the batch, with no cache
+SUPPORTED_ATTN_TYPES = (AttentionType.DECODER, AttentionType.ENCODER_ONLY)
 #: the INT8 KV cache: int8 K and V plus an fp32 scale each per (token, head)
 INT8_KV = "int8_per_token_head"
 
@@ -137,7 +140,7 @@ class AccelAttentionBackend(AttentionBackend):
 
     @classmethod
     def supports_attn_type(cls, attn_type: str) -> bool:
-        return attn_type == AttentionType.DECODER
+        return attn_type in SUPPORTED_ATTN_TYPES
 
 
 @dataclass
@@ -150,6 +153,7 @@ class AccelAttentionMetadata:
     seq_lens: torch.Tensor  # [num_reqs]
     block_table: torch.Tensor  # [num_reqs, max_blocks]
     slot_mapping: torch.Tensor  # [num_tokens]
+    causal: bool = True  # False: vLLM's encoder-only layers (bidirectional)
 
 
 class AccelAttentionMetadataBuilder(AttentionMetadataBuilder[AccelAttentionMetadata]):
@@ -172,6 +176,8 @@ class AccelAttentionMetadataBuilder(AttentionMetadataBuilder[AccelAttentionMetad
         common_attn_metadata: CommonAttentionMetadata,
         fast_build: bool = False,
     ) -> AccelAttentionMetadata:
+        if isinstance(common_attn_metadata.causal, torch.Tensor):
+            reject_unsupported({"per-request causal masks (multimodal prefixes)": True})
         num_decodes, _, num_decode_tokens, _ = split_decodes_and_prefills(
             common_attn_metadata, decode_threshold=self.reorder_batch_threshold
         )
@@ -184,6 +190,7 @@ class AccelAttentionMetadataBuilder(AttentionMetadataBuilder[AccelAttentionMetad
             seq_lens=common_attn_metadata.seq_lens,
             block_table=common_attn_metadata.block_table_tensor,
             slot_mapping=common_attn_metadata.slot_mapping,
+            causal=common_attn_metadata.causal,
         )
 
 
@@ -216,7 +223,7 @@ class AccelAttentionImpl(AttentionImpl):
         sinks: torch.Tensor | None = None,
     ) -> None:
         reject_unsupported({
-            f"{attn_type} attention": attn_type != AttentionType.DECODER,
+            f"{attn_type} attention": attn_type not in SUPPORTED_ATTN_TYPES,
             f"sliding window {sliding_window}": sliding_window is not None
             and sliding_window < 1,
             f"attention sinks of shape {tuple(getattr(sinks, 'shape', ()))} (one per "
@@ -228,6 +235,7 @@ class AccelAttentionImpl(AttentionImpl):
         self.scale = float(scale)
         self.num_kv_heads = num_kv_heads
         self.kv_cache_dtype = kv_cache_dtype
+        self.attn_type = attn_type
         self.kv_sharing_target_layer_name = kv_sharing_target_layer_name
         self._static_kv_scales = _static_kv_scales(kv_cache_dtype)
         # A float8 cache is allocated as uint8; the kernels get a float8 view.
@@ -308,6 +316,15 @@ class AccelAttentionImpl(AttentionImpl):
             return output
         md = attn_metadata
         features = self._device_features(query.device)
+        if self.attn_type == AttentionType.ENCODER_ONLY:  # no cache: within each sequence
+            n = md.num_actual_tokens
+            output[:n].view(n, self.num_heads, self.head_size).copy_(get_kernel(
+                "varlen_attention")(query[:n].view(n, self.num_heads, self.head_size),
+                                    key[:n].view(n, self.num_kv_heads, self.head_size),
+                                    value[:n].view(n, self.num_kv_heads, self.head_size),
+                                    md.query_start_loc_cpu, self.scale, causal=md.causal,
+                                    **features))
+            return output
         writes = (self.kv_sharing_target_layer_name is None and key is not None
                   and value is not None)
         if (writes and self._attention_step is not None and self._attention_step(

@@ -100,3 +100,44 @@ def paged_decode(query, kv_cache, block_table, seq_lens, scale, k_scale=1.0, v_s
 for _suffix in ("", "_int8", "_fp8"):  # the page reader handles every cache dtype
     register_kernel("paged_prefill" + _suffix)(paged_attention)
     register_kernel("paged_decode" + _suffix)(paged_decode)
+
+
+@register_kernel("varlen_attention")
+def varlen_attention(query, key, value, query_start_loc, scale, *, causal: bool = False,
+                     sliding_window: int | None = None, logits_soft_cap: float | None = None,
+                     alibi_slopes: torch.Tensor | None = None,
+                     sinks: torch.Tensor | None = None):
+    """Attention within each sequence of a packed batch, no cache (encoder-only models,
+    vision towers): ``query`` ``[T, H, D]``, ``key``/``value`` ``[T, Hkv, D]``, sequence
+    ``i`` the rows ``query_start_loc[i]:query_start_loc[i+1]``. Bidirectional unless
+    ``causal``; the features as for the paged readers, bidirectionally: the window
+    keeps keys with ``|i - j| < W``, ALiBi adds ``-slope * |i - j|``. Rows past the
+    last sequence are zeros."""
+    out = torch.zeros_like(query)
+    h, hkv = query.shape[1], key.shape[1]
+    starts = query_start_loc.tolist()
+    for start, end in zip(starts[:-1], starts[1:]):
+        if end == start:
+            continue
+        q = query[start:end].float().transpose(0, 1)  # [H, L, D]
+        k = key[start:end].float().transpose(0, 1).repeat_interleave(h // hkv, dim=0)
+        v = value[start:end].float().transpose(0, 1).repeat_interleave(h // hkv, dim=0)
+        scores = q @ k.transpose(1, 2) * scale
+        if logits_soft_cap:
+            scores = logits_soft_cap * torch.tanh(scores / logits_soft_cap)
+        pos = torch.arange(end - start)
+        distance = (pos[None, :] - pos[:, None]).float()  # j - i
+        if alibi_slopes is not None:
+            scores = scores + alibi_slopes.float().view(h, 1, 1) * (
+                distance if causal else -distance.abs())
+        hidden = (distance > 0) if causal else torch.zeros_like(distance, dtype=torch.bool)
+        if sliding_window is not None:
+            hidden |= distance.abs() >= sliding_window
+        scores.masked_fill_(hidden, float("-inf"))
+        if sinks is not None:
+            sink = sinks.float().view(h, 1, 1).expand(h, end - start, 1)
+            probs = torch.softmax(torch.cat((scores, sink), dim=-1), dim=-1)[..., :-1]
+        else:
+            probs = torch.softmax(scores, dim=-1)
+        out[start:end] = (probs @ v).transpose(0, 1).to(query.dtype)
+    return out

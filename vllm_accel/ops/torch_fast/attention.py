@@ -296,3 +296,44 @@ def paged_prefill_fp8(
                                v_scale=v_scale)
     return _prefill(query, kv_cache, block_table, query_start_loc, seq_lens, scale, gather,
                     **features)
+
+
+@register_kernel("varlen_attention", FAST)
+def varlen_attention(query, key, value, query_start_loc, scale, *, causal: bool = False,
+                     sliding_window: int | None = None, logits_soft_cap: float | None = None,
+                     alibi_slopes: torch.Tensor | None = None,
+                     sinks: torch.Tensor | None = None):
+    """Attention within each sequence of a packed batch, no cache (contract:
+    ``reference/attention.py``): each sequence's heads as one batched matmul of its
+    query chunks, float32 softmax."""
+    t, h, d = query.shape
+    hkv = key.shape[1]
+    group = h // hkv
+    out = torch.zeros_like(query)
+    slopes = _per_kv_head(alibi_slopes, hkv, 1)  # [Hkv, G]
+    sink = _per_kv_head(sinks, hkv, 1)
+    starts = query_start_loc.tolist()
+    for start, end in zip(starts[:-1], starts[1:]):
+        if end == start:
+            continue
+        k = key[start:end].transpose(0, 1)  # [Hkv, L, D]
+        v = value[start:end].transpose(0, 1)
+        key_pos = torch.arange(end - start, device=query.device)
+        for c0 in range(start, end, PREFILL_QUERY_CHUNK):
+            c1 = min(c0 + PREFILL_QUERY_CHUNK, end)
+            q = query[c0:c1].view(c1 - c0, hkv, group, d).permute(1, 2, 0, 3)
+            q = q.reshape(hkv, group * (c1 - c0), d).to(k.dtype)  # rows: (g, token)
+            distance = key_pos[None, :] - key_pos[c0 - start:c1 - start, None]  # [c, L]
+            valid = distance <= 0 if causal else torch.ones_like(distance, dtype=torch.bool)
+            if sliding_window:
+                valid &= distance.abs() < sliding_window
+            bias = None
+            if slopes is not None:
+                signed = distance if causal else -distance.abs()
+                bias = (slopes[:, :, None, None] * signed.float()).reshape(
+                    hkv, group * (c1 - c0), -1)
+            o = _attend(q, k, v, valid.repeat(group, 1)[None], scale, None, logits_soft_cap,
+                        bias, None if sink is None else sink.repeat_interleave(c1 - c0, dim=1))
+            o = o.view(hkv, group, c1 - c0, d)
+            out[c0:c1] = o.permute(2, 0, 1, 3).reshape(c1 - c0, h, d).to(query.dtype)
+    return out
