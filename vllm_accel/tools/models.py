@@ -11,6 +11,7 @@ Command line (the path is the last line of stdout)::
 
     python -m vllm_accel.tools.models prepare-default [--cache-dir DIR] [--force]
     python -m vllm_accel.tools.models path [--cache-dir DIR]
+    python -m vllm_accel.tools.models check MODEL_DIR [--json]   (tools/model_check.py)
 
 This module deliberately imports neither vLLM nor (until a conversion is really
 needed) torch/transformers, so the fast path and ``path`` stay light.
@@ -470,11 +471,26 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     prep.add_argument("--force", action="store_true", help="convert again even if a valid copy exists")
     where = sub.add_parser("path", help="print where the default model is or would be; converts nothing")
     where.add_argument("--cache-dir", default=None, help="cache root (default: $ACCEL_MODEL_CACHE)")
+    check = sub.add_parser(
+        "check", help="say from a checkpoint's config.json (no weights) whether vllm_accel "
+        "serves it, with which kernels, or what is missing; exit 1 when it does not")
+    check.add_argument("model_dir", help="an HF model directory")
+    check.add_argument("--json", action="store_true", help="print JSON")
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.command == "check":
+        from vllm_accel.tools.model_check import report
+
+        try:
+            text, served = report(args.model_dir, as_json=args.json)
+        except FileNotFoundError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
+        print(text)
+        return 0 if served else 1
     if not logging.getLogger().handlers:
         logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(levelname)s %(name)s: %(message)s")
     try:

@@ -1,0 +1,90 @@
+"""``python -m vllm_accel.tools.models check MODEL_DIR``: from config.json alone, whether
+the plugin serves a checkpoint, with which kernels, or what is missing and the nearest
+workaround. The configs come from HF transformers' config classes (no weights)."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from vllm_accel.tools.model_check import check
+
+
+def _write(tmp_path, name: str, config_cls: str, **kwargs):
+    import transformers
+
+    config = getattr(transformers, config_cls)(**kwargs)
+    model_dir = tmp_path / name
+    model_dir.mkdir()
+    config.to_json_file(model_dir / "config.json")
+    return model_dir
+
+
+
+#: name -> (config class, architecture, kwargs, served, text each finding list must have)
+CASES = {
+    "mistral": ("MistralConfig", "MistralForCausalLM", dict(sliding_window=4096), True,
+                ["sliding window 4096 on 32 of 32 layers"]),
+    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", {}, True,
+               ["sliding window 4096 on 13 of 26 layers", "soft-cap 50.0"]),
+    "qwen2-no-window": ("Qwen2Config", "Qwen2ForCausalLM", dict(use_sliding_window=False), True,
+                        []),
+    "bloom": ("BloomConfig", "BloomForCausalLM", {}, True, ["ALiBi"]),
+    "granite_swa": ("GraniteSWAConfig", "GraniteSWAForCausalLM", {}, True,
+                    ["attention sinks", "sliding window 128 on 18 of 24 layers"]),
+    "bert": ("BertConfig", "BertModel", {}, True, ["pooling model"]),
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", {}, True,
+                  ["mixture of experts (128 experts, top-8)"]),
+    "deepseek_v2": ("DeepseekV2Config", "DeepseekV2ForCausalLM", {}, False,
+                    ["MLA (kv_lora_rank 512", "VLLM_MLA_DISABLE=1"]),
+    "gpt_oss": ("GptOssConfig", "GptOssForCausalLM", {}, False,
+                ["clamped SwiGLU experts", "attention sinks"]),
+    "mamba": ("MambaConfig", "MambaForCausalLM", {}, False, ["state-space"]),
+    "whisper": ("WhisperConfig", "WhisperForConditionalGeneration", {}, False,
+                ["encoder-decoder"]),
+    "fp8-llama": ("LlamaConfig", "LlamaForCausalLM",
+                  dict(quantization_config={"quant_method": "fp8"}), False, ["fp8 weights"]),
+    "gptq-mixtral": ("MixtralConfig", "MixtralForCausalLM",
+                     dict(quantization_config={"quant_method": "gptq", "bits": 4}), True,
+                     ["gptq MoE experts", "gptq weights"]),
+    "awq-mixtral": ("MixtralConfig", "MixtralForCausalLM",
+                    dict(quantization_config={"quant_method": "awq", "bits": 4}), False,
+                    ["awq MoE experts"]),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_findings(case, tmp_path):
+    config_cls, arch, kwargs, served, expected = CASES[case]
+    model_dir = _write(tmp_path, case, config_cls, architectures=[arch], **kwargs)
+    findings = check(model_dir)
+    text = "\n".join(f"{f.feature}: {f.how}" for f in findings)
+    assert all(f.served for f in findings) == served, text
+    assert findings[0].feature == f"architecture {arch}" and findings[0].served
+    for piece in expected:
+        assert piece in text, text
+    # a "missing" finding always says what to do instead
+    for f in findings:
+        if not f.served:
+            assert any(word in f.how for word in ("VLLM_", "use ", "exclude", "not served")), f
+
+
+def test_cli_exit_codes_and_json(tmp_path):
+    """Exit 0 for a served checkpoint, 1 for one that is not (with --json: the
+    findings), 2 for a directory without config.json."""
+    served = _write(tmp_path, "served", "MistralConfig", architectures=["MistralForCausalLM"],
+                    sliding_window=64)
+    missing = _write(tmp_path, "missing", "MambaConfig", architectures=["MambaForCausalLM"])
+    cli = [sys.executable, "-m", "vllm_accel.tools.models", "check"]
+    ok = subprocess.run(cli + [str(served)], capture_output=True, text=True, timeout=300)
+    assert ok.returncode == 0 and "served by vllm_accel" in ok.stdout, ok.stdout + ok.stderr
+    assert "[ok] sliding window 64" in ok.stdout
+    bad = subprocess.run(cli + [str(missing), "--json"], capture_output=True, text=True,
+                         timeout=300)
+    assert bad.returncode == 1, bad.stderr
+    report = json.loads(bad.stdout)
+    assert report["served"] is False
+    assert any(not f["served"] and "state-space" in f["feature"] for f in report["findings"])
+    none = subprocess.run(cli + [str(tmp_path)], capture_output=True, text=True, timeout=300)
+    assert none.returncode == 2 and "config.json" in none.stderr

@@ -1,0 +1,179 @@
+"""Whether the plugin serves a checkpoint, read from its ``config.json`` alone (no
+weights): ``python -m vllm_accel.tools.models check MODEL_DIR``.
+
+Each finding names a feature the checkpoint needs, whether the plugin serves it and
+how (the kernels, the path), or what is missing and the nearest workaround. The rules
+are the plugin's own startup refusals (``ops/attention.py``, ``platform.py``,
+``ops/moe.py``, ``quant/``), stated once here for a reader; the engine tests behind
+each "served" are listed in ``docs/supported-models.md``.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+#: quantization formats whose dense linears the plugin serves (config ``quant_method``)
+QUANT_DENSE = {"gptq": "gcu_gptq (4/8-bit, groups, act-order)",
+               "awq": "gcu_awq (4-bit GEMM layout)",
+               "compressed-tensors": "compressed-tensors W4A16 / W8A16 / W8A8 int8"}
+#: ... and whose MoE experts
+QUANT_MOE = {"gptq": "GPTQ experts (quant/moe.py)",
+             "compressed-tensors": "W8A8 int8 experts with dynamic per-token activations"}
+#: model types whose attention adds ALiBi (vLLM passes slopes to the backend)
+ALIBI_TYPES = {"bloom", "mpt", "baichuan", "jais", "falcon"}
+#: model types with learned attention sinks
+SINK_TYPES = {"gpt_oss", "granite_swa", "granitemoe_swa"}
+
+
+@dataclass
+class Finding:
+    feature: str
+    served: bool
+    how: str
+
+
+def _text_config(config: dict) -> dict:
+    return config.get("text_config") or config
+
+
+def _layer_windows(text: dict) -> tuple[int | None, int, int]:
+    """(window, windowed layers, layers) as vLLM applies them."""
+    layers = int(text.get("num_hidden_layers") or text.get("n_layer") or 0)
+    window = text.get("sliding_window")
+    if not window or text.get("use_sliding_window") is False:
+        return None, 0, layers
+    types = text.get("layer_types")
+    if types:
+        windowed = sum(t == "sliding_attention" for t in types)
+        return (window, windowed, layers) if windowed else (None, 0, layers)
+    return window, layers, layers
+
+
+def _attention(config: dict, text: dict, model_type: str) -> list[Finding]:
+    found = []
+    if text.get("kv_lora_rank"):
+        found.append(Finding(
+            f"MLA (kv_lora_rank {text['kv_lora_rank']}, rope dims "
+            f"{text.get('qk_rope_head_dim')})", False,
+            "not served yet; VLLM_MLA_DISABLE=1 serves the model with plain attention "
+            "(the latent projections decompressed into per-head K/V)"))
+    window, windowed, layers = _layer_windows(text)
+    if window:
+        found.append(Finding(
+            f"sliding window {window} on {windowed} of {layers} layers", True,
+            "ACCEL_ATTN reads only the window's blocks (vLLM frees the rest): the C++ "
+            "reader on the simulator, torch_fast / Triton on a card"))
+    cap = text.get("attn_logit_softcapping")
+    if cap:
+        found.append(Finding(f"attention logit soft-cap {cap}", True, "ACCEL_ATTN (every "
+                             "provider)"))
+    if model_type in ALIBI_TYPES and (model_type != "falcon" or text.get("alibi")):
+        found.append(Finding("ALiBi", True, "ACCEL_ATTN with vLLM's slopes (every provider)"))
+    if model_type in SINK_TYPES or text.get("attention_sinks"):
+        found.append(Finding("learned attention sinks", True, "ACCEL_ATTN (every provider)"))
+    return found
+
+
+def _moe(text: dict, quant: dict | None) -> list[Finding]:
+    experts = (text.get("num_local_experts") or text.get("num_experts")
+               or text.get("n_routed_experts") or text.get("moe_num_experts"))
+    if not experts:
+        return []
+    top_k = text.get("num_experts_per_tok") or text.get("moe_topk")
+    found = [Finding(f"mixture of experts ({experts} experts, top-{top_k})", True,
+                     "AccelFusedMoEMethod: moe_route / moe_experts (the C++ experts op on "
+                     "the simulator, torch_fast on a card); --enable-expert-parallel")]
+    if text.get("swiglu_limit") or text.get("model_type") == "gpt_oss":
+        found.append(Finding("clamped SwiGLU experts (gpt-oss)", False,
+                             "not served yet: the experts' activation is not in the MoE "
+                             "kernels; exclude the plugin (VLLM_PLUGINS) for stock vLLM CPU"))
+    if quant is not None:
+        method = quant.get("quant_method")
+        if method in QUANT_MOE:
+            found.append(Finding(f"{method} MoE experts", True, QUANT_MOE[method] + " "
+                                 "(other schemes of the format fail at startup naming the "
+                                 "layer)"))
+        else:
+            found.append(Finding(f"{method} MoE experts", False,
+                                 "not served: GPTQ and compressed-tensors W8A8 experts are; "
+                                 "use such an export or the unquantized checkpoint"))
+    return found
+
+
+def _quantization(quant: dict | None) -> list[Finding]:
+    if quant is None:
+        return []
+    method = quant.get("quant_method")
+    if method in QUANT_DENSE:
+        return [Finding(f"{method} weights", True, QUANT_DENSE[method])]
+    return [Finding(f"{method} weights", False,
+                    "not served: GPTQ, AWQ and compressed-tensors int formats are "
+                    "(fp8/nvfp4/mxfp4 are not); use such an export or the bf16 checkpoint")]
+
+
+def _architecture(config: dict) -> list[Finding]:
+    """What vLLM's registry says of the architecture (imports vLLM)."""
+    import os
+
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # a report, not a start-up log
+    from vllm.model_executor.models import ModelRegistry
+
+    archs = config.get("architectures") or []
+    if not archs:
+        return [Finding("an architecture", False, "config.json names none ('architectures')")]
+    arch = archs[0]
+    if arch not in ModelRegistry.get_supported_archs():
+        return [Finding(f"architecture {arch}", False,
+                        "vLLM 0.32 has no implementation of it (stock vLLM neither)")]
+    info = ModelRegistry._try_inspect_model_cls(arch)
+    found = [Finding(f"architecture {arch}", True,
+                     f"vLLM's {info.architecture}" if info else "vLLM's implementation")]
+    if info is None:
+        return found
+    if config.get("is_encoder_decoder") or info.attn_type == "encoder_decoder":
+        found.append(Finding("encoder-decoder attention", False,
+                             "not served yet (cross-attention); exclude the plugin "
+                             "(VLLM_PLUGINS) for stock vLLM CPU"))
+    if info.is_pooling_model and not info.is_text_generation_model:
+        found.append(Finding("pooling model (embeddings / scores)", True,
+                             "vLLM's pooling runner (--runner pooling); encoder-only "
+                             "layers through varlen_attention"))
+    if info.supports_multimodal:
+        found.append(Finding("multimodal inputs", False,
+                             "not verified through the plugin yet; text-only requests use "
+                             "the plugin's attention; exclude the plugin for images"))
+    if info.is_hybrid or info.is_attention_free:
+        found.append(Finding("state-space (Mamba) layers", False,
+                             "not served: ACCEL_ATTN has no recurrent-state kernels"))
+    return found
+
+
+def check(model_dir: str | Path) -> list[Finding]:
+    """Every finding for the checkpoint at ``model_dir`` (its config.json)."""
+    path = Path(model_dir) / "config.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} does not exist: pass a model directory with an HF "
+                                "config.json")
+    config = json.loads(path.read_text())
+    text = _text_config(config)
+    model_type = text.get("model_type") or config.get("model_type") or ""
+    quant = config.get("quantization_config") or text.get("quantization_config")
+    return (_architecture(config) + _attention(config, text, model_type)
+            + _moe(text, quant) + _quantization(quant))
+
+
+def report(model_dir: str | Path, as_json: bool = False) -> tuple[str, bool]:
+    """(the text or JSON to print, whether the plugin serves the checkpoint)."""
+    findings = check(model_dir)
+    served = all(f.served for f in findings)
+    if as_json:
+        return json.dumps({"model": str(model_dir), "served": served,
+                           "findings": [asdict(f) for f in findings]}, indent=2), served
+    lines = [f"{model_dir}: {'served' if served else 'NOT served'} by vllm_accel"]
+    lines += [f"  [{'ok' if f.served else 'missing'}] {f.feature}: {f.how}" for f in findings]
+    if not findings[1:]:
+        lines.append("  plain causal attention: ACCEL_ATTN (the one-op decoder layer for "
+                     "Llama-architecture models on the simulator)")
+    return "\n".join(lines), served
