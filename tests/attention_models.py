@@ -47,6 +47,24 @@ FAMILIES = {
                     "alternate ones",
                     dict(sliding_window=WINDOW,
                          layer_types=["sliding_attention", "full_attention"])),
+    # MLA: vLLM checks the latent width (kv_lora_rank + rope) is 320, 512 or 576
+    "deepseek_v2": ("DeepseekV2Config", "MLA (V2-Lite: no q LoRA, latent 256 + rope 64); "
+                    "softmax top-2 of 8 experts, a shared expert, the first layer dense",
+                    dict(q_lora_rank=None, kv_lora_rank=256, qk_rope_head_dim=64,
+                         qk_nope_head_dim=32, v_head_dim=32, num_key_value_heads=4,
+                         n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2,
+                         moe_intermediate_size=64, first_k_dense_replace=1,
+                         topk_method="greedy", n_group=1, topk_group=1,
+                         norm_topk_prob=False)),
+    "deepseek_v3": ("DeepseekV3Config", "MLA (q LoRA 64, latent 448 + rope 64); sigmoid "
+                    "routing with correction bias, 2 groups, routed scaling 2.5",
+                    dict(q_lora_rank=64, kv_lora_rank=448, qk_rope_head_dim=64,
+                         qk_nope_head_dim=32, v_head_dim=32, num_key_value_heads=4,
+                         n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2,
+                         moe_intermediate_size=64, first_k_dense_replace=1, n_group=2,
+                         topk_group=1, routed_scaling_factor=2.5, norm_topk_prob=True,
+                         # (released V3 configs name them; vLLM reads them)
+                         topk_method="noaux_tc", scoring_func="sigmoid")),
 }
 
 
@@ -73,6 +91,8 @@ def build_tiny(path: Path, family: str, *, hidden: int = 128, layers: int = 2,
                 p.normal_(0, 0.4 if head is not None and p is head.weight else 0.08)
             elif "sinks" in name:
                 p.normal_(0, 1.0)
+            elif "e_score_correction_bias" in name:  # (HF inits zeros)
+                p.normal_(0, 0.1)
     model.save_pretrained(path, safe_serialization=True)
     return path
 

@@ -30,7 +30,7 @@ GEMM_SUITES = ["tests/test_cpu_native_bf16_linear.py", "tests/test_cpu_native_in
 KERNEL_SUITES = {"avx512": GEMM_SUITES,
                  "avx2": [*GEMM_SUITES, "tests/test_native_kernels.py",
                           "tests/test_attention_kernels.py", "tests/test_attention_int8.py",
-                          "tests/test_attention_features.py"]}
+                          "tests/test_attention_features.py", "tests/test_mla_kernels.py"]}
 KERNEL_SUITES["baseline"] = KERNEL_SUITES["avx2"]
 
 

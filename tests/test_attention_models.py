@@ -42,6 +42,10 @@ CASES = {
     "bloom-virtual": ("bloom", VIRTUAL, False),
     "granite_swa-sim-compiled": ("granite_swa", SIM, True),
     "granite_swa-virtual": ("granite_swa", VIRTUAL, False),
+    "deepseek_v2-sim-compiled": ("deepseek_v2", SIM, True),
+    "deepseek_v2-virtual": ("deepseek_v2", VIRTUAL, False),
+    "deepseek_v3-sim-eager": ("deepseek_v3", SIM, False),
+    "deepseek_v3-virtual": ("deepseek_v3", VIRTUAL, False),
 }
 
 
@@ -83,6 +87,10 @@ def test_family_matches_hf(case, models, tmp_path):
         assert "device gcu via virtual" in log
     if "sliding_window" in FAMILIES[family][2]:
         assert f"sliding_window {WINDOW}" in log
+    if "kv_lora_rank" in FAMILIES[family][2]:
+        lora, rope = (FAMILIES[family][2][k] for k in ("kv_lora_rank", "qk_rope_head_dim"))
+        assert f"ACCEL_MLA: latent cache of {lora} + {rope} per token" in log
+        assert "keeps chunked prefill True and prefix caching True" in log or env is VIRTUAL
     outputs = [o for batch in results["batch_outputs"] for o in batch]
     assert_matches_hf(models[family], prompts, outputs)
 

@@ -16,6 +16,7 @@ the plugin entry point imports a vendor library; the worker does.
 """
 
 import argparse
+import contextlib
 import os
 
 from vllm_accel.logger import init_logger
@@ -36,6 +37,7 @@ patches.apply_all()
 #: what ``--device`` accepts (the device names of the backends)
 DEVICE_CHOICES = ("gcu", "sophtpu")
 ATTENTION_BACKEND_CLS = "vllm_accel.ops.attention.AccelAttentionBackend"
+MLA_BACKEND_CLS = "vllm_accel.ops.mla.AccelMLABackend"
 #: default KV block size on every backend (vLLM-GCU uses 64 too)
 DEFAULT_BLOCK_SIZE = 64
 
@@ -75,6 +77,26 @@ def _how_to_get(device: str) -> str:
 
 
 _backend = get_backend()
+
+
+@contextlib.contextmanager
+def _keeping_mla_scheduling(vllm_config):
+    """CpuPlatform turns chunked prefill and prefix caching off for MLA models and
+    forces 16-token blocks (its MLA kernels' limits); ACCEL_MLA has neither limit
+    (prefill by decompression reads any cached context), so the user's settings are
+    put back."""
+    model_config = vllm_config.model_config
+    if model_config is None or not model_config.use_mla:
+        yield
+        return
+    scheduler, cache = vllm_config.scheduler_config, vllm_config.cache_config
+    kept = (scheduler.enable_chunked_prefill, scheduler.max_num_batched_tokens,
+            cache.enable_prefix_caching, cache.block_size)
+    yield
+    (scheduler.enable_chunked_prefill, scheduler.max_num_batched_tokens,
+     cache.enable_prefix_caching, cache.block_size) = kept
+    logger.info_once("vllm_accel: MLA (%s) keeps chunked prefill %s and prefix caching %s",
+                     MLA_BACKEND_CLS.rsplit(".", 1)[-1], kept[0], kept[2])
 
 
 class AccelPlatform(CpuPlatform):
@@ -183,7 +205,8 @@ class AccelPlatform(CpuPlatform):
         if backend.is_real_card:
             cls._check_and_update_card_config(vllm_config)
         else:
-            super().check_and_update_config(vllm_config)
+            with _keeping_mla_scheduling(vllm_config):
+                super().check_and_update_config(vllm_config)
         # CpuPlatform only fills worker_cls when it is "auto": set ours after it.
         vllm_config.parallel_config.worker_cls = backend.worker_cls
         patches.apply_all("config", env=backend.process_env(host_ranks(parallel_config)))
@@ -237,7 +260,6 @@ class AccelPlatform(CpuPlatform):
 
         config = attn_selector_config
         reject_unsupported({
-            "MLA": config.use_mla,
             "sparse attention": config.use_sparse,
             "non-causal attention": config.use_non_causal,
             f"{config.attn_type} attention": config.attn_type not in SUPPORTED_ATTN_TYPES,
@@ -247,4 +269,4 @@ class AccelPlatform(CpuPlatform):
                 "Attention backend %s is not available on %s; using %s.",
                 selected_backend.name, get_backend().device_name, BACKEND_NAME,
             )
-        return ATTENTION_BACKEND_CLS
+        return MLA_BACKEND_CLS if config.use_mla else ATTENTION_BACKEND_CLS

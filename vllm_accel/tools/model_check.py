@@ -56,9 +56,10 @@ def _attention(config: dict, text: dict, model_type: str) -> list[Finding]:
     if text.get("kv_lora_rank"):
         found.append(Finding(
             f"MLA (kv_lora_rank {text['kv_lora_rank']}, rope dims "
-            f"{text.get('qk_rope_head_dim')})", False,
-            "not served yet; VLLM_MLA_DISABLE=1 serves the model with plain attention "
-            "(the latent projections decompressed into per-head K/V)"))
+            f"{text.get('qk_rope_head_dim')})", True,
+            "ACCEL_MLA: vLLM's latent cache, decode with absorbed weights (the C++ kernel "
+            "on the simulator, torch_fast on a card), prefill by decompression; chunked "
+            "prefill and prefix caching kept"))
     window, windowed, layers = _layer_windows(text)
     if window:
         found.append(Finding(

@@ -35,8 +35,8 @@ from vllm_accel.logger import init_logger
 logger = init_logger(__name__)
 
 CSRC = Path(__file__).parent / "csrc"
-SOURCES = (CSRC / "paged_attention.cpp", CSRC / "elementwise.cpp", CSRC / "int4_gemv.cpp",
-           CSRC / "bf16_linear.cpp", CSRC / "int8_linear.cpp")
+SOURCES = (CSRC / "paged_attention.cpp", CSRC / "mla_decode.cpp", CSRC / "elementwise.cpp",
+           CSRC / "int4_gemv.cpp", CSRC / "bf16_linear.cpp", CSRC / "int8_linear.cpp")
 HEADERS = (CSRC / "dtypes.h", CSRC / "entry_points.h", CSRC / "int8_codes.h", CSRC / "tiles.h",
            CSRC / "vec.h")
 #: the dispatcher kernels of vllm_accel's torch.library ops (built against torch)

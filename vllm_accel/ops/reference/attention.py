@@ -104,29 +104,35 @@ for _suffix in ("", "_int8", "_fp8"):  # the page reader handles every cache dty
 
 @register_kernel("varlen_attention")
 def varlen_attention(query, key, value, query_start_loc, scale, *, causal: bool = False,
+                     key_start_loc: torch.Tensor | None = None,
                      sliding_window: int | None = None, logits_soft_cap: float | None = None,
                      alibi_slopes: torch.Tensor | None = None,
                      sinks: torch.Tensor | None = None):
     """Attention within each sequence of a packed batch, no cache (encoder-only models,
-    vision towers): ``query`` ``[T, H, D]``, ``key``/``value`` ``[T, Hkv, D]``, sequence
-    ``i`` the rows ``query_start_loc[i]:query_start_loc[i+1]``. Bidirectional unless
-    ``causal``; the features as for the paged readers, bidirectionally: the window
-    keeps keys with ``|i - j| < W``, ALiBi adds ``-slope * |i - j|``. Rows past the
-    last sequence are zeros."""
-    out = torch.zeros_like(query)
+    vision towers, MLA prefill over decompressed keys): ``query`` ``[T, H, D]``,
+    ``key`` ``[S, Hkv, D]``, ``value`` ``[S, Hkv, Dv]``; sequence ``i`` has the query
+    rows ``query_start_loc[i]:query_start_loc[i+1]`` and the key rows
+    ``key_start_loc[i]:key_start_loc[i+1]`` (default: the query rows), its queries
+    the last positions of its keys. Bidirectional unless ``causal``; the features as
+    for the paged readers, bidirectionally: the window keeps keys with
+    ``|i - j| < W``, ALiBi adds ``-slope * |i - j|``. Returns ``[T, H, Dv]``, rows
+    past the last sequence zeros."""
     h, hkv = query.shape[1], key.shape[1]
+    out = query.new_zeros(query.shape[0], h, value.shape[2])
     starts = query_start_loc.tolist()
-    for start, end in zip(starts[:-1], starts[1:]):
+    key_starts = starts if key_start_loc is None else key_start_loc.tolist()
+    for i, (start, end) in enumerate(zip(starts[:-1], starts[1:])):
         if end == start:
             continue
+        k0, k1 = key_starts[i], key_starts[i + 1]
         q = query[start:end].float().transpose(0, 1)  # [H, L, D]
-        k = key[start:end].float().transpose(0, 1).repeat_interleave(h // hkv, dim=0)
-        v = value[start:end].float().transpose(0, 1).repeat_interleave(h // hkv, dim=0)
+        k = key[k0:k1].float().transpose(0, 1).repeat_interleave(h // hkv, dim=0)
+        v = value[k0:k1].float().transpose(0, 1).repeat_interleave(h // hkv, dim=0)
         scores = q @ k.transpose(1, 2) * scale
         if logits_soft_cap:
             scores = logits_soft_cap * torch.tanh(scores / logits_soft_cap)
-        pos = torch.arange(end - start)
-        distance = (pos[None, :] - pos[:, None]).float()  # j - i
+        q_pos = torch.arange(k1 - k0 - (end - start), k1 - k0)
+        distance = (torch.arange(k1 - k0)[None, :] - q_pos[:, None]).float()  # j - i
         if alibi_slopes is not None:
             scores = scores + alibi_slopes.float().view(h, 1, 1) * (
                 distance if causal else -distance.abs())

@@ -300,6 +300,7 @@ def paged_prefill_fp8(
 
 @register_kernel("varlen_attention", FAST)
 def varlen_attention(query, key, value, query_start_loc, scale, *, causal: bool = False,
+                     key_start_loc: torch.Tensor | None = None,
                      sliding_window: int | None = None, logits_soft_cap: float | None = None,
                      alibi_slopes: torch.Tensor | None = None,
                      sinks: torch.Tensor | None = None):
@@ -309,21 +310,26 @@ def varlen_attention(query, key, value, query_start_loc, scale, *, causal: bool 
     t, h, d = query.shape
     hkv = key.shape[1]
     group = h // hkv
-    out = torch.zeros_like(query)
+    dv = value.shape[2]
+    out = query.new_zeros(t, h, dv)
     slopes = _per_kv_head(alibi_slopes, hkv, 1)  # [Hkv, G]
     sink = _per_kv_head(sinks, hkv, 1)
     starts = query_start_loc.tolist()
-    for start, end in zip(starts[:-1], starts[1:]):
+    key_starts = starts if key_start_loc is None else key_start_loc.tolist()
+    for i, (start, end) in enumerate(zip(starts[:-1], starts[1:])):
         if end == start:
             continue
-        k = key[start:end].transpose(0, 1)  # [Hkv, L, D]
-        v = value[start:end].transpose(0, 1)
-        key_pos = torch.arange(end - start, device=query.device)
+        k0, k1 = key_starts[i], key_starts[i + 1]
+        k = key[k0:k1].transpose(0, 1)  # [Hkv, S, D]
+        v = value[k0:k1].transpose(0, 1)
+        key_pos = torch.arange(k1 - k0, device=query.device)
+        first = k1 - k0 - (end - start)  # the first query's position
         for c0 in range(start, end, PREFILL_QUERY_CHUNK):
             c1 = min(c0 + PREFILL_QUERY_CHUNK, end)
             q = query[c0:c1].view(c1 - c0, hkv, group, d).permute(1, 2, 0, 3)
             q = q.reshape(hkv, group * (c1 - c0), d).to(k.dtype)  # rows: (g, token)
-            distance = key_pos[None, :] - key_pos[c0 - start:c1 - start, None]  # [c, L]
+            q_pos = key_pos[first + c0 - start:first + c1 - start]
+            distance = key_pos[None, :] - q_pos[:, None]  # [c, S]
             valid = distance <= 0 if causal else torch.ones_like(distance, dtype=torch.bool)
             if sliding_window:
                 valid &= distance.abs() < sliding_window
@@ -334,6 +340,6 @@ def varlen_attention(query, key, value, query_start_loc, scale, *, causal: bool 
                     hkv, group * (c1 - c0), -1)
             o = _attend(q, k, v, valid.repeat(group, 1)[None], scale, None, logits_soft_cap,
                         bias, None if sink is None else sink.repeat_interleave(c1 - c0, dim=1))
-            o = o.view(hkv, group, c1 - c0, d)
-            out[c0:c1] = o.permute(2, 0, 1, 3).reshape(c1 - c0, h, d).to(query.dtype)
+            o = o.view(hkv, group, c1 - c0, dv)
+            out[c0:c1] = o.permute(2, 0, 1, 3).reshape(c1 - c0, h, dv).to(query.dtype)
     return out

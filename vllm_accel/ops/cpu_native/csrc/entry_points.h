@@ -25,6 +25,14 @@ int accel_cache_write(int dtype, const void* key, const void* value, int64_t k_t
                       int num_kv_heads, int block_size, int head_size, int64_t num_blocks,
                       float k_scale, float v_scale);
 
+// mla_decode.cpp
+int accel_mla_decode(int dtype, const void* q_nope, int64_t qn_tok, int64_t qn_head,
+                     const void* q_pe, int64_t qp_tok, int64_t qp_head, void* out, int64_t o_tok,
+                     int64_t o_head, const void* cache, int64_t num_blocks, int64_t block_stride,
+                     int64_t row_stride, int block_size, int lora, int rope,
+                     const int32_t* block_table, int64_t bt_stride, int64_t bt_cols,
+                     const int32_t* seq_lens, int num_reqs, int num_heads, float scale);
+
 // bf16_linear.cpp
 int accel_bf16_linear_available();
 int accel_bf16_linear_onednn_rows(int32_t x_dtype);

@@ -103,9 +103,10 @@ inline void softmax_row(float* s, int n, const RowFeatures& row, int g) {
     softmax(s, n);
     return;
   }
+  // (no infinities: the readers build with -ffast-math; the keys before the window
+  // are left out of the max and the sum, and get probability 0)
   const Features& f = *row.features;
   const int h = row.head0 + g, skip = row.range.skip;
-  for (int t = 0; t < skip; ++t) s[t] = -INFINITY;
   if (f.soft_cap > 0.f) {
     const float inv = 1.f / f.soft_cap;
     for (int t = skip; t < n; ++t) s[t] = f.soft_cap * std::tanh(s[t] * inv);
@@ -115,7 +116,7 @@ inline void softmax_row(float* s, int n, const RowFeatures& row, int g) {
     const int d0 = row.range.pos0 - row.range.query_pos;  // j - i of s[0]
     for (int t = skip; t < n; ++t) s[t] += slope * float(d0 + t);
   }
-  float m = f.sinks ? f.sinks[h] : -INFINITY;
+  float m = f.sinks ? f.sinks[h] : s[skip];
   for (int t = skip; t < n; ++t) m = std::max(m, s[t]);
   float sum = f.sinks ? std::exp(f.sinks[h] - m) : 0.f;
   for (int t = 0; t < skip; ++t) s[t] = 0.f;

@@ -377,6 +377,40 @@ at::Tensor cpu_paged_attention(const at::Tensor& query, const at::Tensor& kv_cac
   return out;
 }
 
+// vllm_accel::cpu_mla_decode: reference/mla.py's mla_decode through csrc/mla_decode.cpp:
+// absorbed queries q_nope [B, N, L] and q_pe [B, N, R] (head dim contiguous, any other
+// strides) over each request's latent rows of vLLM's cache [num_blocks, block_size, L + R]
+// (rows contiguous), in the queries' dtype. Returns [B, N, L], or an empty 1-D tensor
+// where the kernel does not take these inputs (the caller runs the next provider).
+at::Tensor cpu_mla_decode(const at::Tensor& q_nope, const at::Tensor& q_pe,
+                          const at::Tensor& kv_cache, const at::Tensor& block_table,
+                          const at::Tensor& seq_lens, double scale) {
+  const auto type = q_nope.scalar_type();
+  const bool ok = dtype_code(type) >= 0 && q_nope.dim() == 3 && q_pe.dim() == 3 &&
+                  kv_cache.dim() == 3 && q_nope.device().is_cpu() && q_pe.device().is_cpu() &&
+                  kv_cache.device().is_cpu() && q_pe.scalar_type() == type &&
+                  kv_cache.scalar_type() == type && q_nope.stride(2) == 1 &&
+                  q_pe.stride(2) == 1 && kv_cache.stride(2) == 1 &&
+                  q_pe.size(0) == q_nope.size(0) && q_pe.size(1) == q_nope.size(1) &&
+                  kv_cache.size(2) == q_nope.size(2) + q_pe.size(2) &&
+                  block_table.dim() == 2 && int32_cpu(block_table) && int32_cpu(seq_lens) &&
+                  seq_lens.dim() == 1 && seq_lens.size(0) == q_nope.size(0) &&
+                  block_table.size(0) >= seq_lens.size(0);
+  if (!ok) return at::empty({0}, q_nope.options());
+  const at::Tensor table = contiguous_rows(block_table), lens = seq_lens.contiguous();
+  at::Tensor out = at::empty({q_nope.size(0), q_nope.size(1), q_nope.size(2)}, q_nope.options());
+  const int rc = accel_mla_decode(
+      dtype_code(type), q_nope.data_ptr(), q_nope.stride(0), q_nope.stride(1), q_pe.data_ptr(),
+      q_pe.stride(0), q_pe.stride(1), out.data_ptr(), out.stride(0), out.stride(1),
+      kv_cache.data_ptr(), kv_cache.size(0), kv_cache.stride(0), kv_cache.stride(1),
+      static_cast<int>(kv_cache.size(1)), static_cast<int>(q_nope.size(2)),
+      static_cast<int>(q_pe.size(2)), table.data_ptr<int32_t>(), table.stride(0), table.size(1),
+      lens.data_ptr<int32_t>(), static_cast<int>(lens.size(0)), static_cast<int>(q_nope.size(1)),
+      static_cast<float>(scale));
+  check_rc(rc, "accel_mla_decode");
+  return out;
+}
+
 // vllm_accel::cpu_cache_write: scatter (quantizing, for an INT8 cache) new K/V
 // [T, Hkv, D] into the slots of slot_mapping; false when the kernel does not take
 // these inputs (the caller then falls back to the next provider).
@@ -826,6 +860,8 @@ TORCH_LIBRARY_FRAGMENT(vllm_accel, m) {
         "Tensor query_start_loc, Tensor seq_lens, float scale, bool zero_tail, "
         "int sliding_window=0, float soft_cap=0., Tensor? alibi_slopes=None, "
         "Tensor? sinks=None) -> Tensor");
+  m.def("cpu_mla_decode(Tensor q_nope, Tensor q_pe, Tensor kv_cache, Tensor block_table, "
+        "Tensor seq_lens, float scale) -> Tensor");
   m.def("cpu_cache_write(Tensor key, Tensor value, Tensor(a!) kv_cache, Tensor slot_mapping, "
         "float k_scale, float v_scale) -> bool");
   m.def("cpu_attention_step(Tensor query, Tensor key, Tensor value, Tensor(a!) kv_cache, "
@@ -860,6 +896,7 @@ TORCH_LIBRARY_IMPL(vllm_accel, CPU, m) {
   m.impl("int8_linear_dynamic", &int8_linear_dynamic);
   m.impl("int8_gemm", &int8_gemm);
   m.impl("cpu_paged_attention", &cpu_paged_attention);
+  m.impl("cpu_mla_decode", &cpu_mla_decode);
   m.impl("cpu_cache_write", &cpu_cache_write);
   m.impl("cpu_attention_step", &cpu_attention_step);
   m.impl("cpu_rms_norm", &cpu_rms_norm);

@@ -1,0 +1,127 @@
+"""The MLA kernels (``ops/*/mla.py``: latent cache write, absorbed decode, latent
+gather for prefill) of every provider against float64 oracles over the original
+latents: vLLM's latent cache ``[num_blocks, block_size, L + R]`` filled with garbage,
+shuffled block tables with garbage columns past each request's blocks, padding slots."""
+
+import math
+
+import pytest
+import torch
+
+from vllm_accel.ops import mla as _backend  # noqa: F401  (registers every provider)
+from vllm_accel.ops.cpu_native import build as native
+from vllm_accel.ops.registry import get_kernel
+
+PROVIDERS = ["reference", "torch_fast", "cpu_native"]
+#: (kv_lora_rank, rope dims): DeepSeek-V2/V3's 512 + 64, V2-Lite-like smaller latents
+DIMS = [(512, 64), (256, 64), (448, 64)]
+TOL = {torch.float32: dict(atol=2e-5, rtol=2e-5), torch.bfloat16: dict(atol=2e-2, rtol=2e-2)}
+
+
+def _case(seq_lens, block_size, lora, rope, dtype, seed):
+    """(latents per request [S, L+R], block table, cache written by the reference)."""
+    g = torch.Generator().manual_seed(seed)
+    need = [math.ceil(s / block_size) for s in seq_lens]
+    num_blocks = sum(need) + 3
+    perm = torch.randperm(num_blocks, generator=g)
+    table = torch.randint(0, num_blocks, (len(seq_lens), max(need) + 2), generator=g,
+                          dtype=torch.int32)
+    used = 0
+    for i, n in enumerate(need):
+        table[i, :n] = perm[used:used + n].to(torch.int32)
+        used += n
+    latents = [torch.randn(s, lora + rope, generator=g).to(dtype) for s in seq_lens]
+    cache = (torch.rand(num_blocks, block_size, lora + rope, generator=g) * 2e4 - 1e4).to(dtype)
+    slots = torch.cat([table[i, torch.arange(s) // block_size].long() * block_size
+                       + torch.arange(s) % block_size for i, s in enumerate(seq_lens)])
+    get_kernel("mla_cache_write", "reference")(
+        torch.cat(latents)[:, :lora], torch.cat(latents)[:, lora:], cache, slots)
+    return latents, table, cache
+
+
+def _oracle(q_nope, q_pe, latents, lora, scale):
+    """float64 absorbed decode over the original latents."""
+    out = []
+    for i, lat in enumerate(latents):
+        lat = lat.double()
+        scores = (q_nope[i].double() @ lat[:, :lora].T + q_pe[i].double() @ lat[:, lora:].T)
+        out.append(torch.softmax(scores * scale, dim=-1) @ lat[:, :lora])
+    return torch.stack(out)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("heads", [1, 16, 128])
+@pytest.mark.parametrize("dims", DIMS, ids=lambda d: f"{d[0]}+{d[1]}")
+@pytest.mark.parametrize("block_size", [16, 64])
+@pytest.mark.parametrize("provider", PROVIDERS)
+def test_decode_matches_the_float64_oracle(provider, block_size, dims, heads, dtype):
+    lora, rope = dims
+    seq_lens = [1, block_size, block_size + 1, 3 * block_size - 7, 45]
+    latents, table, cache = _case(seq_lens, block_size, lora, rope, dtype, seed=heads + lora)
+    g = torch.Generator().manual_seed(1)
+    b = len(seq_lens)
+    q_nope = torch.randn(b, heads, lora, generator=g).to(dtype)
+    # q_pe as vLLM hands it: a strided view of a wider tensor
+    q_pe = torch.randn(heads, b, 2 * rope, generator=g).to(dtype).transpose(0, 1)[..., :rope]
+    scale = (lora + rope) ** -0.5
+    out = get_kernel("mla_decode", provider)(q_nope, q_pe, cache, table,
+                                             torch.tensor(seq_lens, dtype=torch.int32), scale)
+    assert out.shape == (b, heads, lora) and out.dtype == dtype
+    torch.testing.assert_close(out.double(), _oracle(q_nope, q_pe, latents, lora, scale),
+                               **TOL[dtype])
+
+
+@pytest.mark.parametrize("provider", PROVIDERS)
+def test_decode_padded_slot_is_zero(provider):
+    lora, rope, block_size = 256, 64, 16
+    latents, table, cache = _case([5, 40], block_size, lora, rope, torch.float32, seed=2)
+    q_nope, q_pe = torch.randn(3, 4, lora), torch.randn(3, 4, rope)
+    table = torch.cat([table, table[:1]])
+    out = get_kernel("mla_decode", provider)(q_nope, q_pe, cache, table,
+                                             torch.tensor([5, 40, 0], dtype=torch.int32), 0.1)
+    assert (out[2] == 0).all()
+    torch.testing.assert_close(out[:2].double(), _oracle(q_nope, q_pe, latents, lora, 0.1),
+                               **TOL[torch.float32])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("provider", ["reference", "torch_fast"])  # (cpu_native: torch_fast's)
+def test_cache_write_and_gather_are_exact(provider, dtype):
+    """Writes land exactly in their slots (padding slots -1 write nothing, other rows
+    keep their garbage); the gather returns every request's rows in position order."""
+    lora, rope, block_size = 256, 64, 16
+    seq_lens = [3, 17, 40]
+    latents, table, reference_cache = _case(seq_lens, block_size, lora, rope, dtype, seed=5)
+    cache = torch.full_like(reference_cache, float("nan"))
+    slots = torch.cat([table[i, torch.arange(s) // block_size].long() * block_size
+                       + torch.arange(s) % block_size for i, s in enumerate(seq_lens)])
+    rows = torch.cat(latents)
+    order = torch.randperm(len(slots), generator=torch.Generator().manual_seed(0))
+    padded_slots = torch.cat([slots[order], torch.full((3,), -1)])
+    padded_rows = torch.cat([rows[order], torch.full((3, lora + rope), 7.0).to(dtype)])
+    get_kernel("mla_cache_write", provider)(padded_rows[:, :lora], padded_rows[:, lora:],
+                                            cache, padded_slots)
+    flat = cache.view(-1, lora + rope)
+    assert torch.equal(flat[slots], rows)
+    untouched = torch.ones(flat.shape[0], dtype=torch.bool)
+    untouched[slots] = False
+    assert flat[untouched].isnan().all()
+    gathered = get_kernel("mla_gather", provider)(cache, table, seq_lens)
+    assert torch.equal(gathered, rows)
+
+
+@pytest.mark.skipif(native.torch_ops() is None, reason="the C++ op library did not build")
+def test_cpp_decode_runs_and_declines_what_it_cannot_take():
+    """The op computes (no silent fallback) where it takes the inputs, and declines a
+    cache in another dtype than the queries (the caller then runs torch_fast)."""
+    lora, rope = 256, 64
+    latents, table, cache = _case([7, 33], 16, lora, rope, torch.bfloat16, seed=8)
+    q_nope, q_pe = torch.randn(2, 4, lora).bfloat16(), torch.randn(2, 4, rope).bfloat16()
+    lens = torch.tensor([7, 33], dtype=torch.int32)
+    out = torch.ops.vllm_accel.cpu_mla_decode(q_nope, q_pe, cache, table, lens, 0.1)
+    torch.testing.assert_close(out.double(), _oracle(q_nope, q_pe, latents, lora, 0.1),
+                               **TOL[torch.bfloat16])
+    assert torch.ops.vllm_accel.cpu_mla_decode(q_nope.float(), q_pe.float(), cache, table,
+                                               lens, 0.1).numel() == 0
+    with pytest.raises(ValueError, match="block table"):
+        torch.ops.vllm_accel.cpu_mla_decode(q_nope, q_pe, cache, table[:, :1], lens, 0.1)

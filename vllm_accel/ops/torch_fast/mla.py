@@ -1,0 +1,61 @@
+"""``torch_fast`` multi-head latent attention: what a card without vendor MLA kernels
+runs (contract and cache layout: ``reference/mla.py``). One ``index_select`` of the
+batch's latent rows, batched matmuls in the model dtype, float32 softmax."""
+
+import torch
+
+from vllm_accel.ops.reference.mla import latent_rows
+from vllm_accel.ops.registry import register_kernel
+from vllm_accel.ops.torch_fast.attention import FAST
+
+
+@register_kernel("mla_cache_write", FAST)
+def mla_cache_write(kv_c: torch.Tensor, k_pe: torch.Tensor, kv_cache: torch.Tensor,
+                    slot_mapping: torch.Tensor) -> None:
+    """One ``index_copy_`` of the rows with a slot (padding rows have ``-1``)."""
+    keep = slot_mapping >= 0
+    slots = slot_mapping[keep].long()
+    rows = torch.cat((kv_c[keep], k_pe[keep]), dim=-1).to(kv_cache.dtype)
+    latent_rows(kv_cache).index_copy_(0, slots, rows)
+
+
+def _batch_rows(kv_cache, block_table, seq_lens):
+    """The cache rows of every request padded to the longest (``[B, S]``, the padding
+    repeating a row of the request's own) and the keys' validity ``[B, S]``."""
+    block_size = kv_cache.shape[1]
+    seq_lens = seq_lens.long()
+    longest = int(seq_lens.max())
+    pos = torch.arange(longest, device=block_table.device)
+    clamped = torch.minimum(pos[None, :], (seq_lens - 1).clamp(min=0)[:, None])
+    blocks = block_table.gather(1, (clamped // block_size).to(torch.int64)).long()
+    return blocks * block_size + clamped % block_size, pos[None, :] < seq_lens[:, None]
+
+
+@register_kernel("mla_decode", FAST)
+def mla_decode(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor,
+               block_table: torch.Tensor, seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
+    """Absorbed decode of the whole batch at once: the latents of every request
+    gathered once and read by all heads (MQA)."""
+    b, n, lora = q_nope.shape
+    if b == 0 or int(seq_lens.max()) == 0:
+        return q_nope.new_zeros(b, n, lora)
+    slots, valid = _batch_rows(kv_cache, block_table, seq_lens)
+    latent = latent_rows(kv_cache).index_select(0, slots.reshape(-1)).view(b, -1, lora + q_pe.shape[-1])
+    latent = latent.to(q_nope.dtype)
+    q = torch.cat((q_nope, q_pe), dim=-1)  # [B, N, L + R]
+    scores = torch.bmm(q, latent.transpose(1, 2)).float().mul_(scale)  # [B, N, S]
+    scores.masked_fill_(~valid[:, None, :], float("-inf"))
+    probs = torch.softmax(scores, dim=-1).nan_to_num_(0.0)
+    return torch.bmm(probs.to(latent.dtype), latent[..., :lora]).to(q_nope.dtype)
+
+
+@register_kernel("mla_gather", FAST)
+def mla_gather(kv_cache: torch.Tensor, block_table: torch.Tensor,
+               seq_lens: list[int]) -> torch.Tensor:
+    """One ``index_select`` of every request's latent rows."""
+    block_size = kv_cache.shape[1]
+    slots = []
+    for i, s in enumerate(seq_lens):
+        pos = torch.arange(s, device=block_table.device)
+        slots.append(block_table[i, pos // block_size].long() * block_size + pos % block_size)
+    return latent_rows(kv_cache).index_select(0, torch.cat(slots))
