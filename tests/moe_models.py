@@ -28,6 +28,15 @@ FAMILIES = {
 }
 
 
+#: family -> what its MoE layers add (for the support table, tests/support_matrix.py)
+DESCRIPTIONS = {
+    "mixtral": "MoE: softmax top-2 of 8, renormalised; INT8 KV cache",
+    "qwen2_moe": "MoE: top-2 of 8 not renormalised, a sigmoid-gated shared expert, a dense "
+                 "layer",
+    "qwen3_moe": "MoE: top-4 of 16, q/k norms; bf16; expert parallel at TP=2",
+}
+
+
 def build_tiny_moe(path: Path, family: str, *, hidden: int = 128, layers: int = 2,
                    vocab: int = 512, seed: int = 0, **moe_overrides) -> Path:
     """A ``family`` checkpoint at ``path`` (4 query / 2 KV heads of 32);

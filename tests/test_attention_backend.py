@@ -21,7 +21,7 @@ def test_platform_selects_gcu_attn(selector):
     assert path == "vllm_accel.ops.attention.AccelAttentionBackend"
 
 
-@pytest.mark.parametrize("flag, feature", [("use_mla", "MLA"), ("use_sparse", "sparse attention")])
+@pytest.mark.parametrize("flag, feature", [("use_sparse", "sparse attention")])
 def test_unsupported_features_fail_with_a_clear_error(selector, flag, feature):
     from vllm.platforms import current_platform
 
@@ -37,6 +37,13 @@ def test_windows_and_sinks_select_gcu_attn(selector, flag):
     assert path == "vllm_accel.ops.attention.AccelAttentionBackend"
 
 
+def test_mla_selects_accel_mla(selector):
+    from vllm.platforms import current_platform
+
+    path = current_platform.get_attn_backend_cls(None, selector(use_mla=True))
+    assert path == "vllm_accel.ops.mla.AccelMLABackend"
+
+
 def test_impl_takes_the_features_and_rejects_what_it_cannot_serve():
     from vllm_accel.ops.attention import AccelAttentionImpl
 
@@ -46,7 +53,23 @@ def test_impl_takes_the_features_and_rejects_what_it_cannot_serve():
     assert impl.features["alibi_slopes"].dtype == torch.float32
     assert set(impl.features) == {"sliding_window", "logits_soft_cap", "alibi_slopes", "sinks"}
     assert AccelAttentionImpl(8, 64, 0.125, 2, None, None, "auto").features == {}
-    with pytest.raises(NotImplementedError, match="encoder_only attention"):
-        AccelAttentionImpl(8, 64, 0.125, 2, None, None, "auto", attn_type="encoder_only")
+    assert AccelAttentionImpl(8, 64, 0.125, 2, None, None, "auto",
+                              attn_type="encoder_only").attn_type == "encoder_only"
+    with pytest.raises(NotImplementedError, match="encoder_decoder attention"):
+        AccelAttentionImpl(8, 64, 0.125, 2, None, None, "auto", attn_type="encoder_decoder")
     with pytest.raises(NotImplementedError, match="attention sinks of shape"):
         AccelAttentionImpl(8, 64, 0.125, 2, None, None, "auto", sinks=torch.zeros(4))
+
+
+def test_mla_impl_refuses_what_it_cannot_serve():
+    """A quantized latent cache, ALiBi or a window with MLA fail naming the feature."""
+    from vllm_accel.ops.mla import AccelMLAImpl
+
+    kv_b_proj = torch.nn.Linear(256, 4 * 64)
+    args = dict(q_lora_rank=None, kv_lora_rank=256, qk_nope_head_dim=32, qk_rope_head_dim=64,
+                qk_head_dim=96, v_head_dim=32, kv_b_proj=kv_b_proj)
+    with pytest.raises(NotImplementedError, match="latent cache in int8_per_token_head"):
+        AccelMLAImpl(4, 320, 0.1, 1, None, None, "int8_per_token_head", None, "decoder", None,
+                     **args)
+    with pytest.raises(NotImplementedError, match="MLA with a sliding window"):
+        AccelMLAImpl(4, 320, 0.1, 1, None, 128, "auto", None, "decoder", None, **args)

@@ -30,6 +30,16 @@ def test_configuration_page_is_generated_from_envs():
     assert all(f"| `{name}` |" in text for name in envs.environment_variables)
 
 
+def test_support_table_is_generated_from_the_engine_tests():
+    """docs/supported-models.md's family table is what the engine tests' case lists
+    generate (run ``python tests/support_matrix.py --write`` after changing them)."""
+    import support_matrix
+
+    text = support_matrix.PAGE.read_text()
+    assert support_matrix.page_with(support_matrix.render()) == text
+    assert "| deepseek_v2 |" in text and "| gemma2 |" in text
+
+
 def test_readme_shows_the_two_commands_and_stays_short():
     text = README.read_text()
     assert "make serve" in text and "make test" in text

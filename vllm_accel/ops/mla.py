@@ -94,6 +94,9 @@ class AccelMLAImpl(MLACommonImpl[MLACommonMetadata]):
             f"MLA for {attn_type} attention": attn_type != AttentionType.DECODER,
             "MLA with a shared KV cache": kv_sharing_target_layer_name is not None,
             "sparse MLA (an indexer)": mla_args.get("indexer") is not None,
+            f"an MLA latent cache in {kv_cache_dtype} (served: "
+            f"{', '.join(AccelMLABackend.supported_kv_cache_dtypes)})":
+            kv_cache_dtype not in AccelMLABackend.supported_kv_cache_dtypes,
         })
         super().__init__(num_heads, head_size, scale, num_kv_heads, alibi_slopes,
                          sliding_window, kv_cache_dtype, logits_soft_cap, attn_type,
