@@ -92,6 +92,8 @@ BASELINES = (("accel", "stock"), ("accel-int8", "accel"), ("virtual", "accel"),
 
 #: read the plugin's MoE expert counts around generate (benchmarks/moe.py sets it)
 COUNT_MOE_EXPERTS = False
+#: also time the decode steps alone (benchmarks/attention_families.py sets it)
+DECODE_STEPS = False
 WARMUP_PROMPTS = 2
 WARMUP_OUTPUT_LEN = 8
 TOKEN_ID_MARGIN = 100
@@ -216,6 +218,17 @@ def run_worker(spec_path: str) -> None:
             f"out={output_len}: {bad[:8]}{' ...' if len(bad) > 8 else ''}"
         )
 
+    # decode steps alone: the same prompts' shape (other ids: no prefix-cache hits) run to
+    # their first token, and that time taken off the timed generate
+    decode_step_ms = None
+    if spec.get("prefill_probe_prompts"):
+        t0 = time.perf_counter()
+        llm.generate(_token_prompts(spec["prefill_probe_prompts"]),
+                     SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True),
+                     use_tqdm=False)
+        prefill_s = time.perf_counter() - t0
+        decode_step_ms = 1e3 * (generate_s - prefill_s) / max(output_len - 1, 1)
+
     moe_experts = None
     if experts0 is not None:
         experts1 = llm.collective_rpc(_moe_experts_counts)[0]
@@ -271,6 +284,8 @@ def run_worker(spec_path: str) -> None:
         "engine_worker": probe,
         # the plugin's MoE op during generate: layer calls and experts run (summed)
         "moe_experts": moe_experts,
+        # (with DECODE_STEPS) generate's time less a first-token-only run, per later token
+        "decode_step_ms": decode_step_ms,
     }
     print(RESULT_TAG + json.dumps(result), flush=True)
 
@@ -632,6 +647,9 @@ def main(argv: list[str] | None = None) -> int:
                 "output_len": w["output_len"],
                 "probe_threads": not args.no_thread_probe,
                 "count_moe_experts": COUNT_MOE_EXPERTS,
+                "prefill_probe_prompts": random_prompts(
+                    w["num_prompts"], w["input_len"], vocab, args.seed + 2_000_003 + wi)
+                if DECODE_STEPS else None,
             }
             env = dict(ENGINES[engine]["env"])
             if not args.no_thread_probe:

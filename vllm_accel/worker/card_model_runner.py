@@ -5,6 +5,7 @@ vendor allocator. Without a card it runs on the virtual GCU
 from vllm.v1.structured_output.utils import apply_grammar_bitmask
 from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
+from vllm_accel import patches
 from vllm_accel.backends import get_backend
 from vllm_accel.logger import init_logger
 from vllm_accel.quant.base import log_load_summaries
@@ -18,6 +19,14 @@ def _devices(tensors) -> str:
 
 
 class AccelCardModelRunner(GPUModelRunner):
+    def __init__(self, *args, **kwargs) -> None:
+        with patches.applied("card_runner", device_module=get_backend().mod):
+            super().__init__(*args, **kwargs)
+
+    def _copy_draft_token_ids_to_cpu(self, *args, **kwargs) -> None:
+        with patches.applied("card_runner", device_module=get_backend().mod):
+            super()._copy_draft_token_ids_to_cpu(*args, **kwargs)
+
     def _sync_device(self) -> None:
         get_backend().synchronize()
 
