@@ -9,9 +9,9 @@ Suites (models written once under ``~/.cache/vllm-accel/bench/``, fixed seeds, b
 
 - ``window``: a Mistral-shaped model (hidden 1024, 8 layers, 16/4 heads of 64) with a
   1024-token sliding window; one request decoding after a 1k, 4k and 16k-token prompt.
-  Prints each context's time per decode step (the timed generate less a first-token-only
-  run of the same shape) and the 16k / 1k ratio: flat beyond the window when only the
-  window's blocks are read.
+  Prints each context's time per decode step (from the engine's first and last token
+  timestamps of the request) and the 16k / 1k ratio: flat beyond the window when only
+  the window's blocks are read.
 - ``gemma2``: Gemma-2-2B's layer shapes (hidden 2304, 8/4 heads of 256, MLP 9216,
   alternating 4096-token windows, logit soft-caps 50 / 30), 13 of its 26 layers.
 - ``deepseek``: DeepSeek-V2-Lite's layer shapes (hidden 2048, 16 heads, MLA latent 512 +
@@ -59,7 +59,7 @@ MODELS = {
         norm_topk_prob=False, routed_scaling_factor=1.0, max_position_embeddings=4096,
         tie_word_embeddings=False)),
 }
-WINDOW_WORKLOADS = {f"CTX{n // 1024}K": {"num_prompts": 1, "input_len": n, "output_len": 33}
+WINDOW_WORKLOADS = {f"CTX{n // 1024}K": {"num_prompts": 1, "input_len": n, "output_len": 65}
                     for n in (1024, 4096, 16384)}
 BATCH_WORKLOADS = {"B1": {"num_prompts": 1, "input_len": 32, "output_len": 128},
                    "B64": {"num_prompts": 64, "input_len": 32, "output_len": 32}}

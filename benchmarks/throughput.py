@@ -218,16 +218,14 @@ def run_worker(spec_path: str) -> None:
             f"out={output_len}: {bad[:8]}{' ...' if len(bad) > 8 else ''}"
         )
 
-    # decode steps alone: the same prompts' shape (other ids: no prefix-cache hits) run to
-    # their first token, and that time taken off the timed generate
+    # decode steps alone: each request's first to last token, from the engine's own
+    # timestamps (log stats on for these runs)
     decode_step_ms = None
-    if spec.get("prefill_probe_prompts"):
-        t0 = time.perf_counter()
-        llm.generate(_token_prompts(spec["prefill_probe_prompts"]),
-                     SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True),
-                     use_tqdm=False)
-        prefill_s = time.perf_counter() - t0
-        decode_step_ms = 1e3 * (generate_s - prefill_s) / max(output_len - 1, 1)
+    if spec.get("decode_steps"):
+        spans = [(o.metrics.last_token_ts - o.metrics.first_token_ts)
+                 / max(len(o.outputs[0].token_ids) - 1, 1)
+                 for o in outputs if getattr(o, "metrics", None) is not None]
+        decode_step_ms = 1e3 * sum(spans) / len(spans) if spans else None
 
     moe_experts = None
     if experts0 is not None:
@@ -284,7 +282,7 @@ def run_worker(spec_path: str) -> None:
         "engine_worker": probe,
         # the plugin's MoE op during generate: layer calls and experts run (summed)
         "moe_experts": moe_experts,
-        # (with DECODE_STEPS) generate's time less a first-token-only run, per later token
+        # (with DECODE_STEPS) ms per token after each request's first, from its timestamps
         "decode_step_ms": decode_step_ms,
     }
     print(RESULT_TAG + json.dumps(result), flush=True)
@@ -647,10 +645,10 @@ def main(argv: list[str] | None = None) -> int:
                 "output_len": w["output_len"],
                 "probe_threads": not args.no_thread_probe,
                 "count_moe_experts": COUNT_MOE_EXPERTS,
-                "prefill_probe_prompts": random_prompts(
-                    w["num_prompts"], w["input_len"], vocab, args.seed + 2_000_003 + wi)
-                if DECODE_STEPS else None,
+                "decode_steps": DECODE_STEPS,
             }
+            if DECODE_STEPS:  # the engine's per-request token timestamps
+                spec["llm"] = {**spec["llm"], "disable_log_stats": False}
             env = dict(ENGINES[engine]["env"])
             if not args.no_thread_probe:
                 env["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"

@@ -7,7 +7,8 @@ of their state). Input: a JSON file path with ``llm`` (LLM kwargs), ``prompts``
 (optional list of message lists, sampled with ``chat_sampling`` if given), ``prompt_batches`` (optional: lists of prompts
 generated one batch after another, e.g. to hit the prefix cache), ``embed`` (optional: token-id
 prompts embedded by a pooling model), ``lora_requests`` (optional, per prompt:
-``[name, id, path]`` of a LoRA adapter or null), ``requests``
+``[name, id, path]`` of a LoRA adapter or null), ``mm_prompts`` (optional: text prompts
+with images, each ``{"prompt", "images": [vlm_models.random_image seeds]}``), ``requests``
 (optional: {"prompt", "sampling"} pairs, each with its own SamplingParams kwargs;
 ``structured_outputs`` there is a StructuredOutputsParams dict). Output: one
 stdout line "ENGINE_RESULT <json>" (outputs, batch outputs, prefix-cache and
@@ -116,6 +117,15 @@ def main() -> None:
         outs = llm.generate([r["prompt"] for r in spec["requests"]], params_list, use_tqdm=False)
         results["requests"] = [{"token_ids": list(o.outputs[0].token_ids),
                                 "text": o.outputs[0].text} for o in outs]
+    if spec.get("mm_prompts"):  # text prompts with images: {"prompt", "images": [seeds]}
+        sys.path.insert(0, str(__import__("pathlib").Path(__file__).parent))
+        from vlm_models import random_image
+
+        mm = [{"prompt": p["prompt"]} | ({"multi_modal_data": {
+            "image": [random_image(seed) for seed in p["images"]]}} if p["images"] else {})
+              for p in spec["mm_prompts"]]
+        outs = llm.generate(mm, params, use_tqdm=False)
+        results["mm_outputs"] = [_output(o) for o in outs]
     if spec.get("embed"):  # a pooling model: one embedding per token-id prompt
         outs = llm.embed([TokensPrompt(prompt_token_ids=p) for p in spec["embed"]],
                          use_tqdm=False)

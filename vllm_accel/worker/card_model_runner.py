@@ -8,6 +8,7 @@ from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 from vllm_accel import patches
 from vllm_accel.backends import get_backend
 from vllm_accel.logger import init_logger
+from vllm_accel.ops.mla import prepare_mla_layers
 from vllm_accel.quant.base import log_load_summaries
 from vllm_accel.worker.memory import CardMemory, card_kv_bytes
 
@@ -34,6 +35,7 @@ class AccelCardModelRunner(GPUModelRunner):
         backend = get_backend()
         before = backend.memory_allocated()
         super().load_model(*args, **kwargs)
+        prepare_mla_layers(self.get_model())
         self._weight_bytes = backend.memory_allocated() - before
         logger.info("Model weights on %s (%.3f GiB allocated)", _devices(
             self.get_model().parameters()), self._weight_bytes / 2**30)

@@ -12,6 +12,7 @@ from vllm_accel.backends.cpu_sim.huge_pages import HUGE_PAGE, back_with_huge_pag
 from vllm_accel.backends.cpu_sim.weight_arena import gather_weights
 from vllm_accel.logger import init_logger
 from vllm_accel.models.llama import prepare_fused_layers
+from vllm_accel.ops.mla import prepare_mla_layers
 from vllm_accel.quant.base import log_load_summaries
 
 logger = init_logger(__name__)
@@ -34,6 +35,7 @@ class AccelSimModelRunner(CPUModelRunner):
         self._weight_bytes = max(parameter_bytes, psutil.Process().memory_info().rss - rss_before)
         log_load_summaries()
         prepare_fused_layers(model)
+        prepare_mla_layers(model)
         # before the first forward, where vLLM hashes the config for its compile cache
         compile_cache.add_to_config(self.vllm_config)
         self._place_weights(model, list(tensors.values()), parameter_bytes)
