@@ -168,7 +168,7 @@ def main() -> int:
             out = Path(f"/tmp/attention-families-{suite}-{mode}.json")
             argv = ["--model", str(model), "--workloads", ",".join(workloads),
                     "--engines", args.engines, "--json", str(out),
-                    "--max-model-len", str(16384 + 64 if window else 1024)] + (
+                    "--max-model-len", str(16384 + 128 if window else 1024)] + (
                         ["--compile"] if mode == "compiled" else [])
             print(f"\n=== {suite} {mode} ===", flush=True)
             rc |= throughput.main(argv)
