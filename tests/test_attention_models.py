@@ -77,6 +77,37 @@ def models(tmp_path_factory):
 
 
 @pytest.mark.engine
+@pytest.mark.parametrize("env", [SIM, VIRTUAL], ids=["sim-eager", "virtual"])
+def test_mla_int8_latent_cache_keeps_hf_tokens(env, models, tmp_path):
+    """DeepSeek-V2 with --kv-cache-dtype int8: the latent cache in int8 codes with
+    per-token scales for c and k_pe. The oracle is HF float64 with its latents
+    fake-quantized the same way (symmetric per token, max|x| / 127, round to nearest):
+    each greedy token its top-1, its log-prob within 2e-3 nats."""
+    prompts = _prompts("mla-int8")
+    spec = _spec(models["deepseek_v2"], prompts, False)
+    spec["llm"]["kv_cache_dtype"] = "int8"
+    results, log = run_engine(spec, tmp_path, env=env)
+    assert "per token in int8 with per-token scales" in log
+    outputs = [o for batch in results["batch_outputs"] for o in batch]
+    assert_matches_hf(models["deepseek_v2"], prompts, outputs, prepare=_fake_quantize_latents)
+
+
+def _per_token_int8(x: torch.Tensor) -> torch.Tensor:
+    scale = x.abs().amax(dim=-1, keepdim=True).clamp_min(1e-12) / 127
+    return torch.round(x / scale).clamp(-127, 127) * scale
+
+
+def _fake_quantize_latents(hf_model) -> None:
+    """Every HF DeepSeek-V2 attention expands int8-rounded latents (c and the rotated
+    k_pe, each per token), as a decode or prefill over the INT8 cache reads them."""
+    for module in hf_model.modules():
+        if hasattr(module, "expand_kv"):
+            expand = module.expand_kv
+            module.expand_kv = (lambda k_nope, k_pe, expand=expand:
+                                expand(_per_token_int8(k_nope), _per_token_int8(k_pe)))
+
+
+@pytest.mark.engine
 @pytest.mark.parametrize("case", list(CASES))
 def test_family_matches_hf(case, models, tmp_path):
     family, env, compiled = CASES[case]

@@ -125,3 +125,59 @@ def test_cpp_decode_runs_and_declines_what_it_cannot_take():
                                                lens, 0.1).numel() == 0
     with pytest.raises(ValueError, match="block table"):
         torch.ops.vllm_accel.cpu_mla_decode(q_nope, q_pe, cache, table[:, :1], lens, 0.1)
+
+
+def _int8_case(seq_lens, block_size, lora, rope, seed):
+    """Latents per request, a shuffled block table and an INT8 latent cache (codes, then
+    the float32 scales of c and k_pe per token) written by the reference writer over
+    garbage."""
+    latents, table, _ = _case(seq_lens, block_size, lora, rope, torch.float32, seed)
+    g = torch.Generator().manual_seed(seed + 1)
+    num_blocks = int(table.max()) + 1
+    cache = torch.randint(-128, 128, (num_blocks, block_size, lora + rope + 8), generator=g,
+                          dtype=torch.int8)
+    slots = torch.cat([table[i, torch.arange(s) // block_size].long() * block_size
+                       + torch.arange(s) % block_size for i, s in enumerate(seq_lens)])
+    rows = torch.cat(latents)
+    get_kernel("mla_cache_write_int8", "reference")(rows[:, :lora], rows[:, lora:], cache,
+                                                    slots)
+    return latents, table, cache, slots
+
+
+@pytest.mark.parametrize("provider", ["reference", "torch_fast"])
+def test_int8_latent_cache(provider):
+    """Each part quantized per token (``round(x / (max|x| / 127))``), the scales stored
+    after the codes; the gather dequantizes exactly those; decode over the INT8 cache
+    stays within the quantization's bound of the float64 oracle on the original latents
+    (bf16 queries)."""
+    lora, rope, block_size = 256, 64, 16
+    seq_lens = [1, 17, 40, 33]
+    latents, table, cache, slots = _int8_case(seq_lens, block_size, lora, rope, seed=4)
+    rows = torch.cat(latents)
+    fresh = torch.zeros_like(cache)
+    padded = torch.cat([rows, torch.full((1, lora + rope), 7.0)])  # a padding row, slot -1
+    get_kernel("mla_cache_write_int8", provider)(
+        padded[:, :lora], padded[:, lora:], fresh, torch.cat([slots, torch.tensor([-1])]))
+    assert torch.equal(fresh.view(-1, cache.shape[-1])[slots], cache.view(-1, cache.shape[-1])[slots])
+    flat = cache.view(-1, cache.shape[-1])[slots]
+    scales = flat[:, -8:].contiguous().view(torch.float32)
+    for part, (a, b) in enumerate(((0, lora), (lora, lora + rope))):
+        want = rows[:, a:b].abs().amax(-1) / 127
+        torch.testing.assert_close(scales[:, part], want, atol=0, rtol=0)
+        codes = (rows[:, a:b] / want[:, None]).round().clamp(-127, 127).to(torch.int8)
+        assert torch.equal(flat[:, a:b], codes)
+    gathered = get_kernel("mla_gather_int8", provider)(cache, table, seq_lens, lora)
+    expected = torch.cat((flat[:, :lora].float() * scales[:, :1],
+                          flat[:, lora:-8].float() * scales[:, 1:]), dim=-1)
+    assert torch.equal(gathered, expected)
+    g = torch.Generator().manual_seed(5)
+    q_nope = torch.randn(len(seq_lens), 16, lora, generator=g).bfloat16()
+    q_pe = torch.randn(len(seq_lens), 16, rope, generator=g).bfloat16()
+    scale = (lora + rope) ** -0.5
+    out = get_kernel("mla_decode_int8", provider)(q_nope, q_pe, cache, table,
+                                                  torch.tensor(seq_lens, dtype=torch.int32),
+                                                  scale)
+    want = _oracle(q_nope, q_pe, latents, lora, scale)
+    vmax = torch.stack([lat[:, :lora].abs().max() for lat in latents]).double()
+    # as the INT8 KV cache's bound (paged_cases.INT8_ERR), on top of bf16's tolerance
+    assert ((out.double() - want).abs() <= 0.02 * vmax[:, None, None] + 2e-2).all()

@@ -7,7 +7,8 @@ the decode queries before :meth:`AccelMLAImpl.forward_mqa` and applies ``W_UV`` 
 it, and hands prefill tokens to :meth:`AccelMLAImpl.forward_mha`. The impl runs:
 
 - **cache writes** through ``mla_cache_write`` into vLLM's latent cache
-  ``[num_blocks, block_size, kv_lora_rank + rope]`` (``reference/mla.py``);
+  ``[num_blocks, block_size, kv_lora_rank + rope]`` (``reference/mla.py``), or its INT8
+  form (``--kv-cache-dtype int8``: the ``_int8`` kernels);
 - **decode** with the absorbed weights: ``mla_decode``, MQA over the latents (every
   head reads the same rows once);
 - **prefill** by decompression: each prefill request's cached latents (its context
@@ -30,7 +31,7 @@ from vllm.model_executor.layers.attention.mla_attention import (
 from vllm.v1.attention.backend import AttentionLayer, AttentionType, MultipleOf
 
 from vllm_accel.logger import init_logger
-from vllm_accel.ops.attention import reject_unsupported
+from vllm_accel.ops.attention import INT8_KV, reject_unsupported
 from vllm_accel.ops.cpu_native import mla as _cpu_native  # noqa: F401  (registers)
 from vllm_accel.ops.reference import mla as _reference  # noqa: F401  (registers)
 from vllm_accel.ops.registry import get_kernel, resolve_provider
@@ -44,7 +45,7 @@ BACKEND_NAME = "ACCEL_MLA"
 class AccelMLABackend(MLACommonBackend):
     supported_dtypes: ClassVar[list[torch.dtype]] = [torch.float16, torch.bfloat16,
                                                      torch.float32]
-    supported_kv_cache_dtypes: ClassVar[list] = ["auto", "float16", "bfloat16"]
+    supported_kv_cache_dtypes: ClassVar[list] = ["auto", "float16", "bfloat16", INT8_KV]
 
     @staticmethod
     def get_name() -> str:
@@ -101,15 +102,18 @@ class AccelMLAImpl(MLACommonImpl[MLACommonMetadata]):
         super().__init__(num_heads, head_size, scale, num_kv_heads, alibi_slopes,
                          sliding_window, kv_cache_dtype, logits_soft_cap, attn_type,
                          kv_sharing_target_layer_name, **mla_args)
+        # the kernels of the cache's dtype (INT8: codes and per-token scales)
+        self._suffix = "_int8" if kv_cache_dtype == INT8_KV else ""
         # (no fp8 queries, no flashinfer's concat, no decode context parallel)
         self.supports_quant_query_input = False
         self._use_flashinfer_concat_mla_k = False
         if self.dcp_world_size > 1:
             reject_unsupported({"decode context parallel with MLA": True})
         logger.info_once(
-            "%s: latent cache of %d + %d per token, decode %s (absorbed), prefill by "
+            "%s: latent cache of %d + %d per token%s, decode %s (absorbed), prefill by "
             "decompression (%s)", BACKEND_NAME, self.kv_lora_rank, self.qk_rope_head_dim,
-            resolve_provider("mla_decode"), resolve_provider("varlen_attention"))
+            " in int8 with per-token scales" if self._suffix else "",
+            resolve_provider("mla_decode" + self._suffix), resolve_provider("varlen_attention"))
 
     def do_kv_cache_update(self, kv_c_normed: torch.Tensor, k_pe: torch.Tensor,
                            kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
@@ -117,8 +121,8 @@ class AccelMLAImpl(MLACommonImpl[MLACommonMetadata]):
         if kv_cache.numel() == 0:  # profiling run
             return
         n = slot_mapping.shape[0]
-        get_kernel("mla_cache_write")(kv_c_normed[:n], k_pe[:n].reshape(n, -1), kv_cache,
-                                      slot_mapping)
+        get_kernel("mla_cache_write" + self._suffix)(kv_c_normed[:n], k_pe[:n].reshape(n, -1),
+                                                     kv_cache, slot_mapping)
 
     def forward_mqa(self, q, kv_c_and_k_pe_cache: torch.Tensor,
                     attn_metadata: MLACommonMetadata, layer: AttentionLayer
@@ -126,8 +130,9 @@ class AccelMLAImpl(MLACommonImpl[MLACommonMetadata]):
         q_nope, q_pe = q if isinstance(q, tuple) else q.split(
             [self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)
         decode = attn_metadata.decode
-        return get_kernel("mla_decode")(q_nope, q_pe, kv_c_and_k_pe_cache, decode.block_table,
-                                        decode.seq_lens, self.scale), None
+        return get_kernel("mla_decode" + self._suffix)(
+            q_nope, q_pe, kv_c_and_k_pe_cache, decode.block_table, decode.seq_lens,
+            self.scale), None
 
     def forward_mha(self, q: torch.Tensor, kv_c_normed: torch.Tensor, k_pe: torch.Tensor,
                     kv_c_and_k_pe_cache: torch.Tensor, attn_metadata: MLACommonMetadata,
@@ -136,8 +141,10 @@ class AccelMLAImpl(MLACommonImpl[MLACommonMetadata]):
         if output_scale is not None:
             reject_unsupported({"MLA with fused output quantization": True})
         prefill = attn_metadata.prefill
-        latent = get_kernel("mla_gather")(kv_c_and_k_pe_cache, prefill.block_table,
-                                          prefill.accel_seq_lens)
+        gather = get_kernel("mla_gather" + self._suffix)
+        latent = (gather(kv_c_and_k_pe_cache, prefill.block_table, prefill.accel_seq_lens,
+                         self.kv_lora_rank) if self._suffix
+                  else gather(kv_c_and_k_pe_cache, prefill.block_table, prefill.accel_seq_lens))
         c, k_rope = latent.split([self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)
         kv = self.kv_b_proj(c.to(q.dtype).contiguous())[0].view(
             -1, self.num_heads, self.qk_nope_head_dim + self.v_head_dim)

@@ -8,11 +8,20 @@ the compressed KV ``c`` (``kv_lora_rank`` L values) then the rotated key part ``
 ``h`` is ``(q_nope[h] [L], q_pe[h] [R])``, its logits ``q_nope . c + q_pe . k_pe``
 times ``scale``, its output ``softmax . c`` (``[L]``, which vLLM then multiplies by
 ``W_UV``). Prefill decompresses the cached latents instead (``mla_gather``).
+
+The INT8 latent cache (``--kv-cache-dtype int8``, the ``_int8`` kernels) stores per token
+``c`` and ``k_pe`` as int8 codes, then two float32 scales, one for each part (vLLM's
+per-token-head layout for MLA: ``L + R`` bytes, then 8): symmetric, ``max|x| / 127``,
+rounded as the INT8 KV writers round (``reference/cache_write.py``).
 """
 
 import torch
 
+from vllm_accel.ops.reference.cache_write import _quantize
 from vllm_accel.ops.registry import register_kernel
+
+#: an INT8 latent row's bytes after its codes: the float32 scales of c and of k_pe
+LATENT_SCALE_BYTES = 8
 
 
 def latent_rows(kv_cache: torch.Tensor) -> torch.Tensor:
@@ -65,3 +74,64 @@ def mla_gather(kv_cache: torch.Tensor, block_table: torch.Tensor,
     rows = latent_rows(kv_cache)
     return torch.cat([rows[request_slots(block_table[i], kv_cache.shape[1], s)]
                       for i, s in enumerate(seq_lens)])
+
+
+def int8_latents(kv_cache: torch.Tensor, lora: int):
+    """An INT8 latent cache as (codes ``[rows, W]`` int8, scales ``[rows, 2]`` float32),
+    views of the cache, ``W = L + R``."""
+    rows = kv_cache.view(torch.int8).reshape(-1, kv_cache.shape[-1])
+    width = rows.shape[1] - LATENT_SCALE_BYTES
+    return rows[:, :width], rows[:, width:].view(torch.float32)
+
+
+def dequantized(codes: torch.Tensor, scales: torch.Tensor, lora: int,
+                dtype=torch.float32) -> torch.Tensor:
+    """INT8 latent rows as ``dtype``: ``c`` times its scale, ``k_pe`` times its own."""
+    out = codes.to(dtype)
+    out[:, :lora] *= scales[:, :1].to(dtype)
+    out[:, lora:] *= scales[:, 1:].to(dtype)
+    return out
+
+
+@register_kernel("mla_cache_write_int8")
+def mla_cache_write_int8(kv_c: torch.Tensor, k_pe: torch.Tensor, kv_cache: torch.Tensor,
+                         slot_mapping: torch.Tensor) -> None:
+    """``mla_cache_write`` into an INT8 latent cache (each part quantized per token)."""
+    lora = kv_c.shape[-1]
+    codes, scales = int8_latents(kv_cache, lora)
+    keep = slot_mapping >= 0
+    slots = slot_mapping[keep].long()
+    c_q, c_s = _quantize(kv_c[keep][:, None, :], None)
+    pe_q, pe_s = _quantize(k_pe[keep][:, None, :], None)
+    codes[slots] = torch.cat((c_q[:, 0], pe_q[:, 0]), dim=-1)
+    scales[slots] = torch.cat((c_s, pe_s), dim=-1)
+
+
+@register_kernel("mla_decode_int8")
+def mla_decode_int8(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor,
+                    block_table: torch.Tensor, seq_lens: torch.Tensor,
+                    scale: float) -> torch.Tensor:
+    """``mla_decode`` over an INT8 latent cache (its rows dequantized in float64)."""
+    lora = q_nope.shape[-1]
+    codes, scales = int8_latents(kv_cache, lora)
+    out = q_nope.new_zeros(q_nope.shape)
+    block_size = kv_cache.shape[1]
+    for i, seq_len in enumerate(seq_lens.tolist()):
+        if seq_len == 0:
+            continue
+        slots = request_slots(block_table[i], block_size, seq_len)
+        latent = dequantized(codes[slots], scales[slots], lora, torch.float64)
+        c, k_pe = latent[:, :lora], latent[:, lora:]
+        scores = (q_nope[i].double() @ c.T + q_pe[i].double() @ k_pe.T) * scale
+        out[i] = (torch.softmax(scores, dim=-1) @ c).to(out.dtype)
+    return out
+
+
+@register_kernel("mla_gather_int8")
+def mla_gather_int8(kv_cache: torch.Tensor, block_table: torch.Tensor, seq_lens: list[int],
+                    lora: int) -> torch.Tensor:
+    """``mla_gather`` of an INT8 latent cache, dequantized to float32."""
+    codes, scales = int8_latents(kv_cache, lora)
+    slots = torch.cat([request_slots(block_table[i], kv_cache.shape[1], s)
+                       for i, s in enumerate(seq_lens)])
+    return dequantized(codes[slots], scales[slots], lora)

@@ -4,7 +4,12 @@ batch's latent rows, batched matmuls in the model dtype, float32 softmax."""
 
 import torch
 
-from vllm_accel.ops.reference.mla import latent_rows
+from vllm_accel.ops.reference.mla import (
+    dequantized,
+    int8_latents,
+    latent_rows,
+    mla_cache_write_int8,
+)
 from vllm_accel.ops.registry import register_kernel
 from vllm_accel.ops.torch_fast.attention import FAST
 
@@ -31,17 +36,14 @@ def _batch_rows(kv_cache, block_table, seq_lens):
     return blocks * block_size + clamped % block_size, pos[None, :] < seq_lens[:, None]
 
 
-@register_kernel("mla_decode", FAST)
-def mla_decode(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor,
-               block_table: torch.Tensor, seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
-    """Absorbed decode of the whole batch at once: the latents of every request
-    gathered once and read by all heads (MQA)."""
+def _decode(q_nope, q_pe, kv_cache, block_table, seq_lens, scale, read_rows):
+    """Absorbed decode of the whole batch at once; ``read_rows(slots)`` gives the latent
+    rows ``[len(slots), L + R]`` in the queries' dtype."""
     b, n, lora = q_nope.shape
     if b == 0 or int(seq_lens.max()) == 0:
         return q_nope.new_zeros(b, n, lora)
     slots, valid = _batch_rows(kv_cache, block_table, seq_lens)
-    latent = latent_rows(kv_cache).index_select(0, slots.reshape(-1)).view(b, -1, lora + q_pe.shape[-1])
-    latent = latent.to(q_nope.dtype)
+    latent = read_rows(slots.reshape(-1)).view(b, -1, lora + q_pe.shape[-1])
     q = torch.cat((q_nope, q_pe), dim=-1)  # [B, N, L + R]
     scores = torch.bmm(q, latent.transpose(1, 2)).float().mul_(scale)  # [B, N, S]
     scores.masked_fill_(~valid[:, None, :], float("-inf"))
@@ -49,13 +51,52 @@ def mla_decode(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor,
     return torch.bmm(probs.to(latent.dtype), latent[..., :lora]).to(q_nope.dtype)
 
 
-@register_kernel("mla_gather", FAST)
-def mla_gather(kv_cache: torch.Tensor, block_table: torch.Tensor,
-               seq_lens: list[int]) -> torch.Tensor:
-    """One ``index_select`` of every request's latent rows."""
+@register_kernel("mla_decode", FAST)
+def mla_decode(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor,
+               block_table: torch.Tensor, seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
+    """Absorbed decode of the whole batch at once: the latents of every request
+    gathered once and read by all heads (MQA)."""
+    rows = latent_rows(kv_cache)
+    return _decode(q_nope, q_pe, kv_cache, block_table, seq_lens, scale,
+                   lambda slots: rows.index_select(0, slots).to(q_nope.dtype))
+
+
+@register_kernel("mla_decode_int8", FAST)
+def mla_decode_int8(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor,
+                    block_table: torch.Tensor, seq_lens: torch.Tensor,
+                    scale: float) -> torch.Tensor:
+    """``mla_decode`` over an INT8 latent cache, dequantized to the queries' dtype."""
+    codes, scales = int8_latents(kv_cache, q_nope.shape[-1])
+    return _decode(q_nope, q_pe, kv_cache, block_table, seq_lens, scale,
+                   lambda slots: dequantized(codes.index_select(0, slots),
+                                             scales.index_select(0, slots),
+                                             q_nope.shape[-1], q_nope.dtype))
+
+
+def _gather_slots(kv_cache, block_table, seq_lens) -> torch.Tensor:
     block_size = kv_cache.shape[1]
     slots = []
     for i, s in enumerate(seq_lens):
         pos = torch.arange(s, device=block_table.device)
         slots.append(block_table[i, pos // block_size].long() * block_size + pos % block_size)
-    return latent_rows(kv_cache).index_select(0, torch.cat(slots))
+    return torch.cat(slots)
+
+
+@register_kernel("mla_gather", FAST)
+def mla_gather(kv_cache: torch.Tensor, block_table: torch.Tensor,
+               seq_lens: list[int]) -> torch.Tensor:
+    """One ``index_select`` of every request's latent rows."""
+    return latent_rows(kv_cache).index_select(0, _gather_slots(kv_cache, block_table, seq_lens))
+
+
+@register_kernel("mla_gather_int8", FAST)
+def mla_gather_int8(kv_cache: torch.Tensor, block_table: torch.Tensor, seq_lens: list[int],
+                    lora: int) -> torch.Tensor:
+    """``mla_gather`` of an INT8 latent cache, dequantized to float32."""
+    codes, scales = int8_latents(kv_cache, lora)
+    slots = _gather_slots(kv_cache, block_table, seq_lens)
+    return dequantized(codes.index_select(0, slots), scales.index_select(0, slots), lora)
+
+
+# (the reference writer is already one vectorized scatter)
+register_kernel("mla_cache_write_int8", FAST)(mla_cache_write_int8)
