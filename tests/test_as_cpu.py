@@ -30,7 +30,10 @@ GEMM_SUITES = ["tests/test_cpu_native_bf16_linear.py", "tests/test_cpu_native_in
 KERNEL_SUITES = {"avx512": GEMM_SUITES,
                  "avx2": [*GEMM_SUITES, "tests/test_native_kernels.py",
                           "tests/test_attention_kernels.py", "tests/test_attention_int8.py",
-                          "tests/test_attention_features.py", "tests/test_mla_kernels.py"]}
+                          "tests/test_attention_features.py", "tests/test_mla_kernels.py",
+                          "tests/test_lora.py::test_lora_linear_matches_float64",
+                          "tests/test_lora.py::"
+                          "test_cpu_native_lora_linear_runs_in_cpp_and_sees_new_adapter_weights"]}
 KERNEL_SUITES["baseline"] = KERNEL_SUITES["avx2"]
 
 

@@ -97,8 +97,13 @@ def test_adapters_in_one_batch_match_hf_with_the_adapter_merged(case, lora_model
                           for i, w in enumerate(which)],
         "sampling": {"temperature": 0.0, "max_tokens": 10, "ignore_eos": True,
                      "detokenize": False, "logprobs": 1},
+        "worker_kernel_calls": ["cpu_lora_linear"],
     }
     results, log = run_engine(spec, tmp_path, env=env)
+    # the simulator's layers take the C++ kernel, one call per layer and step; the card
+    # path has no cpu_native provider
+    (counts,) = results["worker_kernel_calls"]
+    assert (counts.get("cpu_lora_linear", [0])[0] > 0) == (not env), counts
     assert "Warming up model for the compilation" not in log
     assert ("LoRA runs eagerly on the gcu" in log) == (compiled and not env)
     if env:
@@ -187,3 +192,66 @@ def test_lora_ops_skip_tokens_without_an_adapter(provider):
     vllm_mid = torch.zeros(6, rank)
     bgmv_shrink(x, lora_a, vllm_mid, idx, 0.5)
     assert torch.allclose(vllm_mid[1], 0.5 * lora_a[-1, 0] @ x[1], atol=1e-5)  # slot -1: last
+
+
+@pytest.mark.parametrize("provider", ["reference", "torch_fast", "cpu_native"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("rank,slices", [(8, (48, 16, 16)), (16, (40,)), (4, (33, 7))])
+def test_lora_linear_matches_float64(provider, dtype, rank, slices):
+    """``lora_linear`` (a whole layer: every output slice, each token's adapter) vs
+    float64 per-token products: tokens of slot -1 and the columns past the slices keep
+    their values; each result within the dtype's rounding of the output."""
+    from vllm_accel.ops import lora as _lora  # noqa: F401  (registers the ops)
+    from vllm_accel.ops.registry import get_kernel
+
+    g = torch.Generator().manual_seed(rank)
+    slots, d_in, rows = 3, 72, 7
+    lora_a = tuple(torch.randn(slots, 1, rank, d_in, generator=g).to(dtype) for _ in slices)
+    lora_b = tuple((torch.randn(slots, 1, n + 3, rank, generator=g) / rank).to(dtype)
+                   for n in slices)  # (vLLM's B may have rows past the slice)
+    x = torch.randn(rows, d_in, generator=g).to(dtype)
+    idx = torch.tensor([0, -1, 2, 1, -1, 2, 0, 1, 2])  # longer than the batch, as vLLM's
+    y0 = torch.randn(rows, sum(slices) + 5, generator=g).to(dtype)
+    y = y0.clone()
+    get_kernel("lora_linear", provider)(y, x, lora_a, lora_b, idx, 0.5, slices)
+    want = y0.double()
+    for t, slot in enumerate(idx.tolist()[:rows]):
+        offset = 0
+        for a, b, n in zip(lora_a, lora_b, slices):
+            if slot >= 0:
+                h = 0.5 * a[slot, 0].double() @ x[t].double()
+                want[t, offset:offset + n] += b[slot, 0, :n].double() @ h
+            offset += n
+    tol = {torch.float32: 1e-5, torch.bfloat16: 1.6e-2, torch.float16: 2e-3}[dtype]
+    torch.testing.assert_close(y.double(), want, atol=tol * want.abs().max().item(), rtol=tol)
+    assert torch.equal(y[[1, 4]], y0[[1, 4]]) and torch.equal(y[:, -5:], y0[:, -5:])
+
+
+def test_cpu_native_lora_linear_runs_in_cpp_and_sees_new_adapter_weights(monkeypatch):
+    """The simulator's ``lora_linear`` reaches the C++ kernel (one call for the layer),
+    and after vLLM writes another adapter into a slot in place (``copy_``, as its
+    ``set_lora`` does) the next call uses it: the transposed copy is made again."""
+    from conftest import kernel_calls
+
+    from vllm_accel.ops import lora as _lora  # noqa: F401  (registers the ops)
+    from vllm_accel.ops.registry import get_kernel
+
+    calls = kernel_calls(monkeypatch, "cpu_lora_linear", "accel_lora_linear", 5)
+    g = torch.Generator().manual_seed(1)
+    lora_a = (torch.randn(2, 1, 8, 32, generator=g),)
+    lora_b = (torch.randn(2, 1, 24, 8, generator=g),)
+    x, idx = torch.randn(3, 32, generator=g), torch.tensor([1, 0, 1])
+
+    def run():
+        y = torch.zeros(3, 24)
+        get_kernel("lora_linear", "cpu_native")(y, x, lora_a, lora_b, idx, 1.0, (24,))
+        ref = torch.zeros(3, 24)
+        get_kernel("lora_linear", "reference")(ref, x, lora_a, lora_b, idx, 1.0, (24,))
+        torch.testing.assert_close(y, ref, atol=1e-4, rtol=1e-4)
+        return y
+
+    first = run()
+    lora_b[0][1, 0].copy_(torch.randn(24, 8, generator=g))  # a new adapter in slot 1
+    second = run()
+    assert torch.equal(first[1], second[1]) and not torch.allclose(first[0], second[0])
+    assert calls() == (2, 6), calls()

@@ -1,5 +1,7 @@
 """LoRA on every backend: the punica wrapper vLLM's LoRA layers call, on the kernel
-registry's ``lora_shrink`` / ``lora_expand`` (``reference/lora.py``, ``torch_fast/lora.py``).
+registry's ``lora_linear`` (a whole layer: every output slice, each token's adapter) and
+``lora_shrink`` / ``lora_expand`` (the LM head's adapters; ``reference/lora.py``,
+``torch_fast/lora.py``, ``cpu_native/lora.py``).
 
 vLLM 0.32's CPU wrapper (``PunicaWrapperCPU``, what the CPU platform and so the plugin
 would otherwise get) indexes the stacked adapter weights with each token's slot, and a
@@ -15,6 +17,7 @@ from typing import Any
 import torch
 from vllm.lora.punica_wrapper.punica_cpu import PunicaWrapperCPU
 
+from vllm_accel.ops.cpu_native import lora as _cpu_native  # noqa: F401  (registers)
 from vllm_accel.ops.reference import lora as _reference  # noqa: F401  (registers)
 from vllm_accel.ops.registry import get_kernel
 from vllm_accel.ops.torch_fast import lora as _torch_fast  # noqa: F401  (registers)
@@ -23,6 +26,20 @@ from vllm_accel.ops.torch_fast import lora as _torch_fast  # noqa: F401  (regist
 class AccelPunicaWrapper(PunicaWrapperCPU):
     """Every shrink/expand of vLLM's wrapper through ``lora_shrink`` / ``lora_expand``
     with each token's slot (prefill and decode alike: ``token_lora_indices``)."""
+
+    def add_lora_linear(self, y: torch.Tensor, x: torch.Tensor,
+                        lora_a_stacked: tuple[torch.Tensor, ...],
+                        lora_b_stacked: tuple[torch.Tensor, ...], scale: float,
+                        output_slices: tuple[int, ...], *, buffer=None,
+                        **kwargs: Any) -> torch.Tensor:
+        """One ``lora_linear`` call for the layer (vLLM's wrapper: a shrink and an
+        expand per slice); ``add_inputs=False`` (vLLM's side-stream path) writes the
+        adapters' part alone."""
+        if not kwargs.get("add_inputs", True):
+            y[:, :sum(output_slices)] = 0
+        get_kernel("lora_linear")(y, x, lora_a_stacked, lora_b_stacked,
+                                  self.token_lora_indices, scale, output_slices)
+        return y
 
     def _shrink(self, y, x, w_t_all, scale):
         get_kernel("lora_shrink")(x, w_t_all, y, self.token_lora_indices, scale)

@@ -36,7 +36,8 @@ logger = init_logger(__name__)
 
 CSRC = Path(__file__).parent / "csrc"
 SOURCES = (CSRC / "paged_attention.cpp", CSRC / "mla_decode.cpp", CSRC / "elementwise.cpp",
-           CSRC / "int4_gemv.cpp", CSRC / "bf16_linear.cpp", CSRC / "int8_linear.cpp")
+           CSRC / "int4_gemv.cpp", CSRC / "bf16_linear.cpp", CSRC / "int8_linear.cpp",
+           CSRC / "lora.cpp")
 HEADERS = (CSRC / "dtypes.h", CSRC / "entry_points.h", CSRC / "int8_codes.h", CSRC / "tiles.h",
            CSRC / "vec.h")
 #: the dispatcher kernels of vllm_accel's torch.library ops (built against torch)
@@ -68,6 +69,8 @@ _SIGNATURES = {
     ),
     "accel_rms_norm": (_i32, _ptr, _i64, _ptr, _i64, _ptr, _ptr, _i64, _ptr, _i64, _i64, _i32, _f32),
     "accel_silu_and_mul": (_i32, _ptr, _i64, _ptr, _i64, _i64, _i32),
+    "accel_lora_linear": (_i32, _ptr, _i64, _ptr, _i64, _i64, _i32, _ptr, _i32, _i32, _ptr,
+                          _ptr, _ptr, _ptr, _ptr, _ptr, _i32, _f32),
     "accel_int4pack_gemv_available": (),
     "accel_int4pack_block_sizes": (),
     "accel_int4pack_amx_rows": (),

@@ -33,6 +33,14 @@ int accel_mla_decode(int dtype, const void* q_nope, int64_t qn_tok, int64_t qn_h
                      const int32_t* block_table, int64_t bt_stride, int64_t bt_cols,
                      const int32_t* seq_lens, int num_reqs, int num_heads, float scale);
 
+// lora.cpp
+int accel_lora_linear(int dtype, const void* x, int64_t x_stride, void* y, int64_t y_stride,
+                      int64_t rows, int in, const int64_t* slots_of, int num_slots,
+                      int num_slices, const void* const* a_slices, const int64_t* a_slot_stride,
+                      const void* const* b_slices, const int64_t* b_slot_stride,
+                      const int64_t* b_row_stride, const int64_t* out_sizes, int rank,
+                      float scale);
+
 // bf16_linear.cpp
 int accel_bf16_linear_available();
 int accel_bf16_linear_onednn_rows(int32_t x_dtype);

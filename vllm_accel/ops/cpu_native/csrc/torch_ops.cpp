@@ -45,7 +45,8 @@ struct KernelCalls {
   }
 };
 KernelCalls bf16_linear_calls, int4pack_linear_calls, int8_linear_calls, attention_step_calls,
-    rms_norm_calls, silu_and_mul_calls, rotary_calls, decoder_layer_calls, moe_experts_calls;
+    rms_norm_calls, silu_and_mul_calls, rotary_calls, decoder_layer_calls, moe_experts_calls,
+    lora_linear_calls;
 
 // The block size (outputs) of torch's int4 layout where accel_int4pack_gemv reads it, 0
 // where it does not: torch picks its layout by the CPU capability it runs with, so
@@ -409,6 +410,59 @@ at::Tensor cpu_mla_decode(const at::Tensor& q_nope, const at::Tensor& q_pe,
       static_cast<float>(scale));
   check_rc(rc, "accel_mla_decode");
   return out;
+}
+
+// vllm_accel::cpu_lora_linear: every adapter slice of one LoRA linear layer for the batch
+// (csrc/lora.cpp): y[:, slice i] += B_i[slot] @ (scale * A_i[slot] @ x) per token of a
+// slot >= 0. lora_a[i] is vLLM's [slots, 1, rank, in] (or [slots, rank, in]), lora_b_t[i]
+// B transposed, [slots, rank, >= n_i], contiguous, all in x's dtype; y [T, >= sum n_i] and x
+// [T, in] with contiguous rows. False, with nothing done, for inputs the kernel does not
+// take (the caller runs the slice-by-slice kernels).
+bool cpu_lora_linear(const at::Tensor& y, const at::Tensor& x, at::TensorList lora_a,
+                     at::TensorList lora_b_t, const at::Tensor& slots_of, double scale,
+                     at::IntArrayRef out_sizes) {
+  const auto type = x.scalar_type();
+  const int code = dtype_code(type);
+  const int64_t n = static_cast<int64_t>(lora_a.size());
+  bool ok = code >= 0 && n > 0 && static_cast<int64_t>(lora_b_t.size()) == n &&
+            static_cast<int64_t>(out_sizes.size()) == n && x.dim() == 2 && y.dim() == 2 &&
+            x.device().is_cpu() && y.device().is_cpu() && y.scalar_type() == type &&
+            x.stride(1) == 1 && y.stride(1) == 1 && y.size(0) == x.size(0) &&
+            slots_of.scalar_type() == at::kLong && slots_of.device().is_cpu() &&
+            slots_of.dim() == 1 && slots_of.is_contiguous() && slots_of.size(0) >= x.size(0);
+  const int64_t rank = ok ? lora_a[0].size(-2) : 0;
+  const int64_t num_slots = ok ? lora_a[0].size(0) : 0;
+  int64_t width = 0;
+  for (int64_t i = 0; ok && i < n; ++i) {
+    const at::Tensor& a = lora_a[i];
+    const at::Tensor& b = lora_b_t[i];
+    ok = (a.dim() == 3 || (a.dim() == 4 && a.size(1) == 1)) && b.dim() == 3 &&
+         a.is_contiguous() && b.is_contiguous() && a.scalar_type() == type &&
+         b.scalar_type() == type && a.device().is_cpu() && b.device().is_cpu() &&
+         a.size(0) == num_slots && b.size(0) == num_slots && a.size(-2) == rank &&
+         a.size(-1) == x.size(1) && b.size(1) == rank && b.size(2) >= out_sizes[i] &&
+         out_sizes[i] >= 0;
+    width += out_sizes[i];
+  }
+  if (!ok || width > y.size(1) || rank == 0) return false;
+  std::vector<const void*> a_ptrs(n), b_ptrs(n);
+  std::vector<int64_t> a_strides(n), b_strides(n), b_rows(n),
+      sizes(out_sizes.begin(), out_sizes.end());
+  for (int64_t i = 0; i < n; ++i) {
+    a_ptrs[i] = lora_a[i].data_ptr();
+    b_ptrs[i] = lora_b_t[i].data_ptr();
+    a_strides[i] = lora_a[i].stride(0);
+    b_strides[i] = lora_b_t[i].stride(0);
+    b_rows[i] = lora_b_t[i].stride(1);
+  }
+  const int rc = accel_lora_linear(
+      code, x.data_ptr(), x.stride(0), y.data_ptr(), y.stride(0), x.size(0),
+      static_cast<int>(x.size(1)), slots_of.data_ptr<int64_t>(), static_cast<int>(num_slots),
+      static_cast<int>(n), a_ptrs.data(), a_strides.data(), b_ptrs.data(), b_strides.data(),
+      b_rows.data(), sizes.data(), static_cast<int>(rank), static_cast<float>(scale));
+  check_rc(rc, "accel_lora_linear");
+  lora_linear_calls.add(x.size(0));
+  return true;
 }
 
 // vllm_accel::cpu_cache_write: scatter (quantizing, for an INT8 cache) new K/V
@@ -842,6 +896,7 @@ int64_t accel_torch_ops_kernel_calls(const char* op, int64_t* rows) {
                          : name == "cpu_rotary_embedding" ? &rotary_calls
                          : name == "cpu_decoder_layer" ? &decoder_layer_calls
                          : name == "cpu_moe_experts" ? &moe_experts_calls
+                         : name == "cpu_lora_linear" ? &lora_linear_calls
                                                   : nullptr;
   if (counter == nullptr) return -1;
   *rows = counter->rows.load();
@@ -862,6 +917,8 @@ TORCH_LIBRARY_FRAGMENT(vllm_accel, m) {
         "Tensor? sinks=None) -> Tensor");
   m.def("cpu_mla_decode(Tensor q_nope, Tensor q_pe, Tensor kv_cache, Tensor block_table, "
         "Tensor seq_lens, float scale) -> Tensor");
+  m.def("cpu_lora_linear(Tensor(a!) y, Tensor x, Tensor[] lora_a, Tensor[] lora_b_t, "
+        "Tensor slots_of, float scale, int[] out_sizes) -> bool");
   m.def("cpu_cache_write(Tensor key, Tensor value, Tensor(a!) kv_cache, Tensor slot_mapping, "
         "float k_scale, float v_scale) -> bool");
   m.def("cpu_attention_step(Tensor query, Tensor key, Tensor value, Tensor(a!) kv_cache, "
@@ -898,6 +955,7 @@ TORCH_LIBRARY_IMPL(vllm_accel, CPU, m) {
   m.impl("cpu_paged_attention", &cpu_paged_attention);
   m.impl("cpu_mla_decode", &cpu_mla_decode);
   m.impl("cpu_cache_write", &cpu_cache_write);
+  m.impl("cpu_lora_linear", &cpu_lora_linear);
   m.impl("cpu_attention_step", &cpu_attention_step);
   m.impl("cpu_rms_norm", &cpu_rms_norm);
   m.impl("cpu_silu_and_mul", &cpu_silu_and_mul);
