@@ -17,10 +17,13 @@ torch reference of the same op on the same GPU:
 * W4A16 (group 128, symmetric) at batch 1, 16, 64 for 4096x4096, 4096->14336,
   14336->4096; reference: dequantize the weight + matmul;
 * W8A8 (per-token dynamic) at batch 64 and 512; reference: dequantize + matmul,
-  and ``torch._int_mm`` with the same quantization.
+  and ``torch._int_mm`` with the same quantization;
+* MLA absorbed decode (DeepSeek-V3's 128 heads, latent 512 + rope 64, block 64) at
+  batch 1 x context 8192 and batch 64 x 2048; reference: gather the latent rows + the
+  same two matmuls and softmax in torch.
 
-Bytes counted are the ones the op must move: the KV cache pages read (+ query and
-output), the packed weight + scales + activations + output.
+Bytes counted are the ones the op must move: the KV cache pages (MLA: latent rows)
+read (+ query and output), the packed weight + scales + activations + output.
 """
 
 from __future__ import annotations
@@ -36,7 +39,7 @@ import triton
 from triton.testing import do_bench, do_bench_cudagraph
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from vllm_accel.ops.triton import int8_gemm, paged_attention, wint_gemm  # noqa: E402
+from vllm_accel.ops.triton import int8_gemm, mla, paged_attention, wint_gemm  # noqa: E402
 
 DEV = "cuda"
 
@@ -145,6 +148,53 @@ def bench_decode(bandwidth):
 
 
 # ---------------------------------------------------------------------------
+# MLA decode
+# ---------------------------------------------------------------------------
+
+
+def mla_case(batch, context, heads=128, lora=512, rope=64, bs=64):
+    g = torch.Generator(device=DEV).manual_seed(0)
+    blocks_per_req = context // bs
+    num_blocks = batch * blocks_per_req
+    cache = torch.randn(num_blocks, bs, lora + rope, dtype=torch.bfloat16, device=DEV,
+                        generator=g)
+    block_table = torch.randperm(num_blocks, device=DEV, generator=g).to(torch.int32)
+    block_table = block_table.view(batch, blocks_per_req)
+    seq_lens = torch.full((batch,), context, dtype=torch.int32, device=DEV)
+    q_nope = torch.randn(batch, heads, lora, dtype=torch.bfloat16, device=DEV, generator=g)
+    q_pe = torch.randn(batch, heads, rope, dtype=torch.bfloat16, device=DEV, generator=g)
+    nbytes = batch * context * (lora + rope) * 2 + 2 * (2 * q_nope.numel() + q_pe.numel())
+    return q_nope, q_pe, cache, block_table, seq_lens, nbytes
+
+
+def gather_mla(q_nope, q_pe, cache, block_table, seq_lens, scale):
+    """Torch reference: gather every request's latent rows, then the absorbed math."""
+    lora = q_nope.shape[-1]
+    rows = cache[block_table.long()].flatten(1, 2)  # [B, S, L + R]
+    c, k_pe = rows[..., :lora], rows[..., lora:]
+    scores = (q_nope @ c.transpose(1, 2) + q_pe @ k_pe.transpose(1, 2)).float() * scale
+    return (torch.softmax(scores, -1).to(c.dtype) @ c)
+
+
+def bench_mla(bandwidth):
+    rows = []
+    for batch, context in ((1, 8192), (64, 2048)):
+        q_nope, q_pe, cache, bt, seq_lens, nbytes = mla_case(batch, context)
+        scale = 576**-0.5
+        out = mla.mla_decode(q_nope, q_pe, cache, bt, seq_lens, scale)
+        ref = gather_mla(q_nope, q_pe, cache, bt, seq_lens, scale)
+        err = (out.float() - ref.float()).abs().max().item()
+        assert err < 5e-2, f"mla decode mismatch {err}"
+        ms = do_bench(lambda: mla.mla_decode(q_nope, q_pe, cache, bt, seq_lens, scale))
+        ref_ms = do_bench(lambda: gather_mla(q_nope, q_pe, cache, bt, seq_lens, scale))
+        r = row(f"mla_decode bf16 b{batch} ctx{context} 128 heads 512+64 bs64", ms, nbytes,
+                bandwidth, ref_ms, "gather + matmuls")
+        r["max_abs_error_vs_reference"] = err
+        rows.append(r)
+    return rows
+
+
+# ---------------------------------------------------------------------------
 # Quantized GEMMs
 # ---------------------------------------------------------------------------
 
@@ -231,7 +281,7 @@ def main() -> None:
     results = {"gpu": props.name, "torch": torch.__version__, "triton": triton.__version__,
                "copy_bandwidth_GBps": round(bandwidth / 1e9, 1),
                "paged_decode": bench_decode(bandwidth), "w4a16": bench_w4a16(bandwidth),
-               "w8a8": bench_w8a8(bandwidth)}
+               "w8a8": bench_w8a8(bandwidth), "mla_decode": bench_mla(bandwidth)}
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(results, indent=1) + "\n")

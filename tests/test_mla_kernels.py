@@ -3,11 +3,11 @@ gather for prefill) of every provider against float64 oracles over the original
 latents: vLLM's latent cache ``[num_blocks, block_size, L + R]`` filled with garbage,
 shuffled block tables with garbage columns past each request's blocks, padding slots."""
 
-import math
 
 import pytest
 import torch
 
+from mla_cases import TOL, absorbed_oracle, latent_case
 from vllm_accel.ops import mla as _backend  # noqa: F401  (registers every provider)
 from vllm_accel.ops.cpu_native import build as native
 from vllm_accel.ops.registry import get_kernel
@@ -15,38 +15,6 @@ from vllm_accel.ops.registry import get_kernel
 PROVIDERS = ["reference", "torch_fast", "cpu_native"]
 #: (kv_lora_rank, rope dims): DeepSeek-V2/V3's 512 + 64, V2-Lite-like smaller latents
 DIMS = [(512, 64), (256, 64), (448, 64)]
-TOL = {torch.float32: dict(atol=2e-5, rtol=2e-5), torch.bfloat16: dict(atol=2e-2, rtol=2e-2)}
-
-
-def _case(seq_lens, block_size, lora, rope, dtype, seed):
-    """(latents per request [S, L+R], block table, cache written by the reference)."""
-    g = torch.Generator().manual_seed(seed)
-    need = [math.ceil(s / block_size) for s in seq_lens]
-    num_blocks = sum(need) + 3
-    perm = torch.randperm(num_blocks, generator=g)
-    table = torch.randint(0, num_blocks, (len(seq_lens), max(need) + 2), generator=g,
-                          dtype=torch.int32)
-    used = 0
-    for i, n in enumerate(need):
-        table[i, :n] = perm[used:used + n].to(torch.int32)
-        used += n
-    latents = [torch.randn(s, lora + rope, generator=g).to(dtype) for s in seq_lens]
-    cache = (torch.rand(num_blocks, block_size, lora + rope, generator=g) * 2e4 - 1e4).to(dtype)
-    slots = torch.cat([table[i, torch.arange(s) // block_size].long() * block_size
-                       + torch.arange(s) % block_size for i, s in enumerate(seq_lens)])
-    get_kernel("mla_cache_write", "reference")(
-        torch.cat(latents)[:, :lora], torch.cat(latents)[:, lora:], cache, slots)
-    return latents, table, cache
-
-
-def _oracle(q_nope, q_pe, latents, lora, scale):
-    """float64 absorbed decode over the original latents."""
-    out = []
-    for i, lat in enumerate(latents):
-        lat = lat.double()
-        scores = (q_nope[i].double() @ lat[:, :lora].T + q_pe[i].double() @ lat[:, lora:].T)
-        out.append(torch.softmax(scores * scale, dim=-1) @ lat[:, :lora])
-    return torch.stack(out)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
@@ -57,7 +25,7 @@ def _oracle(q_nope, q_pe, latents, lora, scale):
 def test_decode_matches_the_float64_oracle(provider, block_size, dims, heads, dtype):
     lora, rope = dims
     seq_lens = [1, block_size, block_size + 1, 3 * block_size - 7, 45]
-    latents, table, cache = _case(seq_lens, block_size, lora, rope, dtype, seed=heads + lora)
+    latents, table, cache = latent_case(seq_lens, block_size, lora, rope, dtype, seed=heads + lora)
     g = torch.Generator().manual_seed(1)
     b = len(seq_lens)
     q_nope = torch.randn(b, heads, lora, generator=g).to(dtype)
@@ -67,20 +35,20 @@ def test_decode_matches_the_float64_oracle(provider, block_size, dims, heads, dt
     out = get_kernel("mla_decode", provider)(q_nope, q_pe, cache, table,
                                              torch.tensor(seq_lens, dtype=torch.int32), scale)
     assert out.shape == (b, heads, lora) and out.dtype == dtype
-    torch.testing.assert_close(out.double(), _oracle(q_nope, q_pe, latents, lora, scale),
+    torch.testing.assert_close(out.double(), absorbed_oracle(q_nope, q_pe, latents, lora, scale),
                                **TOL[dtype])
 
 
 @pytest.mark.parametrize("provider", PROVIDERS)
 def test_decode_padded_slot_is_zero(provider):
     lora, rope, block_size = 256, 64, 16
-    latents, table, cache = _case([5, 40], block_size, lora, rope, torch.float32, seed=2)
+    latents, table, cache = latent_case([5, 40], block_size, lora, rope, torch.float32, seed=2)
     q_nope, q_pe = torch.randn(3, 4, lora), torch.randn(3, 4, rope)
     table = torch.cat([table, table[:1]])
     out = get_kernel("mla_decode", provider)(q_nope, q_pe, cache, table,
                                              torch.tensor([5, 40, 0], dtype=torch.int32), 0.1)
     assert (out[2] == 0).all()
-    torch.testing.assert_close(out[:2].double(), _oracle(q_nope, q_pe, latents, lora, 0.1),
+    torch.testing.assert_close(out[:2].double(), absorbed_oracle(q_nope, q_pe, latents, lora, 0.1),
                                **TOL[torch.float32])
 
 
@@ -91,7 +59,7 @@ def test_cache_write_and_gather_are_exact(provider, dtype):
     keep their garbage); the gather returns every request's rows in position order."""
     lora, rope, block_size = 256, 64, 16
     seq_lens = [3, 17, 40]
-    latents, table, reference_cache = _case(seq_lens, block_size, lora, rope, dtype, seed=5)
+    latents, table, reference_cache = latent_case(seq_lens, block_size, lora, rope, dtype, seed=5)
     cache = torch.full_like(reference_cache, float("nan"))
     slots = torch.cat([table[i, torch.arange(s) // block_size].long() * block_size
                        + torch.arange(s) % block_size for i, s in enumerate(seq_lens)])
@@ -115,11 +83,11 @@ def test_cpp_decode_runs_and_declines_what_it_cannot_take():
     """The op computes (no silent fallback) where it takes the inputs, and declines a
     cache in another dtype than the queries (the caller then runs torch_fast)."""
     lora, rope = 256, 64
-    latents, table, cache = _case([7, 33], 16, lora, rope, torch.bfloat16, seed=8)
+    latents, table, cache = latent_case([7, 33], 16, lora, rope, torch.bfloat16, seed=8)
     q_nope, q_pe = torch.randn(2, 4, lora).bfloat16(), torch.randn(2, 4, rope).bfloat16()
     lens = torch.tensor([7, 33], dtype=torch.int32)
     out = torch.ops.vllm_accel.cpu_mla_decode(q_nope, q_pe, cache, table, lens, 0.1)
-    torch.testing.assert_close(out.double(), _oracle(q_nope, q_pe, latents, lora, 0.1),
+    torch.testing.assert_close(out.double(), absorbed_oracle(q_nope, q_pe, latents, lora, 0.1),
                                **TOL[torch.bfloat16])
     assert torch.ops.vllm_accel.cpu_mla_decode(q_nope.float(), q_pe.float(), cache, table,
                                                lens, 0.1).numel() == 0
@@ -131,7 +99,7 @@ def _int8_case(seq_lens, block_size, lora, rope, seed):
     """Latents per request, a shuffled block table and an INT8 latent cache (codes, then
     the float32 scales of c and k_pe per token) written by the reference writer over
     garbage."""
-    latents, table, _ = _case(seq_lens, block_size, lora, rope, torch.float32, seed)
+    latents, table, _ = latent_case(seq_lens, block_size, lora, rope, torch.float32, seed)
     g = torch.Generator().manual_seed(seed + 1)
     num_blocks = int(table.max()) + 1
     cache = torch.randint(-128, 128, (num_blocks, block_size, lora + rope + 8), generator=g,
@@ -177,7 +145,7 @@ def test_int8_latent_cache(provider):
     out = get_kernel("mla_decode_int8", provider)(q_nope, q_pe, cache, table,
                                                   torch.tensor(seq_lens, dtype=torch.int32),
                                                   scale)
-    want = _oracle(q_nope, q_pe, latents, lora, scale)
+    want = absorbed_oracle(q_nope, q_pe, latents, lora, scale)
     vmax = torch.stack([lat[:, :lora].abs().max() for lat in latents]).double()
     # as the INT8 KV cache's bound (paged_cases.INT8_ERR), on top of bf16's tolerance
     assert ((out.double() - want).abs() <= 0.02 * vmax[:, None, None] + 2e-2).all()

@@ -15,11 +15,12 @@ import os
 import pytest
 import torch
 
+from mla_cases import TOL as MLA_TOL, absorbed_oracle, latent_case
 from paged_cases import (HKV, INT8_ERR, TOL, alibi_slopes, assert_within_int8_bound,
                          batch_mix, build, free_before_window, kernel_args, make_case,
                          reference)
 
-from vllm_accel.ops.triton import int8_gemm, paged_attention, wint_gemm
+from vllm_accel.ops.triton import int8_gemm, mla, paged_attention, wint_gemm
 
 DEVICE = os.environ.get("ACCEL_TEST_DEVICE", "cpu")
 
@@ -364,3 +365,32 @@ def test_int8_linear(m, mode, dtype):
     err = ((y.cpu().double() - expected).abs().max() / expected.abs().max()).item()
     assert err <= bound, err
     assert math.isfinite(err)
+
+
+#: (kv_lora_rank, rope, heads, block size, dtype): DeepSeek-V2/V3's 512 + 64 and
+#: smaller latents (448: not a power of two), MQA over 1..128 heads
+MLA_CASES = [(512, 64, 16, 16, torch.bfloat16), (256, 64, 1, 64, torch.float32),
+             (448, 64, 20, 16, torch.float16), (512, 64, 128, 64, torch.float32)]
+
+
+@pytest.mark.parametrize("lora,rope,heads,bs,dtype", MLA_CASES)
+def test_mla_decode(lora, rope, heads, bs, dtype):
+    """Absorbed MLA decode vs float64 over the original latents (test_mla_kernels'
+    cases: garbage-filled cache, shuffled block tables, a context past one split, a
+    padded request of length 0)."""
+    seq_lens = [1, bs + 1, mla.SPLIT_KEYS + 37, 45]
+    latents, table, cache = latent_case(seq_lens, bs, lora, rope, dtype, seed=heads + lora)
+    table = torch.cat([table, table[:1]])  # a padded request
+    g = torch.Generator().manual_seed(3)
+    b = len(seq_lens) + 1
+    q_nope = torch.randn(b, heads, lora, generator=g).to(dtype)
+    q_pe = torch.randn(heads, b, 2 * rope, generator=g).to(dtype).transpose(0, 1)[..., :rope]
+    scale = (lora + rope) ** -0.5
+    q_nope_d, q_pe_d, cache_d, table_d = on_device(q_nope, q_pe, cache, table)
+    out = mla.mla_decode(q_nope_d, q_pe_d, cache_d, table_d,
+                         torch.tensor(seq_lens + [0], dtype=torch.int32, device=DEVICE), scale)
+    assert out.shape == (b, heads, lora) and out.dtype == dtype
+    assert (out[-1] == 0).all()
+    tol = MLA_TOL.get(dtype, dict(atol=2e-3, rtol=2e-3))
+    torch.testing.assert_close(out[:-1].cpu().double(),
+                               absorbed_oracle(q_nope[:-1], q_pe[:-1], latents, lora, scale), **tol)
