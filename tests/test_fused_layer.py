@@ -130,22 +130,46 @@ def test_op_equals_the_kernels_one_by_one(kv, with_residual):
     residual = case["residual"] if with_residual else None
     fused_cache, split_cache = case["cache"].clone(), case["cache"].clone()
     out, new_residual = _op(case, w, residual, fused_cache)
+    want, r = _one_by_one(case, w, residual, split_cache)
+    assert torch.equal(out, want) and torch.equal(new_residual, r)
+    assert torch.equal(fused_cache.view(torch.uint8), split_cache.view(torch.uint8))
 
+
+def _one_by_one(case, w, residual, cache, window=0, soft_cap=0.0):
+    """The layer as vLLM runs it on the simulator's kernels, op by op: (out, residual)."""
     h, r = ops.cpu_rms_norm(case["hidden"], w["input_norm"], EPS, residual)
-    r = r if with_residual else case["hidden"]
+    r = r if residual is not None else case["hidden"]
     q, k, v = ops.bf16_linear(h, w["qkv"], None).split([HEADS * HEAD, HKV * HEAD, HKV * HEAD],
                                                        -1)
     q, k = ops.cpu_rotary_embedding(case["positions"], q, k, w["cos_sin"], HEAD, HEAD, True)
     attn = torch.empty(len(q), HEADS, HEAD, dtype=torch.bfloat16)
     assert ops.cpu_attention_step(q.view(-1, HEADS, HEAD), k.view(-1, HKV, HEAD),
-                                  v.view(-1, HKV, HEAD), split_cache, *case["md"], attn, SCALE,
-                                  0.0, 0.0, 1 << 20)
+                                  v.view(-1, HKV, HEAD), cache, *case["md"], attn, SCALE,
+                                  0.0, 0.0, 1 << 20, window, soft_cap)
     h, r = ops.cpu_rms_norm(ops.bf16_linear(attn.flatten(1), w["o"], None), w["post_norm"],
                             EPS, r)
-    want = ops.bf16_linear(ops.cpu_silu_and_mul(ops.bf16_linear(h, w["gate_up"], None)),
-                           w["down"], None)
+    return ops.bf16_linear(ops.cpu_silu_and_mul(ops.bf16_linear(h, w["gate_up"], None)),
+                           w["down"], None), r
+
+
+@pytest.mark.parametrize("window,soft_cap", [(20, 0.0), (0, 8.0), (9, 5.0)])
+def test_op_with_a_window_and_soft_cap_equals_the_kernels_one_by_one(window, soft_cap):
+    """Mistral's sliding window and a logits soft-cap (windows shorter than the batch's
+    histories, across block boundaries): the same bits as the kernels one by one with
+    the same features (each held to float64 in test_attention_features.py), and not the
+    plain causal layer's."""
+    case, w = _case("mixed", torch.bfloat16, "auto"), _weights(torch.bfloat16)
+    fused_cache, split_cache = case["cache"].clone(), case["cache"].clone()
+    out, new_residual = ops.cpu_decoder_layer(
+        case["hidden"], case["residual"], case["positions"], w["input_norm"], w["qkv"], None,
+        w["o"], None, w["post_norm"], w["gate_up"], w["down"], EPS, w["cos_sin"], HEAD, True,
+        HEADS, HKV, HEAD, fused_cache, *case["md"], SCALE, 0.0, 0.0, 1 << 20, None, None,
+        None, None, window, soft_cap)
+    want, r = _one_by_one(case, w, case["residual"], split_cache, window, soft_cap)
     assert torch.equal(out, want) and torch.equal(new_residual, r)
     assert torch.equal(fused_cache.view(torch.uint8), split_cache.view(torch.uint8))
+    plain, _ = _op(case, w, case["residual"], case["cache"].clone())
+    assert not torch.equal(out, plain)
 
 
 def _int4_linears(seed=9, group=64):
@@ -336,3 +360,34 @@ def test_engine_keeps_vllms_layer_for_a_cache_of_another_dtype(tmp_path):
                 "activations)") in log
         ((calls, _),) = [c["cpu_decoder_layer"] for c in results["worker_kernel_calls"]]
         assert calls == 0
+
+
+@pytest.mark.engine
+def test_engine_runs_mistral_layers_with_their_window_as_one_op(tmp_path):
+    """A compiled bf16 tiny Mistral with its 21-token sliding window (prompts past it,
+    blocks of 16 so vLLM frees the blocks behind the window, prefix caching): its layers
+    run as the op with the window (logged, counted), its tokens within bf16's reach of
+    HF transformers on the same weights. (This family's peaked logits reach |x| = 16-19,
+    where bf16's spacing is 0.125: the engine's bf16 logits round by up to 0.0625 each,
+    a log-prob or a top-1 gap by up to twice that, on top of two layers of bf16
+    activations; a window read wrong moves them by nats.)"""
+    from attention_models import WINDOW, build_tiny
+
+    model = build_tiny(tmp_path / "mistral", "mistral", seed=0)
+    rng = random.Random(11)
+    prompts = [[rng.randrange(3, 512) for _ in range(n)] for n in (5, 40, 70, 33)]
+    results, log = run_engine(
+        {"llm": {"model": str(model), "dtype": "bfloat16", "skip_tokenizer_init": True,
+                 "max_model_len": 256, "block_size": 16, "enable_prefix_caching": True,
+                 "seed": 0},
+         "prompts": prompts,
+         "sampling": {"temperature": 0.0, "max_tokens": 12, "ignore_eos": True,
+                      "detokenize": False, "logprobs": 1},
+         "worker_kernel_calls": ["cpu_decoder_layer"]},
+        tmp_path, env={"ACCEL_BF16_LINEAR": "on", "ACCEL_SIM_DEVICE_MEMORY_GB": "1"})
+    assert f"sliding_window {WINDOW}" in log
+    if bf16_linear.available():
+        assert "each runs as one C++ op (vllm_accel::cpu_decoder_layer)" in log, log[-3000:]
+        ((calls, _),) = [c["cpu_decoder_layer"] for c in results["worker_kernel_calls"]]
+        assert calls >= 11, calls  # every decode step's layers
+    assert_bf16_tokens_near_hf(model, prompts, results["outputs"], nats=0.25)

@@ -1,7 +1,7 @@
 """LoRA adapters through the plugin: ``enable_lora`` with several adapters in one batch
-on the simulator (vLLM's default mode, which runs LoRA eagerly) and the virtual GCU, each request's tokens teacher-forced
-against HF float64 on the base weights with its adapter merged (``W + scale * B @ A``,
-the merge PEFT's ``merge_and_unload`` does); and ``vllm serve --lora-modules`` with
+on the simulator (vLLM's default mode, which runs LoRA eagerly) and the virtual GCU,
+each request's tokens teacher-forced against HF float64 on the base weights with its
+adapter merged (``W + scale * B @ A``, the merge PEFT's ``merge_and_unload`` does); and ``vllm serve --lora-modules`` with
 runtime loading and unloading, a bad adapter refused with a 4xx while the server keeps
 serving.
 

@@ -49,8 +49,11 @@ CASES = {
                      dict(quantization_config={"quant_method": "gptq", "bits": 4}), True,
                      ["gptq MoE experts", "gptq weights"]),
     "awq-mixtral": ("MixtralConfig", "MixtralForCausalLM",
-                    dict(quantization_config={"quant_method": "awq", "bits": 4}), False,
-                    ["awq MoE experts"]),
+                    dict(quantization_config={"quant_method": "awq", "bits": 4}), True,
+                    ["awq MoE experts", "AWQ experts"]),
+    "fp8-mixtral": ("MixtralConfig", "MixtralForCausalLM",
+                    dict(quantization_config={"quant_method": "fp8"}), False,
+                    ["fp8 MoE experts", "not served: GPTQ, AWQ"]),
 }
 
 

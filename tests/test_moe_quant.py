@@ -1,9 +1,9 @@
 """Quantized MoE experts (quant/moe.py): each expert in the dense layers' resident
 layouts, run per expert (``moe_quant_experts``) or stacked through the simulator's C++
-op, against float64 oracles on the dequantized weights; then GPTQ and W8A8
-(compressed-tensors int8) tiny Qwen3-MoE / Mixtral checkpoints through the whole
-plugin vs HF float64 on the dequantized checkpoint, on the simulator and the virtual
-GCU."""
+op, against float64 oracles on the dequantized weights; then GPTQ, AWQ,
+compressed-tensors W4A16/W8A16 and W8A8 (int8) tiny Qwen3-MoE / Mixtral checkpoints
+through the whole plugin vs HF float64 on the dequantized checkpoint, on the simulator
+and the virtual GCU."""
 
 import random
 
@@ -12,7 +12,8 @@ import torch
 
 from conftest import VIRTUAL_GCU_ENV, run_engine
 from moe_models import assert_matches_hf, build_tiny_moe
-from quantizer import quantize_checkpoint, quantize_weight
+from quantizer import (quantize_checkpoint, quantize_checkpoint_awq, quantize_checkpoint_ct,
+                       quantize_weight)
 from quantizer_int8 import add_act_fake_quant, quantize_checkpoint_int8, quantize_weight_int8
 import vllm_accel.quant  # noqa: F401  (first: wint_gemm imported alone is a cycle)
 from vllm_accel.ops import registry
@@ -239,6 +240,54 @@ def test_gptq_moe_checkpoint_matches_hf_on_the_dequantized_weights(case, tmp_pat
     results, log = run_engine(_spec(tmp_path / "q", prompts, compiled), tmp_path, env=env)
     assert "gcu_gptq MoE experts" in log and layout in log
     assert "quantization=gcu_gptq" in log
+    calls, _ = results["worker_kernel_calls"][0]["cpu_moe_experts"]
+    assert (calls > 0) == (layout == "stacked")
+    if env is VIRTUAL:
+        assert "device gcu via virtual" in log
+    assert_matches_hf(tmp_path / "dq", prompts, results["outputs"], nats=5e-3)
+
+
+def _awq(src, dst, dq):
+    quantize_checkpoint_awq(src, dst, group_size=32, dequant_dst=dq)
+
+
+def _ct(bits, group_size, symmetric):
+    def write(src, dst, dq):  # (MoE routers stay float, as llmcompressor's recipes do)
+        quantize_checkpoint_ct(src, dst, bits=bits, group_size=group_size, symmetric=symmetric,
+                               ignore=["re:.*mlp.gate$", "re:.*block_sparse_moe.gate$"],
+                               dequant_dst=dq)
+    return write
+
+
+#: name: (family, checkpoint writer, what the load log says, path env, compiled,
+#: experts layout)
+WEIGHT_ONLY_ENGINES = {
+    "awq-qwen3_moe-g32-sim-compiled": ("qwen3_moe", _awq, "gcu_awq MoE experts", {}, True,
+                                       "stacked"),
+    "awq-mixtral-g32-virtual": ("mixtral", _awq, "gcu_awq MoE experts", VIRTUAL, False,
+                                "per expert"),
+    "ct-qwen3_moe-w4a16-g32-asym-sim-compiled": (
+        "qwen3_moe", _ct(4, 32, False), "MoE experts (e.g. model.layers.0.mlp.experts): "
+        "W4A16 group 32 asym", {}, True, "stacked"),
+    "ct-mixtral-w8a16-channel-virtual": (
+        "mixtral", _ct(8, -1, True), "W8A16 channel sym", VIRTUAL, False, "per expert"),
+}
+
+
+@pytest.mark.engine
+@pytest.mark.parametrize("case", list(WEIGHT_ONLY_ENGINES))
+def test_weight_only_moe_checkpoint_matches_hf_on_the_dequantized_weights(case, tmp_path):
+    """AutoAWQ GEMM (4-bit with zero points, output-packed) and compressed-tensors
+    pack-quantized (W4A16 group 32 asym, W8A16 per channel) checkpoints with every
+    expert quantized, tensors per expert: HF float64 on the dequantized weights is the
+    oracle, tokens its top-1."""
+    family, write, logged, env, compiled, layout = WEIGHT_ONLY_ENGINES[case]
+    overrides = {"moe_intermediate_size": 64} if family == "qwen3_moe" else {}
+    src = build_tiny_moe(tmp_path / "float", family, seed=9, **overrides)
+    write(src, tmp_path / "q", tmp_path / "dq")
+    prompts = _prompts(case)
+    results, log = run_engine(_spec(tmp_path / "q", prompts, compiled), tmp_path, env=env)
+    assert logged in log and layout in log, log[-3000:]
     calls, _ = results["worker_kernel_calls"][0]["cpu_moe_experts"]
     assert (calls > 0) == (layout == "stacked")
     if env is VIRTUAL:

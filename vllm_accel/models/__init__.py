@@ -1,4 +1,5 @@
 """vLLM model classes the plugin registers in place of vLLM's (``register_general``)."""
 
 #: architecture -> our class, registered lazily (imported in the worker that builds it)
-OVERRIDES = {"LlamaForCausalLM": "vllm_accel.models.llama:AccelLlamaForCausalLM"}
+OVERRIDES = {"LlamaForCausalLM": "vllm_accel.models.llama:AccelLlamaForCausalLM",
+             "MistralForCausalLM": "vllm_accel.models.llama:AccelMistralForCausalLM"}

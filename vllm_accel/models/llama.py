@@ -1,4 +1,4 @@
-"""Llama on the simulator: each decoder layer in one C++ call.
+"""Llama and Mistral on the simulator: each decoder layer in one C++ call.
 
 vLLM runs a Llama decoder layer as a dozen module calls around ten ops (two norms,
 four linears, rotary, its attention op, SiLU): ~145 us of Python a layer on a 2-core
@@ -9,10 +9,11 @@ would take the simulator's kernel anyway: bf16 linears routed to
 ``vllm_accel::bf16_linear``, 4-bit weight-only ones on the ``cpu_native`` int4
 layout (``vllm_accel::int4pack_linear``, no act-order permutation) or W8A8 ones with
 dynamic per-token activations (``vllm_accel::int8_linear_dynamic``), ACCEL_ATTN with
-its one-call attention step, vLLM's rotary formula, one world rank. Every other
-layer (other quantized or LoRA linears, oneDNN linears, tensor parallel, rope
-variants with their own forward, a card) keeps vLLM's forward: the choice is made once per model after its
-weights load (``prepare_fused_layers``) and logged.
+its one-call attention step (plain causal, or with Mistral's sliding window or a
+logits soft-cap), vLLM's rotary formula, one world rank. Every other layer (other
+quantized or LoRA linears, oneDNN linears, tensor parallel, rope variants with their
+own forward, a card) keeps vLLM's forward: the choice is made once per model after
+its weights load (``prepare_fused_layers``) and logged.
 
 In a compiled model the layer is one opaque op, ``vllm_accel::llama_layer``: it
 finds its layer and the batch's attention metadata in vLLM's forward context at
@@ -38,6 +39,11 @@ from vllm.model_executor.models.llama import (
     LlamaDecoderLayer,
     LlamaForCausalLM,
     LlamaMLP,
+)
+from vllm.model_executor.models.mistral import (
+    MistralAttention,
+    MistralDecoderLayer,
+    MistralForCausalLM,
 )
 from vllm.utils.torch_utils import STR_DTYPE_TO_TORCH_DTYPE, direct_register_custom_op
 
@@ -83,7 +89,7 @@ def _layer_weight(linear: torch.nn.Module, linear_type: type, bias_ok: bool
     return None
 
 
-def _layer_weights(layer: "AccelLlamaDecoderLayer") -> list | None:
+def _layer_weights(layer: "FusedDecoderLayer") -> list | None:
     """``_layer_weight`` of the QKV, O, gate/up and down linears, or None."""
     attn_layer, mlp = layer.self_attn, layer.mlp
     weights = [_layer_weight(attn_layer.qkv_proj, QKVParallelLinear, True),
@@ -93,7 +99,23 @@ def _layer_weights(layer: "AccelLlamaDecoderLayer") -> list | None:
     return None if None in weights else weights
 
 
-def _why_not_fused(layer: "AccelLlamaDecoderLayer") -> str | None:
+#: the attention features the C++ layer's attention step takes
+_FUSED_FEATURES = {"sliding_window", "logits_soft_cap"}
+
+
+def _plain_attention_and_mlp(layer: "FusedDecoderLayer") -> bool:
+    """Llama's attention and MLP, or Mistral's without its Llama-4 scaling and its
+    time-conditioned norm (the Voxtral variant)."""
+    attn_layer = layer.self_attn
+    if type(layer.mlp) is not LlamaMLP:
+        return False
+    if type(attn_layer) is LlamaAttention:
+        return True
+    return (type(attn_layer) is MistralAttention and not attn_layer.do_llama_4_scaling
+            and getattr(layer, "ada_rms_norm_t_cond", None) is None)
+
+
+def _why_not_fused(layer: "FusedDecoderLayer") -> str | None:
     """What keeps ``layer`` on vLLM's forward, or None when the C++ op runs all of it."""
     attn_layer, mlp = layer.self_attn, layer.mlp
     if native.torch_ops() is None:
@@ -102,7 +124,7 @@ def _why_not_fused(layer: "AccelLlamaDecoderLayer") -> str | None:
         return "tensor parallel (the layer all-reduces between its linears)"
     if layer.kv_transfer:  # (vLLM creates the connector after loading the model)
         return "a KV connector (it hooks vLLM's attention op)"
-    if type(attn_layer) is not LlamaAttention or type(mlp) is not LlamaMLP:
+    if not _plain_attention_and_mlp(layer):
         return "a Llama variant with its own attention or MLP"
     if _layer_weights(layer) is None:
         return ("a linear that is neither a plain bf16 one on vllm_accel::bf16_linear, "
@@ -129,8 +151,9 @@ def _why_not_fused(layer: "AccelLlamaDecoderLayer") -> str | None:
         return (f"attention {type(impl).__name__} without the one-call cache write and "
                 "attention step (another backend or kernel provider, an fp8 cache, or a "
                 "shared KV cache)")
-    if impl.features:
-        return f"attention with {', '.join(impl.features)} (the C++ layer runs plain causal)"
+    if set(impl.features) - _FUSED_FEATURES:
+        return (f"attention with {', '.join(sorted(set(impl.features) - _FUSED_FEATURES))} "
+                "(the C++ layer takes a sliding window and a soft-cap)")
     dtype = layer.input_layernorm.weight.dtype
     if (attn.kv_cache_dtype not in ("auto", INT8_KV)
             and STR_DTYPE_TO_TORCH_DTYPE.get(attn.kv_cache_dtype) != dtype):
@@ -138,9 +161,10 @@ def _why_not_fused(layer: "AccelLlamaDecoderLayer") -> str | None:
     return None
 
 
-class AccelLlamaDecoderLayer(LlamaDecoderLayer):
-    """vLLM's Llama decoder layer that runs as ``vllm_accel::cpu_decoder_layer`` once
-    ``prepare_fused`` found every part of it on the simulator's kernels."""
+class FusedDecoderLayer:
+    """Mixed into a vLLM Llama-style decoder layer (before it): the layer runs as
+    ``vllm_accel::cpu_decoder_layer`` once ``prepare_fused`` found every part of it on
+    the simulator's kernels."""
 
     def __init__(self, vllm_config, prefix: str = "", **kwargs) -> None:
         super().__init__(vllm_config=vllm_config, prefix=prefix, **kwargs)
@@ -157,6 +181,8 @@ class AccelLlamaDecoderLayer(LlamaDecoderLayer):
         #: its trailing ones: each linear's quantization tensor (int4 scales and zeros,
         #: or W8A8 per-channel scales; None: a bf16 linear)
         self._fused_quant: tuple = ()
+        #: the attention step's sliding window and soft-cap (0: none)
+        self._fused_features: tuple = (0, 0.0)
 
     def prepare_fused(self) -> str | None:
         """Decide (after the weights load) whether this layer runs as one C++ op;
@@ -178,12 +204,15 @@ class AccelLlamaDecoderLayer(LlamaDecoderLayer):
             cos_sin_cache, rope.rotary_dim, rope.is_neox_style, attn_layer.num_heads,
             attn_layer.num_kv_heads, attn_layer.head_dim)
         self._fused_quant = tuple(quant for _, quant in weights)
+        features = attn_layer.attn.impl.features
+        self._fused_features = (features.get("sliding_window", 0),
+                                features.get("logits_soft_cap", 0.0))
         return None
 
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor,
-                residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-        if not self._fused_args:
-            return super().forward(positions, hidden_states, residual)
+                residual: torch.Tensor | None, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
+        if not self._fused_args or any(v is not None for v in kwargs.values()):
+            return super().forward(positions, hidden_states, residual, **kwargs)
         if torch.compiler.is_compiling():  # the graph holds one opaque op a layer
             return torch.ops.vllm_accel.llama_layer(positions, hidden_states, residual,
                                                     self.layer_name)
@@ -206,12 +235,21 @@ class AccelLlamaDecoderLayer(LlamaDecoderLayer):
                 hidden_states, residual, positions, *self._fused_args, attn.kv_cache,
                 md.slot_mapping, md.block_table, md.query_start_loc_cpu, md.seq_lens,
                 attn.impl.scale, k_scale or 0.0, v_scale or 0.0, PREFILL_NATIVE_MAX_PAIRS,
-                *self._fused_quant)
+                *self._fused_quant, *self._fused_features)
             if out is not None:
                 return out, new_residual
         # (new tensors, as an op's outputs must be: the post-attention norm makes the
         # residual, the first layer's too)
         return super().forward(positions, hidden_states, residual)
+
+
+class AccelLlamaDecoderLayer(FusedDecoderLayer, LlamaDecoderLayer):
+    """vLLM's Llama decoder layer, one C++ op where it can."""
+
+
+class AccelMistralDecoderLayer(FusedDecoderLayer, MistralDecoderLayer):
+    """vLLM's Mistral decoder layer (Llama's with a sliding window), one C++ op where
+    it can."""
 
 
 class AccelLlamaForCausalLM(LlamaForCausalLM):
@@ -222,10 +260,18 @@ class AccelLlamaForCausalLM(LlamaForCausalLM):
         super().__init__(vllm_config=vllm_config, prefix=prefix, layer_type=layer_type)
 
 
+class AccelMistralForCausalLM(MistralForCausalLM):
+    """vLLM's ``MistralForCausalLM`` built from ``AccelMistralDecoderLayer``."""
+
+    def __init__(self, *, vllm_config, prefix: str = "",
+                 layer_type: type[torch.nn.Module] = AccelMistralDecoderLayer) -> None:
+        super().__init__(vllm_config=vllm_config, prefix=prefix, layer_type=layer_type)
+
+
 def prepare_fused_layers(model: torch.nn.Module) -> None:
-    """Run each Llama decoder layer of ``model`` as one C++ op where it can (call
-    after the weights load, before the first forward) and log the outcome."""
-    layers = [m for m in model.modules() if isinstance(m, AccelLlamaDecoderLayer)]
+    """Run each Llama or Mistral decoder layer of ``model`` as one C++ op where it can
+    (call after the weights load, before the first forward) and log the outcome."""
+    layers = [m for m in model.modules() if isinstance(m, FusedDecoderLayer)]
     reasons = {layer.prepare_fused() for layer in layers}
     if not layers:
         return

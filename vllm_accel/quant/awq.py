@@ -19,6 +19,11 @@ scheme (:mod:`vllm_accel.quant.wint_method`).
 Layers listed in ``modules_to_not_convert`` (substring match, as AutoAWQ and
 transformers do) and layers without a ``qweight`` in the checkpoint stay in
 full precision, and so does ``lm_head``.
+
+MoE experts (AutoAWQ writes them as linears ``experts.<e>.<proj>``) are stacked by
+vLLM's MoE loader into ``w13_qweight`` ``[E, H, 2I/8]``, ``w2_qweight`` ``[E, I, H/8]``
+and their zeros and scales; after loading each expert is converted like a dense AWQ
+linear (:class:`AccelAWQMoEMethod`, on :mod:`vllm_accel.quant.moe`).
 """
 
 from __future__ import annotations
@@ -34,8 +39,9 @@ from vllm.model_executor.layers.linear import (
 from vllm.model_executor.layers.quantization import register_quantization_config
 from vllm.model_executor.parameter import GroupQuantScaleParameter, PackedvLLMParameter
 
-from vllm_accel.quant.base import AccelQuantConfig
-from vllm_accel.quant.packed import WIntResident, resident_from_codes, unpack_int32
+from vllm_accel.quant.base import AccelQuantConfig, is_moe
+from vllm_accel.quant.moe import QuantMoEMethod
+from vllm_accel.quant.packed import WIntResident, installed, resident_from_codes, unpack_int32
 from vllm_accel.quant.wint_method import WIntLinearMethod
 
 QUANT_NAME = "gcu_awq"
@@ -136,9 +142,10 @@ class AccelAWQConfig(AccelQuantConfig):
             is_layer_skipped,
         )
 
+        if is_moe(layer):
+            return self._moe_method(layer, prefix)
         if not self.is_quantizable_linear(
                 layer, prefix, what="AWQ-quantized",
-                moe_fix="serve a dense model, or list the experts in modules_to_not_convert",
                 lm_head_quantized=self.lm_head_quantized,
                 lm_head_fix="re-quantize with lm_head left in full precision"):
             return None
@@ -150,6 +157,26 @@ class AccelAWQConfig(AccelQuantConfig):
             return UnquantizedLinearMethod()
         self.validate(prefix)
         return AccelAWQLinearMethod(self, prefix)
+
+    def _moe_method(self, layer: torch.nn.Module, prefix: str):
+        """Expert 0's gate projection stands for the layer's experts (whether the
+        export skipped or quantized them)."""
+        from vllm.model_executor.layers.fused_moe import UnquantizedFusedMoEMethod
+        from vllm.model_executor.layers.quantization.utils.gptq_utils import (
+            is_layer_gptq_quantized,
+        )
+        from vllm.model_executor.layers.quantization.utils.quant_utils import (
+            is_layer_skipped,
+        )
+
+        expert = f"{prefix}.0.{layer.ckpt_gate_proj_name}"
+        if (is_layer_skipped(prefix, self.modules_to_not_convert,
+                             self.packed_modules_mapping, match_mode="substring")
+                or not is_layer_gptq_quantized(expert, self.quantized_modules,
+                                               self.packed_modules_mapping)):
+            return UnquantizedFusedMoEMethod(layer.moe_config)  # ours (register_oot)
+        self.validate(prefix)
+        return AccelAWQMoEMethod(self, layer.moe_config, prefix)
 
     def apply_vllm_mapper(self, hf_to_vllm_mapper) -> None:
         if self.modules_to_not_convert:
@@ -233,3 +260,69 @@ class AccelAWQLinearMethod(WIntLinearMethod, quant_name=QUANT_NAME, cache_format
     def describe(self, res: WIntResident) -> str:
         return (f"{self.bits}-bit group {self.config.group_size} "
                 f"{'asym' if res.zeros is not None else 'sym'}")
+
+
+class AccelAWQMoEMethod(QuantMoEMethod):
+    """AWQ experts: vLLM's MoE loader fills ``[E, ...]`` stacks of the checkpoint's
+    tensors (output-packed as AWQ stores them, ``is_transposed``: input rows first);
+    after loading each expert is converted like a dense AWQ linear."""
+
+    quant_name = QUANT_NAME
+    TENSORS = ("qweight", "qzeros", "scales")
+
+    def __init__(self, config: AccelAWQConfig, moe, prefix: str) -> None:
+        super().__init__(moe, prefix)
+        self.config = config
+        self.pack_factor = 32 // config.weight_bits
+
+    def create_weights(self, layer, num_experts, hidden_size, intermediate_size_per_partition,
+                       params_dtype, **extra_weight_attrs):
+        from vllm.model_executor.layers.fused_moe import FusedMoeWeightScaleSupported
+
+        self.check_layer(layer)
+        pf, h, i, gs = self.pack_factor, hidden_size, intermediate_size_per_partition, \
+            self.config.group_size
+        if h % pf or i % pf:
+            raise self.fail(f"hidden size {h} or intermediate size {i} (per rank) is not a "
+                            f"multiple of {pf}, the 4-bit values per int32",
+                            "use a tensor-parallel size that keeps them multiples")
+        if gs == -1 and layer.moe_config.tp_size > 1:
+            raise self.fail("a single AWQ group (group_size -1) cannot be split over "
+                            "tensor-parallel ranks",
+                            "serve with --enable-expert-parallel or a positive group size")
+        gs13, gs2 = (h, i) if gs == -1 else (gs, gs)
+        if h % gs13 or i % gs2:
+            raise self.fail(f"group size {gs} does not divide the hidden size {h} and the "
+                            f"intermediate size {i} (per rank)",
+                            "use a tensor-parallel size that keeps whole groups per rank, "
+                            "or expert parallelism (--enable-expert-parallel)")
+        self.group_sizes = (gs13, gs2)
+        attrs = {**extra_weight_attrs, "is_transposed": True,
+                 "quant_method": FusedMoeWeightScaleSupported.GROUP.value}
+        e, g13, g2 = num_experts, h // gs13, i // gs2
+        shapes = {
+            "w13_qweight": ((e, h, 2 * i // pf), torch.int32),
+            "w2_qweight": ((e, i, h // pf), torch.int32),
+            "w13_qzeros": ((e, g13, 2 * i // pf), torch.int32),
+            "w2_qzeros": ((e, g2, h // pf), torch.int32),
+            # fp32 holds fp16 or bf16 checkpoint scales exactly; compacted at load
+            "w13_scales": ((e, g13, 2 * i), torch.float32),
+            "w2_scales": ((e, g2, h), torch.float32),
+        }
+        self.register_expert_tensors(layer, shapes, attrs, e, h, i, params_dtype,
+                                     extra_weight_attrs)
+
+    def checkpoint_tensors(self) -> tuple[str, ...]:
+        return tuple(f"{proj}_{t}" for proj in ("w13", "w2") for t in self.TENSORS)
+
+    def expert_linears(self, layer, e: int):
+        def one(proj: str, group_size: int):
+            t = {name: getattr(layer, f"{proj}_{name}")[e] for name in self.TENSORS}
+            return installed(awq_to_resident(t["qweight"], t["qzeros"], t["scales"],
+                                             bits=self.config.weight_bits,
+                                             group_size=group_size))
+
+        return one("w13", self.group_sizes[0]), one("w2", self.group_sizes[1])
+
+    def describe(self) -> str:
+        return f"{self.config.weight_bits}-bit group {self.config.group_size} asym"

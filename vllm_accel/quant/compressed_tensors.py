@@ -53,7 +53,8 @@ from vllm.model_executor.parameter import (
 
 from vllm_accel.logger import init_logger
 from vllm_accel.quant.base import AccelQuantConfig, is_moe
-from vllm_accel.quant.packed import WIntResident, resident_from_codes, unpack_int32
+from vllm_accel.quant.moe import QuantMoEMethod
+from vllm_accel.quant.packed import WIntResident, installed, resident_from_codes, unpack_int32
 from vllm_accel.quant.w8a8 import AccelW8A8LinearMethod, AccelW8A8MoEMethod
 from vllm_accel.quant.wint_method import WIntLinearMethod
 
@@ -255,8 +256,9 @@ class AccelCompressedTensorsConfig(AccelQuantConfig):
 
     def _moe_method(self, layer: torch.nn.Module, prefix: str):
         """llmcompressor writes a MoE layer's experts as linears ``experts.<e>.<proj>``:
-        expert 0's gate projection stands for all. W8A8 int8 experts (per-channel,
-        dynamic per-token) are served; other expert schemes fail naming the fix."""
+        expert 0's gate projection stands for all. Weight-only W4A16/W8A16 experts and
+        W8A8 int8 ones (per-channel, dynamic per-token) are served; other expert
+        schemes fail naming the fix."""
         from vllm.model_executor.layers.fused_moe import UnquantizedFusedMoEMethod
 
         expert = f"{prefix}.0.{layer.ckpt_gate_proj_name}"
@@ -264,15 +266,17 @@ class AccelCompressedTensorsConfig(AccelQuantConfig):
         if scheme is None:
             return UnquantizedFusedMoEMethod(layer.moe_config)  # ours (register_oot)
         method = self._linear_method(scheme, expert)
+        if isinstance(method, AccelCTWNA16LinearMethod):
+            return AccelCTWNA16MoEMethod(method.params, layer.moe_config, prefix)
         w = scheme.weights or {}
         if (isinstance(method, AccelW8A8LinearMethod) and w.get("strategy") == "channel"
                 and method.input_dynamic):
             return AccelW8A8MoEMethod(layer.moe_config, prefix)
         raise self.fail(prefix, f"MoE experts quantized as {scheme.describe()} are not "
-                        "supported (served: W8A8 int8 with per-channel weights and dynamic "
-                        "per-token activations; GPTQ checkpoints through gcu_gptq)",
-                        "re-export the experts with llmcompressor's W8A8 preset, add them "
-                        "to `ignore`, or serve a GPTQ export of the model")
+                        "supported (served: W4A16/W8A16 pack-quantized and W8A8 int8 with "
+                        "per-channel weights and dynamic per-token activations)",
+                        "re-export the experts with llmcompressor's W4A16 or W8A8 preset, "
+                        "or add them to `ignore`")
 
     def _linear_method(self, scheme: CTScheme, prefix: str) -> LinearMethodBase:
         w, a = scheme.weights, scheme.input_activations
@@ -403,5 +407,79 @@ class AccelCTWNA16LinearMethod(WIntLinearMethod, quant_name=QUANT_NAME,
     def describe(self, res: WIntResident) -> str:
         p = self.params
         return (f"{p.bits}-bit {p.strategy}"
+                f"{'' if p.strategy == 'channel' else ' ' + str(p.group_size)}"
+                f"{' sym' if p.symmetric else ' asym'}")
+
+
+class AccelCTWNA16MoEMethod(QuantMoEMethod):
+    """compressed-tensors weight-only experts: vLLM's MoE loader fills ``[E, ...]``
+    stacks of the checkpoint's tensors in their own orientation (``w13_weight_packed``
+    ``[E, 2I, H/pf]``, scales ``[E, 2I, G]``, zero points packed along the outputs);
+    after loading each expert is converted like a dense pack-quantized linear."""
+
+    quant_name = QUANT_NAME
+
+    def __init__(self, params: WNA16Params, moe, prefix: str) -> None:
+        super().__init__(moe, prefix)
+        self.params = params
+        self.pack_factor = 32 // params.bits
+        self.sizes: dict[str, tuple[int, int]] = {}  # proj -> (in features, group size)
+
+    def create_weights(self, layer, num_experts, hidden_size, intermediate_size_per_partition,
+                       params_dtype, **extra_weight_attrs):
+        from vllm.model_executor.layers.fused_moe import FusedMoeWeightScaleSupported
+
+        self.check_layer(layer)
+        p, pf, h, i = self.params, self.pack_factor, hidden_size, intermediate_size_per_partition
+        if h % pf or i % pf:
+            raise self.fail(f"hidden size {h} or intermediate size {i} (per rank) is not a "
+                            f"multiple of {pf}, the {p.bits}-bit values per int32",
+                            "use a tensor-parallel size that keeps them multiples")
+        channel = p.group_size == -1
+        gs13, gs2 = (h, i) if channel else (p.group_size, p.group_size)
+        if h % gs13 or i % gs2:
+            raise self.fail(f"group size {p.group_size} does not divide the hidden size {h} "
+                            f"and the intermediate size {i} (per rank)",
+                            "use a tensor-parallel size that keeps whole groups per rank, "
+                            "or expert parallelism (--enable-expert-parallel)")
+        self.sizes = {"w13": (h, gs13), "w2": (i, gs2)}
+        strategy = (FusedMoeWeightScaleSupported.CHANNEL if channel
+                    else FusedMoeWeightScaleSupported.GROUP).value
+        attrs = {**extra_weight_attrs, "quant_method": strategy}
+        e, g13, g2 = num_experts, h // gs13, i // gs2
+        shapes = {
+            "w13_weight_packed": ((e, 2 * i, h // pf), torch.int32),
+            "w2_weight_packed": ((e, h, i // pf), torch.int32),
+            # fp32 holds fp16 or bf16 checkpoint scales exactly; compacted at load
+            "w13_weight_scale": ((e, 2 * i, g13), torch.float32),
+            "w2_weight_scale": ((e, h, g2), torch.float32),
+            "w13_weight_shape": ((e, 2), torch.int64),
+            "w2_weight_shape": ((e, 2), torch.int64),
+        }
+        if not p.symmetric:
+            shapes["w13_weight_zero_point"] = ((e, 2 * i // pf, g13), torch.int32)
+            shapes["w2_weight_zero_point"] = ((e, h // pf, g2), torch.int32)
+        self.register_expert_tensors(layer, shapes, attrs, e, h, i, params_dtype,
+                                     extra_weight_attrs)
+
+    def checkpoint_tensors(self) -> tuple[str, ...]:
+        return tuple(f"{proj}_weight_{t}" for proj in ("w13", "w2")
+                     for t in ("packed", "scale", "shape", "zero_point"))
+
+    def expert_linears(self, layer, e: int):
+        def one(proj: str):
+            in_features, group_size = self.sizes[proj]
+            zp = getattr(layer, f"{proj}_weight_zero_point", None)
+            return installed(ct_to_resident(
+                getattr(layer, f"{proj}_weight_packed")[e],
+                getattr(layer, f"{proj}_weight_scale")[e],
+                None if zp is None else zp[e], bits=self.params.bits,
+                group_size=group_size, in_features=in_features))
+
+        return one("w13"), one("w2")
+
+    def describe(self) -> str:
+        p = self.params
+        return (f"W{p.bits}A16 {p.strategy}"
                 f"{'' if p.strategy == 'channel' else ' ' + str(p.group_size)}"
                 f"{' sym' if p.symmetric else ' asym'}")

@@ -444,9 +444,6 @@ class AccelGPTQMoEMethod(QuantMoEMethod):
                 "share of a down projection would need every group's scales",
                 "serve with --enable-expert-parallel (each rank holds whole experts), or "
                 "a checkpoint quantized with desc_act=False")
-        if not self.moe.is_act_and_mul:
-            raise self.fail("experts without a gated (act-and-mul) activation",
-                            "a model with gated experts (Mixtral, Qwen-MoE, DeepSeek)")
         if h % pf or i % pf:
             raise self.fail(f"hidden size {h} or intermediate size {i} (per rank) is not a "
                             f"multiple of {pf}, the {p.bits}-bit values per int32",
@@ -473,22 +470,14 @@ class AccelGPTQMoEMethod(QuantMoEMethod):
             "w13_qzeros": ((e, g13, 2 * i // pf), torch.int32),
             "w2_qzeros": ((e, g2, h // pf), torch.int32),
         }
-        for name, (shape, dtype) in shapes.items():
-            param = torch.nn.Parameter(torch.empty(shape, dtype=dtype), requires_grad=False)
-            layer.register_parameter(name, param)
-            set_weight_attrs(param, attrs)
+        self.register_expert_tensors(layer, shapes, attrs, e, h, i, params_dtype,
+                                     extra_weight_attrs)
         # -1 = "not in the checkpoint" (exports without act-order may omit g_idx)
         for name, width in (("w13_g_idx", h), ("w2_g_idx", i)):
             param = torch.nn.Parameter(torch.full((e, width), -1, dtype=torch.int32),
                                        requires_grad=False)
             layer.register_parameter(name, param)
             set_weight_attrs(param, {"weight_loader": _expert_g_idx_loader(layer, self.prefix)})
-        if self.moe.has_bias:
-            for name, width in (("w13_bias", 2 * i), ("w2_bias", h)):
-                param = torch.nn.Parameter(torch.zeros(e, width, dtype=params_dtype),
-                                           requires_grad=False)
-                layer.register_parameter(name, param)
-                set_weight_attrs(param, extra_weight_attrs)
 
     def checkpoint_tensors(self) -> tuple[str, ...]:
         return tuple(f"{proj}_{t}" for proj in self.PROJECTIONS for t in self.TENSORS)

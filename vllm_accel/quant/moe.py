@@ -89,8 +89,32 @@ class QuantMoEMethod(AccelMoERouting, FusedMoEMethodBase):
         return None  # the experts run here, never through vLLM's modular kernels
 
     def check_layer(self, layer) -> None:
-        """The routing rules and features every MoE method of ours refuses alike."""
+        """The routing rules and features every MoE method of ours refuses alike, and
+        experts without a gated activation (the expert kernels run act-and-mul)."""
         check_supported(layer)
+        if not self.moe.is_act_and_mul:
+            raise self.fail("experts without a gated (act-and-mul) activation",
+                            "a model with gated experts (Mixtral, Qwen-MoE, DeepSeek)")
+
+    def register_expert_tensors(self, layer, shapes: dict, attrs: dict, num_experts: int,
+                                hidden_size: int, intermediate_size: int, params_dtype,
+                                extra_weight_attrs: dict, fill=0, biases: bool = True) -> None:
+        """vLLM's stacked expert parameters ``{name: (shape, dtype)}`` filled with
+        ``fill``, with the loader's ``attrs``; and (``biases``) the experts' biases
+        where the model has them."""
+        from vllm.model_executor.utils import set_weight_attrs
+
+        for name, (shape, dtype) in shapes.items():
+            param = torch.nn.Parameter(torch.full(shape, fill, dtype=dtype),
+                                       requires_grad=False)
+            layer.register_parameter(name, param)
+            set_weight_attrs(param, attrs)
+        if biases and self.moe.has_bias:
+            for name, width in (("w13_bias", 2 * intermediate_size), ("w2_bias", hidden_size)):
+                param = torch.nn.Parameter(torch.zeros(num_experts, width, dtype=params_dtype),
+                                           requires_grad=False)
+                layer.register_parameter(name, param)
+                set_weight_attrs(param, extra_weight_attrs)
 
     # -- what a format provides ---------------------------------------------
 

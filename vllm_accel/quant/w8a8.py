@@ -483,31 +483,20 @@ class AccelW8A8MoEMethod(QuantMoEMethod):
     def create_weights(self, layer, num_experts, hidden_size, intermediate_size_per_partition,
                        params_dtype, **extra_weight_attrs):
         from vllm.model_executor.layers.fused_moe import FusedMoeWeightScaleSupported
-        from vllm.model_executor.utils import set_weight_attrs
 
         self.check_layer(layer)
-        if not self.moe.is_act_and_mul:
-            raise self.fail("experts without a gated (act-and-mul) activation",
-                            "a model with gated experts (Mixtral, Qwen-MoE, DeepSeek)")
         e, h, i = num_experts, hidden_size, intermediate_size_per_partition
         weights = {"w13_weight": (e, 2 * i, h), "w2_weight": (e, h, i)}
         # NaN marks "not loaded" (w8a8_to_resident refuses it)
         scales = {"w13_weight_scale": (e, 2 * i, 1), "w2_weight_scale": (e, h, 1)}
         scale_attrs = {**extra_weight_attrs,
                        "quant_method": FusedMoeWeightScaleSupported.CHANNEL.value}
-        for group, dtype, fill, attrs in ((weights, torch.int8, 0, extra_weight_attrs),
-                                          (scales, torch.float32, float("nan"), scale_attrs)):
-            for name, shape in group.items():
-                param = torch.nn.Parameter(torch.full(shape, fill, dtype=dtype),
-                                           requires_grad=False)
-                layer.register_parameter(name, param)
-                set_weight_attrs(param, attrs)
-        if self.moe.has_bias:
-            for name, width in (("w13_bias", 2 * i), ("w2_bias", h)):
-                param = torch.nn.Parameter(torch.zeros(e, width, dtype=params_dtype),
-                                           requires_grad=False)
-                layer.register_parameter(name, param)
-                set_weight_attrs(param, extra_weight_attrs)
+        self.register_expert_tensors(
+            layer, {name: (shape, torch.int8) for name, shape in weights.items()},
+            extra_weight_attrs, e, h, i, params_dtype, extra_weight_attrs, biases=False)
+        self.register_expert_tensors(
+            layer, {name: (shape, torch.float32) for name, shape in scales.items()},
+            scale_attrs, e, h, i, params_dtype, extra_weight_attrs, fill=float("nan"))
 
     def checkpoint_tensors(self) -> tuple[str, ...]:
         return self.TENSORS

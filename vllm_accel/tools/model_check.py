@@ -20,7 +20,9 @@ QUANT_DENSE = {"gptq": "gcu_gptq (4/8-bit, groups, act-order)",
                "compressed-tensors": "compressed-tensors W4A16 / W8A16 / W8A8 int8"}
 #: ... and whose MoE experts
 QUANT_MOE = {"gptq": "GPTQ experts (quant/moe.py)",
-             "compressed-tensors": "W8A8 int8 experts with dynamic per-token activations"}
+             "awq": "AWQ experts (4-bit GEMM layout)",
+             "compressed-tensors": "W4A16 / W8A16 experts, and W8A8 int8 ones with dynamic "
+                                   "per-token activations"}
 #: model types whose attention adds ALiBi (vLLM passes slopes to the backend)
 ALIBI_TYPES = {"bloom", "mpt", "baichuan", "jais", "falcon"}
 #: model types with learned attention sinks
@@ -98,8 +100,8 @@ def _moe(text: dict, quant: dict | None) -> list[Finding]:
                                  "layer)"))
         else:
             found.append(Finding(f"{method} MoE experts", False,
-                                 "not served: GPTQ and compressed-tensors W8A8 experts are; "
-                                 "use such an export or the unquantized checkpoint"))
+                                 "not served: GPTQ, AWQ and compressed-tensors int experts "
+                                 "are; use such an export or the unquantized checkpoint"))
     return found
 
 

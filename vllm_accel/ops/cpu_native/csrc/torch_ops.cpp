@@ -703,7 +703,8 @@ class LayerPhases {
 // step on a 2-core Xeon). Returns (hidden, residual) as new tensors; undefined ones,
 // with nothing written, where a kernel declines these inputs (the caller then runs the
 // layer op by op). The first layer passes no residual: its input is the residual.
-// A linear whose `*_quant` is given has a quantized weight (layer_linear).
+// A linear whose `*_quant` is given has a quantized weight (layer_linear). The attention
+// takes a sliding window and a logits soft-cap (Mistral's, Gemma's: 0 for none).
 std::tuple<at::Tensor, at::Tensor> cpu_decoder_layer(
     const at::Tensor& hidden, const std::optional<at::Tensor>& residual,
     const at::Tensor& positions, const at::Tensor& input_norm, const at::Tensor& qkv_weight,
@@ -716,7 +717,7 @@ std::tuple<at::Tensor, at::Tensor> cpu_decoder_layer(
     const at::Tensor& query_start_loc, const at::Tensor& seq_lens, double scale, double k_scale,
     double v_scale, int64_t max_prefill_pairs, const std::optional<at::Tensor>& qkv_quant,
     const std::optional<at::Tensor>& o_quant, const std::optional<at::Tensor>& gate_up_quant,
-    const std::optional<at::Tensor>& down_quant) {
+    const std::optional<at::Tensor>& down_quant, int64_t sliding_window, double soft_cap) {
   // Everything after the attention step must run once it has written the cache, so
   // what the later kernels check is checked here first.
   const int64_t q_size = num_heads * head_size, kv_size = num_kv_heads * head_size;
@@ -752,7 +753,8 @@ std::tuple<at::Tensor, at::Tensor> cpu_decoder_layer(
                           k_rot.view({tokens, num_kv_heads, head_size}),
                           v.view({tokens, num_kv_heads, head_size}), kv_cache, slot_mapping,
                           block_table, query_start_loc, seq_lens, attn, scale, k_scale, v_scale,
-                          max_prefill_pairs, 0, 0., std::nullopt, std::nullopt)) {
+                          max_prefill_pairs, sliding_window, soft_cap, std::nullopt,
+                          std::nullopt)) {
     return {};
   }
   phase.next("accel_layer::o_proj");
@@ -937,7 +939,7 @@ TORCH_LIBRARY_FRAGMENT(vllm_accel, m) {
         "Tensor(a!) kv_cache, Tensor slot_mapping, Tensor block_table, Tensor query_start_loc, "
         "Tensor seq_lens, float scale, float k_scale, float v_scale, int max_prefill_pairs, "
         "Tensor? qkv_quant=None, Tensor? o_quant=None, Tensor? gate_up_quant=None, "
-        "Tensor? down_quant=None) "
+        "Tensor? down_quant=None, int sliding_window=0, float soft_cap=0.) "
         "-> (Tensor, Tensor)");
   m.def("cpu_moe_experts(Tensor x, Tensor w13, Tensor w2, Tensor topk_weights, Tensor topk_ids, "
         "Tensor? expert_map, Tensor? w13_quant, Tensor? w2_quant, Tensor? w13_bias, "
