@@ -240,13 +240,13 @@ def build_tiny_model(path: Path, arch: str = "llama", num_heads: int = 4,
                      num_kv_heads: int = 2, head_dim: int = 16, hidden_size: int | None = None,
                      layers: int = 2, vocab: int = 512, seed: int = 0,
                      norm_spread: float = 0.0, head_std: float = 0.08) -> Path:
-    """A random-weight Llama/Qwen2 checkpoint (a few MB) written as HF safetensors;
+    """A random-weight Llama/Qwen2/Qwen3 checkpoint (a few MB) written as HF safetensors;
     ``norm_spread`` > 0 draws the RMSNorm weights from N(1, norm_spread) instead of HF's
     all-ones init (so swapping two norms changes the output); ``head_std`` is the LM
     head's: its logits' spread is ``head_std * sqrt(hidden)`` (0.08 at hidden 128: about
     0.9, so the top two tokens are ~0.25 nats apart on average; 0.4: ~4.5, far from
     ties that kernels' rounding, or an INT8 KV cache's, could flip)."""
-    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
+    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config
 
     hidden = hidden_size or num_heads * head_dim
     common = dict(
@@ -255,7 +255,7 @@ def build_tiny_model(path: Path, arch: str = "llama", num_heads: int = 4,
         num_key_value_heads=num_kv_heads, head_dim=head_dim, max_position_embeddings=1024,
         rms_norm_eps=1e-5, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2,
     )
-    config = (LlamaConfig if arch == "llama" else Qwen2Config)(**common)
+    config = {"llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config}[arch](**common)
     config.dtype = torch.float32
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)

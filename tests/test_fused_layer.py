@@ -135,12 +135,15 @@ def test_op_equals_the_kernels_one_by_one(kv, with_residual):
     assert torch.equal(fused_cache.view(torch.uint8), split_cache.view(torch.uint8))
 
 
-def _one_by_one(case, w, residual, cache, window=0, soft_cap=0.0):
+def _one_by_one(case, w, residual, cache, window=0, soft_cap=0.0, qk_norms=None):
     """The layer as vLLM runs it on the simulator's kernels, op by op: (out, residual)."""
     h, r = ops.cpu_rms_norm(case["hidden"], w["input_norm"], EPS, residual)
     r = r if residual is not None else case["hidden"]
     q, k, v = ops.bf16_linear(h, w["qkv"], None).split([HEADS * HEAD, HKV * HEAD, HKV * HEAD],
                                                        -1)
+    if qk_norms is not None:  # Qwen3: each head's q and k normed
+        q = ops.cpu_rms_norm(q.reshape(-1, HEAD), qk_norms[0], EPS, None)[0].view(q.shape)
+        k = ops.cpu_rms_norm(k.reshape(-1, HEAD), qk_norms[1], EPS, None)[0].view(k.shape)
     q, k = ops.cpu_rotary_embedding(case["positions"], q, k, w["cos_sin"], HEAD, HEAD, True)
     attn = torch.empty(len(q), HEADS, HEAD, dtype=torch.bfloat16)
     assert ops.cpu_attention_step(q.view(-1, HEADS, HEAD), k.view(-1, HKV, HEAD),
@@ -170,6 +173,30 @@ def test_op_with_a_window_and_soft_cap_equals_the_kernels_one_by_one(window, sof
     assert torch.equal(fused_cache.view(torch.uint8), split_cache.view(torch.uint8))
     plain, _ = _op(case, w, case["residual"], case["cache"].clone())
     assert not torch.equal(out, plain)
+
+
+def test_op_with_qwen3_qk_norms_equals_the_kernels_one_by_one():
+    """Qwen3's per-head q/k RMSNorm before the rotary: the same bits as the kernels one
+    by one, and not the layer without them; one norm without the other is declined."""
+    case, w = _case("mixed", torch.bfloat16, "auto"), _weights(torch.bfloat16)
+    g = torch.Generator().manual_seed(2)
+    norms = [(1 + 0.3 * torch.randn(HEAD, generator=g)).to(torch.bfloat16) for _ in range(2)]
+    fused_cache, split_cache = case["cache"].clone(), case["cache"].clone()
+
+    def op(cache, q_norm, k_norm):
+        return ops.cpu_decoder_layer(
+            case["hidden"], case["residual"], case["positions"], w["input_norm"], w["qkv"],
+            None, w["o"], None, w["post_norm"], w["gate_up"], w["down"], EPS, w["cos_sin"],
+            HEAD, True, HEADS, HKV, HEAD, cache, *case["md"], SCALE, 0.0, 0.0, 1 << 20, None,
+            None, None, None, 0, 0.0, q_norm, k_norm)
+
+    out, new_residual = op(fused_cache, *norms)
+    want, r = _one_by_one(case, w, case["residual"], split_cache, qk_norms=norms)
+    assert torch.equal(out, want) and torch.equal(new_residual, r)
+    assert torch.equal(fused_cache.view(torch.uint8), split_cache.view(torch.uint8))
+    plain, _ = _op(case, w, case["residual"], case["cache"].clone())
+    assert not torch.equal(out, plain)
+    assert op(case["cache"].clone(), norms[0], None) == (None, None)
 
 
 def _int4_linears(seed=9, group=64):
@@ -362,32 +389,54 @@ def test_engine_keeps_vllms_layer_for_a_cache_of_another_dtype(tmp_path):
         assert calls == 0
 
 
-@pytest.mark.engine
-def test_engine_runs_mistral_layers_with_their_window_as_one_op(tmp_path):
-    """A compiled bf16 tiny Mistral with its 21-token sliding window (prompts past it,
-    blocks of 16 so vLLM frees the blocks behind the window, prefix caching): its layers
-    run as the op with the window (logged, counted), its tokens within bf16's reach of
-    HF transformers on the same weights. (This family's peaked logits reach |x| = 16-19,
-    where bf16's spacing is 0.125: the engine's bf16 logits round by up to 0.0625 each,
-    a log-prob or a top-1 gap by up to twice that, on top of two layers of bf16
-    activations; a window read wrong moves them by nats.)"""
-    from attention_models import WINDOW, build_tiny
+def _tiny_mistral(path):
+    from attention_models import build_tiny
 
-    model = build_tiny(tmp_path / "mistral", "mistral", seed=0)
+    return build_tiny(path, "mistral", seed=0)
+
+
+def _tiny_qwen3(path):
+    return build_tiny_model(path, arch="qwen3", num_heads=4, num_kv_heads=2, head_dim=32,
+                            hidden_size=128, norm_spread=0.3)
+
+
+#: family: (checkpoint builder, prompt lengths, engine settings, what the log adds,
+#: nats from HF)
+FAMILY_ENGINES = {
+    # its 21-token window (prompts past it, blocks of 16 so vLLM frees the blocks behind
+    # it, prefix caching). Its peaked logits reach |x| = 16-19, where bf16's spacing is
+    # 0.125: the engine's bf16 logits round by up to 0.0625 each, a log-prob or a top-1
+    # gap by up to twice that, on top of two layers of bf16 activations; a window read
+    # wrong moves them by nats
+    "mistral": (_tiny_mistral, (5, 40, 70, 33),
+                {"block_size": 16, "enable_prefix_caching": True}, "sliding_window 21", 0.25),
+    # q/k norms drawn away from 1
+    "qwen3": (_tiny_qwen3, (5, 17, 40), {}, "", 0.05),
+}
+
+
+@pytest.mark.engine
+@pytest.mark.parametrize("family", list(FAMILY_ENGINES))
+def test_engine_runs_the_familys_layers_as_one_op(family, tmp_path):
+    """A compiled bf16 tiny Mistral (sliding window) or Qwen3 (q/k norms): its layers run
+    as the op (logged, counted in the worker), its tokens within bf16's reach of HF
+    transformers on the same weights."""
+    build, lengths, settings, logged, nats = FAMILY_ENGINES[family]
+    model = build(tmp_path / family)
     rng = random.Random(11)
-    prompts = [[rng.randrange(3, 512) for _ in range(n)] for n in (5, 40, 70, 33)]
+    prompts = [[rng.randrange(3, 512) for _ in range(n)] for n in lengths]
     results, log = run_engine(
         {"llm": {"model": str(model), "dtype": "bfloat16", "skip_tokenizer_init": True,
-                 "max_model_len": 256, "block_size": 16, "enable_prefix_caching": True,
-                 "seed": 0},
+                 "max_model_len": 256, "seed": 0, **settings},
          "prompts": prompts,
          "sampling": {"temperature": 0.0, "max_tokens": 12, "ignore_eos": True,
                       "detokenize": False, "logprobs": 1},
          "worker_kernel_calls": ["cpu_decoder_layer"]},
         tmp_path, env={"ACCEL_BF16_LINEAR": "on", "ACCEL_SIM_DEVICE_MEMORY_GB": "1"})
-    assert f"sliding_window {WINDOW}" in log
+    assert logged in log
     if bf16_linear.available():
-        assert "each runs as one C++ op (vllm_accel::cpu_decoder_layer)" in log, log[-3000:]
+        assert "each runs as one C++ op (vllm_accel::cpu_decoder_layer), 2 layers" in log, \
+            log[-3000:]
         ((calls, _),) = [c["cpu_decoder_layer"] for c in results["worker_kernel_calls"]]
-        assert calls >= 11, calls  # every decode step's layers
-    assert_bf16_tokens_near_hf(model, prompts, results["outputs"], nats=0.25)
+        assert calls >= 2 * 11, calls  # every decode step's two layers
+    assert_bf16_tokens_near_hf(model, prompts, results["outputs"], nats=nats)

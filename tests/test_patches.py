@@ -485,3 +485,14 @@ def test_card_runner_streams_come_from_the_device_module_inside_the_block_only()
         assert torch.cuda.Stream is Module.Stream
         assert torch.cuda.current_stream() == "device stream"
     assert (torch.cuda.Stream, torch.cuda.current_stream, torch.cuda.stream) == before
+
+
+def test_qwen3_model_takes_our_layer_inside_the_block_only():
+    from vllm.model_executor.models import qwen3
+
+    from vllm_accel.models.llama import AccelQwen3DecoderLayer
+
+    before = qwen3.Qwen3Model.decoder_layer_type
+    with patches.applied("qwen3_model", layer_type=AccelQwen3DecoderLayer):
+        assert qwen3.Qwen3Model.decoder_layer_type is AccelQwen3DecoderLayer
+    assert qwen3.Qwen3Model.decoder_layer_type is before is qwen3.Qwen3DecoderLayer

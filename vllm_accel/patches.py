@@ -36,7 +36,8 @@ class Patch:
     #: worker joins the process group (gets ``init_method``); "sccl_init": around
     #: the world group's creation on an SG2260 (a context manager; gets
     #: ``dist_backend`` and ``pg_options``); "card_runner": around the card runner's
-    #: calls that create or enter vLLM's copy streams (gets ``device_module``).
+    #: calls that create or enter vLLM's copy streams (gets ``device_module``);
+    #: "qwen3_model": around AccelQwen3ForCausalLM's construction (gets ``layer_type``).
     phase: str = "platform"
 
 
@@ -353,6 +354,18 @@ def _card_runner_streams(device_module):
     finally:
         for name, value in saved.items():
             setattr(torch.cuda, name, value)
+
+
+@contextlib.contextmanager
+def _qwen3_layer_type(layer_type):
+    from vllm.model_executor.models import qwen3
+
+    saved = qwen3.Qwen3Model.decoder_layer_type
+    qwen3.Qwen3Model.decoder_layer_type = layer_type
+    try:
+        yield
+    finally:
+        qwen3.Qwen3Model.decoder_layer_type = saved
 
 
 def _lora_rank_check(parser=None) -> None:
@@ -683,6 +696,24 @@ PATCHES: tuple[Patch, ...] = (
         remove_when="vLLM's runner takes streams from the platform (torch.accelerator).",
         apply=_card_runner_streams,
         phase="card_runner",
+    ),
+    Patch(
+        name="Qwen3's decoder layers are ours while AccelQwen3ForCausalLM builds",
+        why=(
+            "vLLM 0.32's Qwen3ForCausalLM builds its Qwen3Model by name, and that model "
+            "takes its layer class from the class attribute decoder_layer_type: a "
+            "subclass of the causal LM cannot hand it another layer (Llama's and "
+            "Mistral's take layer_type)."
+        ),
+        how=(
+            "While AccelQwen3ForCausalLM.__init__ runs vLLM's, Qwen3Model."
+            "decoder_layer_type is AccelQwen3DecoderLayer (models/llama.py), restored "
+            "when the block ends; other models built meanwhile are none (one model a "
+            "process is built at a time)."
+        ),
+        remove_when="vLLM's Qwen3ForCausalLM takes a layer (or model) type.",
+        apply=_qwen3_layer_type,
+        phase="qwen3_model",
     ),
     Patch(
         name="spawned workers on real cards (VLLM_WORKER_MULTIPROC_METHOD=spawn)",

@@ -2,4 +2,5 @@
 
 #: architecture -> our class, registered lazily (imported in the worker that builds it)
 OVERRIDES = {"LlamaForCausalLM": "vllm_accel.models.llama:AccelLlamaForCausalLM",
-             "MistralForCausalLM": "vllm_accel.models.llama:AccelMistralForCausalLM"}
+             "MistralForCausalLM": "vllm_accel.models.llama:AccelMistralForCausalLM",
+             "Qwen3ForCausalLM": "vllm_accel.models.llama:AccelQwen3ForCausalLM"}

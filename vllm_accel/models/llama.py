@@ -1,4 +1,4 @@
-"""Llama and Mistral on the simulator: each decoder layer in one C++ call.
+"""Llama, Mistral and Qwen3 on the simulator: each decoder layer in one C++ call.
 
 vLLM runs a Llama decoder layer as a dozen module calls around ten ops (two norms,
 four linears, rotary, its attention op, SiLU): ~145 us of Python a layer on a 2-core
@@ -10,7 +10,7 @@ would take the simulator's kernel anyway: bf16 linears routed to
 layout (``vllm_accel::int4pack_linear``, no act-order permutation) or W8A8 ones with
 dynamic per-token activations (``vllm_accel::int8_linear_dynamic``), ACCEL_ATTN with
 its one-call attention step (plain causal, or with Mistral's sliding window or a
-logits soft-cap), vLLM's rotary formula, one world rank. Every other layer (other
+logits soft-cap), Qwen3's per-head q/k RMSNorm, vLLM's rotary formula, one world rank. Every other layer (other
 quantized or LoRA linears, oneDNN linears, tensor parallel, rope variants with their
 own forward, a card) keeps vLLM's forward: the choice is made once per model after
 its weights load (``prepare_fused_layers``) and logged.
@@ -23,6 +23,7 @@ prefill, where the torch attention kernels win) runs the layer op by op.
 
 import torch
 
+from vllm.config import get_current_vllm_config
 from vllm.distributed import get_tensor_model_parallel_world_size
 from vllm.forward_context import get_forward_context
 from vllm.model_executor.layers.activation import SiluAndMul
@@ -45,6 +46,13 @@ from vllm.model_executor.models.mistral import (
     MistralDecoderLayer,
     MistralForCausalLM,
 )
+from vllm.model_executor.models.qwen2 import Qwen2MLP
+from vllm.model_executor.models.qwen3 import (
+    Qwen3Attention,
+    Qwen3DecoderLayer,
+    Qwen3ForCausalLM,
+)
+from vllm.v1.attention.backend import AttentionType
 from vllm.utils.torch_utils import STR_DTYPE_TO_TORCH_DTYPE, direct_register_custom_op
 
 from vllm_accel.logger import init_logger
@@ -104,13 +112,19 @@ _FUSED_FEATURES = {"sliding_window", "logits_soft_cap"}
 
 
 def _plain_attention_and_mlp(layer: "FusedDecoderLayer") -> bool:
-    """Llama's attention and MLP, or Mistral's without its Llama-4 scaling and its
-    time-conditioned norm (the Voxtral variant)."""
+    """Llama's attention and MLP, Mistral's without its Llama-4 scaling and its
+    time-conditioned norm (the Voxtral variant), or Qwen3's with q/k norms of the
+    layer's epsilon."""
     attn_layer = layer.self_attn
-    if type(layer.mlp) is not LlamaMLP:
+    if type(layer.mlp) not in (LlamaMLP, Qwen2MLP):
         return False
     if type(attn_layer) is LlamaAttention:
         return True
+    if type(attn_layer) is Qwen3Attention:
+        eps = layer.input_layernorm.variance_epsilon
+        return all(isinstance(n, RMSNorm) and n.has_weight and n.variance_epsilon == eps
+                   and n.variance_size_override is None
+                   for n in (attn_layer.q_norm, attn_layer.k_norm))
     return (type(attn_layer) is MistralAttention and not attn_layer.do_llama_4_scaling
             and getattr(layer, "ada_rms_norm_t_cond", None) is None)
 
@@ -151,6 +165,8 @@ def _why_not_fused(layer: "FusedDecoderLayer") -> str | None:
         return (f"attention {type(impl).__name__} without the one-call cache write and "
                 "attention step (another backend or kernel provider, an fp8 cache, or a "
                 "shared KV cache)")
+    if impl.attn_type != AttentionType.DECODER:
+        return f"{impl.attn_type} attention (the C++ layer's attention step is causal)"
     if set(impl.features) - _FUSED_FEATURES:
         return (f"attention with {', '.join(sorted(set(impl.features) - _FUSED_FEATURES))} "
                 "(the C++ layer takes a sliding window and a soft-cap)")
@@ -166,8 +182,9 @@ class FusedDecoderLayer:
     ``vllm_accel::cpu_decoder_layer`` once ``prepare_fused`` found every part of it on
     the simulator's kernels."""
 
-    def __init__(self, vllm_config, prefix: str = "", **kwargs) -> None:
-        super().__init__(vllm_config=vllm_config, prefix=prefix, **kwargs)
+    def __init__(self, *args, prefix: str = "", **kwargs) -> None:
+        super().__init__(*args, prefix=prefix, **kwargs)
+        vllm_config = get_current_vllm_config()  # (Qwen3's layer is not handed it)
         # how llama_layer finds this layer at run time (vLLM's attention layers and
         # its MoE layers register the same way)
         self.layer_name = prefix
@@ -181,8 +198,8 @@ class FusedDecoderLayer:
         #: its trailing ones: each linear's quantization tensor (int4 scales and zeros,
         #: or W8A8 per-channel scales; None: a bf16 linear)
         self._fused_quant: tuple = ()
-        #: the attention step's sliding window and soft-cap (0: none)
-        self._fused_features: tuple = (0, 0.0)
+        #: the attention step's sliding window and soft-cap (0: none), the q/k norms
+        self._fused_features: tuple = (0, 0.0, None, None)
 
     def prepare_fused(self) -> str | None:
         """Decide (after the weights load) whether this layer runs as one C++ op;
@@ -206,7 +223,9 @@ class FusedDecoderLayer:
         self._fused_quant = tuple(quant for _, quant in weights)
         features = attn_layer.attn.impl.features
         self._fused_features = (features.get("sliding_window", 0),
-                                features.get("logits_soft_cap", 0.0))
+                                features.get("logits_soft_cap", 0.0),
+                                getattr(getattr(attn_layer, "q_norm", None), "weight", None),
+                                getattr(getattr(attn_layer, "k_norm", None), "weight", None))
         return None
 
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor,
@@ -252,6 +271,11 @@ class AccelMistralDecoderLayer(FusedDecoderLayer, MistralDecoderLayer):
     it can."""
 
 
+class AccelQwen3DecoderLayer(FusedDecoderLayer, Qwen3DecoderLayer):
+    """vLLM's Qwen3 decoder layer (q/k norms), one C++ op where it can (built by
+    vLLM's ``Qwen3Model`` through ``patches.py``'s ``qwen3_layer``)."""
+
+
 class AccelLlamaForCausalLM(LlamaForCausalLM):
     """vLLM's ``LlamaForCausalLM`` built from ``AccelLlamaDecoderLayer``."""
 
@@ -266,6 +290,16 @@ class AccelMistralForCausalLM(MistralForCausalLM):
     def __init__(self, *, vllm_config, prefix: str = "",
                  layer_type: type[torch.nn.Module] = AccelMistralDecoderLayer) -> None:
         super().__init__(vllm_config=vllm_config, prefix=prefix, layer_type=layer_type)
+
+
+class AccelQwen3ForCausalLM(Qwen3ForCausalLM):
+    """vLLM's ``Qwen3ForCausalLM`` built from ``AccelQwen3DecoderLayer``."""
+
+    def __init__(self, *, vllm_config, prefix: str = "") -> None:
+        from vllm_accel import patches
+
+        with patches.applied("qwen3_model", layer_type=AccelQwen3DecoderLayer):
+            super().__init__(vllm_config=vllm_config, prefix=prefix)
 
 
 def prepare_fused_layers(model: torch.nn.Module) -> None:

@@ -704,7 +704,8 @@ class LayerPhases {
 // with nothing written, where a kernel declines these inputs (the caller then runs the
 // layer op by op). The first layer passes no residual: its input is the residual.
 // A linear whose `*_quant` is given has a quantized weight (layer_linear). The attention
-// takes a sliding window and a logits soft-cap (Mistral's, Gemma's: 0 for none).
+// takes a sliding window and a logits soft-cap (Mistral's, Gemma's: 0 for none); with
+// q_norm and k_norm, each head's q and k get an RMSNorm before the rotary (Qwen3's).
 std::tuple<at::Tensor, at::Tensor> cpu_decoder_layer(
     const at::Tensor& hidden, const std::optional<at::Tensor>& residual,
     const at::Tensor& positions, const at::Tensor& input_norm, const at::Tensor& qkv_weight,
@@ -717,7 +718,8 @@ std::tuple<at::Tensor, at::Tensor> cpu_decoder_layer(
     const at::Tensor& query_start_loc, const at::Tensor& seq_lens, double scale, double k_scale,
     double v_scale, int64_t max_prefill_pairs, const std::optional<at::Tensor>& qkv_quant,
     const std::optional<at::Tensor>& o_quant, const std::optional<at::Tensor>& gate_up_quant,
-    const std::optional<at::Tensor>& down_quant, int64_t sliding_window, double soft_cap) {
+    const std::optional<at::Tensor>& down_quant, int64_t sliding_window, double soft_cap,
+    const std::optional<at::Tensor>& q_norm, const std::optional<at::Tensor>& k_norm) {
   // Everything after the attention step must run once it has written the cache, so
   // what the later kernels check is checked here first.
   const int64_t q_size = num_heads * head_size, kv_size = num_kv_heads * head_size;
@@ -732,7 +734,13 @@ std::tuple<at::Tensor, at::Tensor> cpu_decoder_layer(
       post_norm.dim() == 1 &&
       post_norm.size(0) == hidden.size(1) && post_norm.stride(0) == 1 &&
       cpu_of(post_norm, hidden.scalar_type());
-  if (!shapes_ok) return {};
+  const auto head_norm_ok = [&](const std::optional<at::Tensor>& w) {
+    return !w.has_value() || (w->dim() == 1 && w->size(0) == head_size &&
+                              w->stride(0) == 1 && cpu_of(*w, hidden.scalar_type()));
+  };
+  if (!shapes_ok || !head_norm_ok(q_norm) || !head_norm_ok(k_norm) ||
+      q_norm.has_value() != k_norm.has_value())
+    return {};
   const int64_t tokens = hidden.size(0);
   LayerPhases phase;
   phase.next("accel_layer::norm");
@@ -741,8 +749,18 @@ std::tuple<at::Tensor, at::Tensor> cpu_decoder_layer(
   const at::Tensor res = residual.has_value() ? new_residual : hidden;
   phase.next("accel_layer::qkv_proj");
   const at::Tensor qkv = layer_linear(h, qkv_weight, qkv_quant, qkv_bias);
-  const at::Tensor q = qkv.narrow(1, 0, q_size), k = qkv.narrow(1, q_size, kv_size),
-                   v = qkv.narrow(1, q_size + kv_size, kv_size);
+  at::Tensor q = qkv.narrow(1, 0, q_size), k = qkv.narrow(1, q_size, kv_size);
+  const at::Tensor v = qkv.narrow(1, q_size + kv_size, kv_size);
+  if (q_norm.has_value()) {  // Qwen3's RMSNorm of each head's q and k before the rotary
+    phase.next("accel_layer::qk_norm");
+    auto [qn, unused_q] = cpu_rms_norm(q.reshape({tokens * num_heads, head_size}), q_norm, eps,
+                                       std::nullopt);
+    auto [kn, unused_k] = cpu_rms_norm(k.reshape({tokens * num_kv_heads, head_size}), k_norm,
+                                       eps, std::nullopt);
+    if (!qn.defined() || !kn.defined()) return {};
+    q = qn.view({tokens, q_size});
+    k = kn.view({tokens, kv_size});
+  }
   phase.next("accel_layer::rotary");
   auto [q_rot, k_rot] =
       cpu_rotary_embedding(positions, q, k, cos_sin_cache, head_size, rotary_dim, is_neox);
@@ -939,8 +957,8 @@ TORCH_LIBRARY_FRAGMENT(vllm_accel, m) {
         "Tensor(a!) kv_cache, Tensor slot_mapping, Tensor block_table, Tensor query_start_loc, "
         "Tensor seq_lens, float scale, float k_scale, float v_scale, int max_prefill_pairs, "
         "Tensor? qkv_quant=None, Tensor? o_quant=None, Tensor? gate_up_quant=None, "
-        "Tensor? down_quant=None, int sliding_window=0, float soft_cap=0.) "
-        "-> (Tensor, Tensor)");
+        "Tensor? down_quant=None, int sliding_window=0, float soft_cap=0., "
+        "Tensor? q_norm=None, Tensor? k_norm=None) -> (Tensor, Tensor)");
   m.def("cpu_moe_experts(Tensor x, Tensor w13, Tensor w2, Tensor topk_weights, Tensor topk_ids, "
         "Tensor? expert_map, Tensor? w13_quant, Tensor? w2_quant, Tensor? w13_bias, "
         "Tensor? w2_bias, int activation, bool apply_router_weight_on_input) -> Tensor");
