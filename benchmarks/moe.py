@@ -2,12 +2,16 @@
 """Mixture-of-experts decode: the plugin vs stock vLLM CPU on a random-weight model of
 realistic shape, in one run::
 
-    python benchmarks/moe.py [--modes compiled,eager] [--json PATH]
+    python benchmarks/moe.py [--modes compiled,eager] [--engines accel,stock,accel-w4a16]
+                             [--json PATH]
 
 The model is Qwen3-MoE-shaped (32 experts, top-4, hidden 1024, expert width 512, 16
 layers, vocab 49152: ~1.0 B parameters, ~0.23 B active per token), bf16, written once
 to ``~/.cache/vllm-accel/bench/qwen3-moe-1b`` from a fixed seed (no download). Weights
 are drawn so that routing spreads over the experts (router std 0.3).
+
+``accel-w4a16`` serves the model as a GPTQ 4-bit group-64 checkpoint (every expert and
+linear quantized by the tests' quantizer, written once), against stock bf16.
 
 Workloads (``throughput.py``'s engines and timing): batch 1 (1 x 32 in / 128 out),
 batch 16 (16 x 32 / 64), batch 64 (64 x 32 / 32). For the plugin the benchmark reads how
@@ -102,7 +106,7 @@ def roofline(results: list[dict], path: Path, bandwidth: float) -> None:
         kv = 2 * layers * cfg["num_key_value_heads"] * cfg["head_dim"] * context * 2
         step = other + layers * per_call * per_expert + kv
         for r in results:
-            if r["workload"] == wl:
+            if r["workload"] == wl and r["engine"] in ("accel", "stock"):  # (bf16 bytes)
                 r["step_MB"] = round(step / 1e6, 1)
                 r["roofline_tok_s"] = round(bandwidth / step, 1)
                 r["pct_of_roofline"] = round(100 * r["out_tok_s"] * step / bandwidth, 1)
