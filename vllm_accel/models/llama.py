@@ -184,7 +184,9 @@ class FusedDecoderLayer:
 
     def __init__(self, *args, prefix: str = "", **kwargs) -> None:
         super().__init__(*args, prefix=prefix, **kwargs)
-        vllm_config = get_current_vllm_config()  # (Qwen3's layer is not handed it)
+        # (Llama's and Mistral's layers are handed the config; Qwen3's is built while
+        # vLLM holds it as the current one)
+        vllm_config = kwargs.get("vllm_config") or get_current_vllm_config()
         # how llama_layer finds this layer at run time (vLLM's attention layers and
         # its MoE layers register the same way)
         self.layer_name = prefix
