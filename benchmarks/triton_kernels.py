@@ -20,10 +20,14 @@ torch reference of the same op on the same GPU:
   and ``torch._int_mm`` with the same quantization;
 * MLA absorbed decode (DeepSeek-V3's 128 heads, latent 512 + rope 64, block 64) at
   batch 1 x context 8192 and batch 64 x 2048; reference: gather the latent rows + the
-  same two matmuls and softmax in torch.
+  same two matmuls and softmax in torch;
+* fused MoE experts, Qwen3-30B-A3B's layer (128 experts, top-8, hidden 2048,
+  intermediate 768, bf16) at batch 1, 16, 64; reference: the ``torch_fast`` experts
+  (tokens sorted by expert, two matmuls per expert, one host sync).
 
 Bytes counted are the ones the op must move: the KV cache pages (MLA: latent rows)
-read (+ query and output), the packed weight + scales + activations + output.
+read (+ query and output), the packed weight + scales + activations + output, the
+weights of the experts a MoE step touches (counted per step and printed).
 """
 
 from __future__ import annotations
@@ -39,7 +43,8 @@ import triton
 from triton.testing import do_bench, do_bench_cudagraph
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from vllm_accel.ops.triton import int8_gemm, mla, paged_attention, wint_gemm  # noqa: E402
+from vllm_accel.ops.torch_fast import moe as torch_moe  # noqa: E402
+from vllm_accel.ops.triton import int8_gemm, mla, moe, paged_attention, wint_gemm  # noqa: E402
 
 DEV = "cuda"
 
@@ -195,6 +200,40 @@ def bench_mla(bandwidth):
 
 
 # ---------------------------------------------------------------------------
+# Fused MoE experts
+# ---------------------------------------------------------------------------
+
+
+def bench_moe(bandwidth, experts=128, top_k=8, hidden=2048, inter=768, batches=(1, 16, 64)):
+    g = torch.Generator(device=DEV).manual_seed(0)
+    w13 = torch.randn(experts, 2 * inter, hidden, dtype=torch.bfloat16, device=DEV,
+                      generator=g) * hidden ** -0.5
+    w2 = torch.randn(experts, hidden, inter, dtype=torch.bfloat16, device=DEV,
+                     generator=g) * inter ** -0.5
+    rows = []
+    for batch in batches:
+        x = torch.randn(batch, hidden, dtype=torch.bfloat16, device=DEV, generator=g)
+        logits = torch.randn(batch, experts, device=DEV, generator=g)
+        weights, ids = torch.softmax(logits, -1).topk(top_k, dim=-1)
+        weights, ids = (weights / weights.sum(-1, keepdim=True)), ids.to(torch.int32)
+        out = moe.moe_experts(x, w13, w2, weights, ids)
+        ref = torch_moe.moe_experts(x, w13, w2, weights, ids)
+        err = ((out.float() - ref.float()).abs().max() / ref.float().abs().max()).item()
+        assert err < 2e-2, f"moe experts mismatch {err}"
+        touched = int(torch.unique(ids).numel())
+        nbytes = touched * 3 * hidden * inter * 2 + 2 * x.numel() * 2
+        ms = do_bench(lambda: moe.moe_experts(x, w13, w2, weights, ids))
+        ref_ms = do_bench(lambda: torch_moe.moe_experts(x, w13, w2, weights, ids))
+        r = row(f"moe_experts bf16 batch {batch}: {touched} of {experts} experts touched, "
+                f"top-{top_k}, {hidden}x{inter}", ms, nbytes, bandwidth, ref_ms,
+                "torch_fast grouped matmuls")
+        r["experts_touched"] = touched
+        r["max_rel_error_vs_reference"] = err
+        rows.append(r)
+    return rows
+
+
+# ---------------------------------------------------------------------------
 # Quantized GEMMs
 # ---------------------------------------------------------------------------
 
@@ -281,7 +320,8 @@ def main() -> None:
     results = {"gpu": props.name, "torch": torch.__version__, "triton": triton.__version__,
                "copy_bandwidth_GBps": round(bandwidth / 1e9, 1),
                "paged_decode": bench_decode(bandwidth), "w4a16": bench_w4a16(bandwidth),
-               "w8a8": bench_w8a8(bandwidth), "mla_decode": bench_mla(bandwidth)}
+               "w8a8": bench_w8a8(bandwidth), "mla_decode": bench_mla(bandwidth),
+               "moe_experts": bench_moe(bandwidth)}
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(results, indent=1) + "\n")

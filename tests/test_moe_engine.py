@@ -12,6 +12,8 @@ from conftest import VIRTUAL_GCU_ENV, assert_bf16_tokens_near_hf, run_engine
 from moe_models import assert_matches_hf, build_tiny_moe
 
 SIM = {}
+#: the Triton fused-MoE kernel (and attention), forced, in Triton's interpreter
+TRITON = {"ACCEL_KERNEL_PROVIDER": "triton", "TRITON_INTERPRET": "1"}
 VIRTUAL = {**VIRTUAL_GCU_ENV, "ACCEL_SIM_DEVICE_MEMORY_GB": "1"}
 #: name: (family, path env, compiled, dtype)
 CASES = {
@@ -22,6 +24,7 @@ CASES = {
     "qwen2_moe-virtual-eager": ("qwen2_moe", VIRTUAL, False, "float32"),
     # (vLLM's default mode: the card path runs it eagerly, saying so)
     "qwen3_moe-virtual-default": ("qwen3_moe", VIRTUAL, True, "float32"),
+    "mixtral-sim-triton": ("mixtral", TRITON, False, "float32"),
 }
 
 
@@ -53,10 +56,13 @@ def _spec(model, prompts, dtype, compiled, **llm):
 def test_moe_model_matches_hf(case, models, tmp_path):
     """Greedy tokens are HF float64's top-1 (teacher-forced) with its log-probs, through
     the plugin's MoE method: on the simulator its C++ experts op (counted), on the card
-    path the torch_fast experts inside vLLM's moe_forward op."""
+    path the torch_fast experts inside vLLM's moe_forward op; forced, the Triton
+    fused-MoE kernel (interpreted)."""
     family, env, compiled, dtype = CASES[case]
     prompts = _prompts(case)
     spec = _spec(models[family], prompts, dtype, compiled)
+    if env is TRITON:
+        spec["llm"]["max_num_batched_tokens"] = 32  # chunked prefill: pairs past 2 blocks
     if env is SIM:
         spec["worker_kernel_calls"] = ["cpu_moe_experts"]
     results, log = run_engine(spec, tmp_path, env=env)
@@ -66,6 +72,8 @@ def test_moe_model_matches_hf(case, models, tmp_path):
     if env is SIM:
         calls, experts = results["worker_kernel_calls"][0]["cpu_moe_experts"]
         assert calls > 0 and experts >= calls
+    elif env is TRITON:
+        assert "experts triton" in log
     else:
         assert "device gcu via virtual" in log
     if dtype == "float32":

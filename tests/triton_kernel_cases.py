@@ -20,7 +20,8 @@ from paged_cases import (HKV, INT8_ERR, TOL, alibi_slopes, assert_within_int8_bo
                          batch_mix, build, free_before_window, kernel_args, make_case,
                          reference)
 
-from vllm_accel.ops.triton import int8_gemm, mla, paged_attention, wint_gemm
+from vllm_accel.ops.reference import moe as reference_moe
+from vllm_accel.ops.triton import int8_gemm, mla, moe, paged_attention, wint_gemm
 
 DEVICE = os.environ.get("ACCEL_TEST_DEVICE", "cpu")
 
@@ -394,3 +395,87 @@ def test_mla_decode(lora, rope, heads, bs, dtype):
     tol = MLA_TOL.get(dtype, dict(atol=2e-3, rtol=2e-3))
     torch.testing.assert_close(out[:-1].cpu().double(),
                                absorbed_oracle(q_nope[:-1], q_pe[:-1], latents, lora, scale), **tol)
+
+
+#: unit roundoff of each dtype (the MoE bound: test_moe_kernels._max_error)
+UNIT = {torch.float32: 2.0 ** -24, torch.bfloat16: 2.0 ** -8, torch.float16: 2.0 ** -11}
+#: (tokens, experts, hidden, intermediate, top_k): widths off the 64-wide tiles (48, 24,
+#: 80), more pairs than one block per expert, a token count that is not a block's
+MOE_SHAPES = [(1, 8, 64, 32, 2), (7, 8, 48, 24, 2), (45, 16, 128, 80, 4), (0, 4, 32, 16, 2)]
+
+
+def _moe_case(m, e, h, i, k, dtype, seed, bias=False):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, h, generator=g).to(dtype)
+    w13 = (torch.randn(e, 2 * i, h, generator=g) * h ** -0.5).to(dtype)
+    w2 = (torch.randn(e, h, i, generator=g) * i ** -0.5).to(dtype)
+    b13 = (torch.randn(e, 2 * i, generator=g) * 0.1).to(dtype) if bias else None
+    b2 = (torch.randn(e, h, generator=g) * 0.1).to(dtype) if bias else None
+    weights, ids = reference_moe.route(torch.randn(m, e, generator=g) * 2, k, renormalize=True)
+    return x, w13, w2, b13, b2, weights, ids
+
+
+def _assert_moe_close(got, want, dtype, k):
+    assert got.shape == want.shape and got.dtype == dtype
+    if got.numel():
+        bound = (7 * k + 1) * UNIT[dtype] if dtype != torch.float32 else 1e-5
+        scale = want.double().abs().amax(dim=1, keepdim=True)
+        err = (got.cpu().double() - want.double()).abs()
+        assert bool((err <= bound * scale).all()), float((err / scale).max())
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).split(".")[-1])
+@pytest.mark.parametrize("shape", MOE_SHAPES, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("activation", ["silu", "gelu", "gelu_tanh"])
+def test_moe_experts(dtype, shape, activation):
+    """The fused experts vs the float64 oracle, within test_moe_kernels' bound."""
+    m, e, h, i, k = shape
+    x, w13, w2, _, _, weights, ids = _moe_case(m, e, h, i, k, dtype, seed=m + e + h + i)
+    got = moe.moe_experts(*on_device(x, w13, w2, weights, ids), activation=activation)
+    want = reference_moe.moe_experts(x, w13, w2, weights, ids, activation=activation)
+    _assert_moe_close(got, want, dtype, k)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16],
+                         ids=lambda d: str(d).split(".")[-1])
+def test_moe_expert_map_bias_and_weight_on_input(dtype):
+    """Expert parallel (experts 1, 3, 4, 6 of 8 held here: the others' choices add
+    nothing), expert biases, and the router weight on the input (Llama 4's top-1)."""
+    m, e, h, i = 37, 8, 64, 48
+    held = [1, 3, 4, 6]
+    expert_map = torch.full((e,), -1, dtype=torch.int32)
+    expert_map[held] = torch.arange(len(held), dtype=torch.int32)
+    for k, on_input in ((2, False), (1, True)):
+        x, w13, w2, b13, b2, weights, ids = _moe_case(m, e, h, i, k, dtype, seed=k, bias=True)
+        got = moe.moe_experts(*on_device(x, w13[held], w2[held], weights, ids),
+                              expert_map=expert_map.to(DEVICE),
+                              apply_router_weight_on_input=on_input,
+                              w13_bias=b13[held].to(DEVICE), w2_bias=b2[held].to(DEVICE))
+        mask = torch.isin(ids, torch.tensor(held))
+        want = reference_moe.moe_experts(x, w13, w2, weights * mask, ids,
+                                         apply_router_weight_on_input=on_input,
+                                         w13_bias=b13, w2_bias=b2)
+        if on_input:  # a zero-weighted input still passes the biases: drop those rows
+            want = torch.where(mask.any(1, keepdim=True), want, torch.zeros_like(want))
+        _assert_moe_close(got, want, dtype, 2)
+
+
+def test_moe_align_pairs_pads_each_expert_and_skips_the_others():
+    """Every local pair appears once, in its expert's run of whole blocks; pairs of
+    experts held elsewhere nowhere; blocks past the last run have no expert."""
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, 6, (23, 3), generator=g, dtype=torch.int32)
+    expert_map = torch.tensor([0, -1, 1, 2, -1, 3], dtype=torch.int32)
+    rows, blocks = moe.align_pairs(ids.to(DEVICE), expert_map.to(DEVICE), 4, block_m=4)
+    rows, blocks = rows.cpu(), blocks.cpu()
+    pairs = ids.numel()
+    slot = expert_map.long()[ids.long()].reshape(-1)
+    assert sorted(rows[rows < pairs].tolist()) == torch.nonzero(slot >= 0).flatten().tolist()
+    for b, expert in enumerate(blocks.tolist()):
+        block = rows[4 * b:4 * b + 4]
+        real = block[block < pairs].long()
+        if expert < 0:
+            assert real.numel() == 0
+        else:
+            assert bool((slot[real] == expert).all())
+    assert blocks.tolist() == sorted(blocks.tolist(), key=lambda v: (v < 0, v))

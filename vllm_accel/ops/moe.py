@@ -22,7 +22,8 @@ routing itself, through the kernel registry like attention and the linears:
   group-limited choice, renormalisation and ``routed_scaling_factor``;
 - ``moe_experts``: the chosen experts held on this rank (``expert_map``), their
   weighted sum ``[M, H]`` (providers: ``reference`` float64 oracle, ``torch_fast``
-  grouped matmuls, ``cpu_native`` the simulator's C++ op on the bf16 kernel).
+  grouped matmuls, ``cpu_native`` the simulator's C++ op on the bf16 kernel,
+  ``triton`` two grouped GEMMs over the pairs sorted by expert, no host sync).
 
 The runner adds the shared experts and all-reduces across ranks; DeepSeek's runner
 scales the output by ``routed_scaling_factor`` itself (the layer's factor is 1 then).

@@ -1,4 +1,5 @@
-"""The ``triton`` kernel provider: paged attention and the quantized GEMMs in Triton.
+"""The ``triton`` kernel provider: paged and MLA attention, the fused MoE experts and
+the quantized GEMMs in Triton.
 
 Triton is how kernels reach accelerators without a port per vendor: Enflame and
 Sophgo both ship Triton backends, and the same source runs on NVIDIA GPUs, which

@@ -109,9 +109,10 @@ def install_triton_kernels(device: torch.device) -> tuple[bool, str]:
     usable, why = probe_triton(device)
     if not usable:
         return False, why
-    from vllm_accel.ops.triton import mla, paged_attention, wint_gemm
+    from vllm_accel.ops.triton import mla, moe, paged_attention, wint_gemm
 
     register_kernel("mla_decode", TRITON)(mla.mla_decode)
+    register_kernel("moe_experts", TRITON)(moe.moe_experts)
     for name in ("paged_decode", "paged_decode_int8"):
         register_kernel(name, TRITON)(paged_attention.paged_decode)
     for name in ("paged_prefill", "paged_prefill_int8"):
@@ -120,4 +121,4 @@ def install_triton_kernels(device: torch.device) -> tuple[bool, str]:
     register_kernel("wint_prepare", TRITON)(_keep_generic_layout)
     register_kernel("int8_linear", TRITON)(_int8_linear)
     return True, ("registered paged_decode, paged_prefill (bf16/fp16/fp32 and int8 KV), "
-                  f"mla_decode, wint_linear, int8_linear ({why})")
+                  f"mla_decode, moe_experts, wint_linear, int8_linear ({why})")
