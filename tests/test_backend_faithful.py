@@ -92,18 +92,21 @@ GCU_DISPATCH = textwrap.dedent("""
         c, s = ang[pos].cos()[:, None], ang[pos].sin()[:, None]
         a, bb = t[..., :4], t[..., 4:]
         return torch.cat((a * c - bb * s, bb * c + a * s), -1).view(3, -1)
-    # MoE routing: softmax top-2 of 8, renormalised and not (the op has no renormalize
-    # argument: the adapter does it), and a grouped rule the op lacks (falls back)
+    # MoE routing: softmax top-2 of 8, renormalised and not (topk_softmax has no
+    # renormalize argument: the adapter does it); DeepSeek's rules through
+    # fused_grouped_topk (V2: softmax, 4 groups choose 2; V3: sigmoid + correction
+    # bias), the routed scaling applied by the adapter
     from vllm_accel.ops.reference import moe as moe_ref
     logits = torch.randn(6, 8) * 2
-    for renorm in (True, False):
-        w, ids = registry.get_kernel("moe_route")(logits, 2, renormalize=renorm,
-                                                  routed_scaling_factor=2.0)
-        rw, rids = moe_ref.moe_route(logits, 2, renormalize=renorm, routed_scaling_factor=2.0)
-        assert torch.equal(ids.sort(1).values, rids.sort(1).values)
-        assert torch.allclose(w.sort(1).values, rw.sort(1).values, atol=1e-6)
-    registry.get_kernel("moe_route")(logits, 2, renormalize=True, num_expert_group=2,
-                                     topk_group=1)
+    rules = [dict(renormalize=True), dict(renormalize=False),
+             dict(renormalize=False, num_expert_group=4, topk_group=2),
+             dict(renormalize=True, scoring_func="sigmoid", num_expert_group=4, topk_group=2,
+                  e_score_correction_bias=torch.rand(8) * 0.5)]
+    for rule in rules:
+        w, ids = registry.get_kernel("moe_route")(logits, 2, routed_scaling_factor=2.0, **rule)
+        rw, rids = moe_ref.moe_route(logits, 2, routed_scaling_factor=2.0, **rule)
+        assert torch.equal(ids.sort(1).values, rids.sort(1).values), rule
+        assert torch.allclose(w.sort(1).values, rw.sort(1).values, atol=1e-6), rule
     rq, rk = registry.get_kernel("rotary_embedding")(pos, q, kk, cache, 8, 8, True)
     assert torch.allclose(rq.double(), ref_rope(q), atol=1e-5)
     assert torch.allclose(rk.double(), ref_rope(kk), atol=1e-5)
@@ -118,10 +121,11 @@ def test_gcu_vendor_ops_are_used_when_registered(tmp_path):
     assert "'gcu_vendor:rms_norm': 'registered" in out
     assert "xformers not usable on gcu" in out  # no xformers with GCU kernels here
     # one plain + one fused norm (the variance_size call fell back), one silu, one
-    # rope (the key=None call fell back), two routings (the grouped one fell back)
+    # rope (the key=None call fell back), two plain and two grouped routings
     assert ("CALLS {'rms_norm': 1, 'fused_add_rms_norm': 1, 'silu_and_mul': 1, "
-            "'topk_softmax': 2, 'rotary_embedding': 1}") in out
-    assert "'gcu_vendor:moe_route': 'registered (_moe_C::topk_softmax)'" in out
+            "'topk_softmax': 2, 'fused_grouped_topk': 2, 'rotary_embedding': 1}") in out
+    assert ("'gcu_vendor:moe_route': 'registered (_C::fused_grouped_topk, "
+            "_moe_C::topk_softmax)'") in out
 
 
 def test_gcu_without_vendor_ops_falls_back_to_our_kernels(tmp_path):
@@ -149,6 +153,52 @@ def test_sophgo_rmsnorm_vendor_op(tmp_path):
     """), "sophgo", tmp_path))
     assert "'sophgo_vendor:rms_norm': 'registered (my_ops::rmsnorm_forward)'" in out
     assert "CALLS {'rmsnorm_forward': 1}" in out
+
+
+def test_sophgo_fused_moe_experts_vendor_op(tmp_path):
+    """``my_ops::fused_moe_fused_experts`` serves SiLU bf16 experts once the layer's
+    ``w2`` is stored transposed at load (no copy per call; the fake refuses another
+    layout), within the bf16 bound of the float64 oracle; biases, an expert map and
+    float32 go to the next provider (the op is not called)."""
+    out = _ok(run_faithful(textwrap.dedent("""
+        import types, torch
+        from vllm_accel.backends import get_backend
+        import vllm_accel.ops.moe
+        from vllm_accel.ops import registry
+        from vllm_accel.ops.reference import moe as moe_ref
+        from vllm_accel.ops.vendor.kernels import install_vendor_kernels
+        b = get_backend(); b.load()
+        print("REPORT", install_vendor_kernels(b))
+        registry.set_preferred_providers(b.kernel_providers)
+        from torch_tpu import ops
+        g = torch.Generator().manual_seed(0)
+        e, h, i, m = 8, 64, 32, 5
+        w13 = (torch.randn(e, 2 * i, h, generator=g) * h ** -0.5).bfloat16()
+        w2 = torch.nn.Parameter((torch.randn(e, h, i, generator=g) * i ** -0.5).bfloat16(),
+                                requires_grad=False)
+        x = torch.randn(m, h, generator=g).bfloat16()
+        weights, ids = moe_ref.moe_route(torch.randn(m, e, generator=g), 2, renormalize=True)
+        want = moe_ref.moe_experts(x, w13, w2, weights, ids).double()
+        kernel = registry.get_kernel("moe_experts")
+        layer = types.SimpleNamespace(w2_weight=w2, w13_bias=None, expert_map=None,
+                                      activation=types.SimpleNamespace(value="silu"),
+                                      apply_router_weight_on_input=False)
+        kernel.prepare_layer(layer)
+        assert w2.shape == (e, h, i) and w2.transpose(1, 2).is_contiguous()
+        got = kernel(x, w13, w2, weights, ids)
+        assert got.dtype == torch.bfloat16 and got.shape == (m, h)
+        err = ((got.double() - want).abs() / want.abs().amax(1, keepdim=True)).max().item()
+        assert err < 15 * 2 ** -8, err
+        before = dict(ops.CALLS)
+        kernel(x, w13, w2, weights, ids, w13_bias=torch.zeros(e, 2 * i).bfloat16())
+        kernel(x, w13, w2, weights, ids, expert_map=torch.arange(e, dtype=torch.int32))
+        kernel(x.float(), w13.float(), w2.float(), weights, ids)
+        assert dict(ops.CALLS) == before
+        print("CALLS", dict(ops.CALLS), "ERR", err)
+    """), "sophgo", tmp_path))
+    assert ("'sophgo_vendor:moe_experts': 'registered (my_ops::fused_moe_fused_experts)'"
+            in out)
+    assert "CALLS {'fused_moe_fused_experts': 1}" in out
 
 
 DIST = textwrap.dedent("""

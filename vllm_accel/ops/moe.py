@@ -190,6 +190,10 @@ class AccelFusedMoEMethod(AccelMoERouting, UnquantizedFusedMoEMethod):
             p = getattr(layer, name, None)
             if p is not None and not p.is_contiguous():
                 p.data = p.data.contiguous()
+        # a vendor kernel may store the weights the way its op reads them
+        prepare = getattr(get_kernel("moe_experts"), "prepare_layer", None)
+        if prepare is not None:
+            prepare(layer)
 
     def experts(self, layer, x: torch.Tensor, topk_weights: torch.Tensor,
                 topk_ids: torch.Tensor) -> torch.Tensor:

@@ -15,9 +15,13 @@ Providers:
   ``silu_and_mul``, ``rotary_embedding``. Its paged-attention and cache ops use
   vLLM's ``[nb, H, D/x, bs, x]`` cache layout, not ours, so attention stays ours.
   Routing for MoE: ``_moe_C::topk_softmax`` (softmax top-k; vLLM's schema, with or
-  without its ``renormalize`` argument, which older forks lack).
-* ``sophgo_vendor``: Sophgo's ``my_ops::rmsnorm_forward``. Its attention ops fuse
-  RoPE and use their own cache layout, so they are not plugged in.
+  without its ``renormalize`` argument, which older forks lack) and
+  ``_C::fused_grouped_topk`` (softmax or sigmoid scores, DeepSeek's correction bias
+  and group-limited choice; what vllm-gcu swaps in for vLLM's ``grouped_topk``).
+* ``sophgo_vendor``: Sophgo's ``my_ops::rmsnorm_forward`` and the MoE experts
+  ``my_ops::fused_moe_fused_experts`` (SiLU-gated bf16/fp16 experts without biases;
+  each (token, choice) pair's unweighted output, weighted and summed here). Its
+  attention ops fuse RoPE and use their own cache layout, so they are not plugged in.
 * ``xformers``: ``paged_prefill`` through ``xformers.ops.memory_efficient_attention``
   (what Enflame's vLLM uses for prefill), registered only when a probe on the
   device succeeds.
@@ -91,16 +95,22 @@ def _gcu_rotary_embedding(ops):
     return gcu_rotary_embedding
 
 
-def _gcu_topk_softmax(ops):
-    op = ops["_moe_C::topk_softmax"]
+def _gcu_moe_route(ops):
+    """``moe_route`` on ``_moe_C::topk_softmax`` (plain softmax top-k) and
+    ``_C::fused_grouped_topk`` (every rule the reference routes by), whichever the
+    library registers; ``routed_scaling_factor`` is applied here (neither op has it)."""
+    softmax_op = ops.get("_moe_C::topk_softmax")
+    grouped_op = ops.get("_C::fused_grouped_topk")
     # (topk_weights!, topk_ids!, token_expert_indices!, gating_output[, renormalize, ...])
-    takes_renormalize = len(op._schema.arguments) > 4
+    takes_renormalize = softmax_op is not None and len(softmax_op._schema.arguments) > 4
 
     def gcu_moe_route(router_logits, top_k, *, renormalize, scoring_func="softmax",
                       num_expert_group=None, topk_group=None, e_score_correction_bias=None,
                       routed_scaling_factor=1.0):
-        if (scoring_func != "softmax" or e_score_correction_bias is not None
-                or (num_expert_group or 1) > 1):
+        plain = (scoring_func == "softmax" and e_score_correction_bias is None
+                 and (num_expert_group or 1) <= 1)
+        if not (plain and softmax_op is not None) and (
+                grouped_op is None or scoring_func not in ("softmax", "sigmoid")):
             return fallback_kernel("moe_route", GCU_VENDOR)(
                 router_logits, top_k, renormalize=renormalize, scoring_func=scoring_func,
                 num_expert_group=num_expert_group, topk_group=topk_group,
@@ -109,11 +119,18 @@ def _gcu_topk_softmax(ops):
         m, device = router_logits.shape[0], router_logits.device
         weights = torch.empty(m, top_k, dtype=torch.float32, device=device)
         ids = torch.empty(m, top_k, dtype=torch.int32, device=device)
-        token_expert = torch.empty(m, top_k, dtype=torch.int32, device=device)
-        op(weights, ids, token_expert, router_logits.to(torch.float32).contiguous(),
-           *((renormalize,) if takes_renormalize else ()))
-        if renormalize and not takes_renormalize:
-            weights = weights / weights.sum(dim=-1, keepdim=True)
+        logits = router_logits.to(torch.float32).contiguous()
+        if plain and softmax_op is not None:
+            token_expert = torch.empty(m, top_k, dtype=torch.int32, device=device)
+            softmax_op(weights, ids, token_expert, logits,
+                       *((renormalize,) if takes_renormalize else ()))
+            if renormalize and not takes_renormalize:
+                weights = weights / weights.sum(dim=-1, keepdim=True)
+        else:
+            bias = (None if e_score_correction_bias is None
+                    else e_score_correction_bias.to(torch.float32).contiguous())
+            grouped_op(weights, ids, logits, top_k, renormalize, num_expert_group or 1,
+                       topk_group or 1, bias, scoring_func)
         if routed_scaling_factor != 1.0:
             weights = weights * routed_scaling_factor
         return weights, ids
@@ -140,14 +157,67 @@ def _sophgo_rms_norm(ops):
     return sophgo_rms_norm
 
 
+def _sophgo_moe_experts(ops):
+    """``moe_experts`` on ``my_ops::fused_moe_fused_experts``.
+
+    The op takes the gate, up and down projections as ``[E, I, H]`` each (Sophgo's
+    vLLM stores ``down_proj`` transposed) and writes each (token, choice) pair's
+    unweighted expert output to ``[M, top_k, H]``; the router weights are applied
+    here. The gate and up halves are views of vLLM's ``w13`` (each expert's rows
+    contiguous). ``prepare_layer`` stores ``w2`` transposed in place at load (its shape
+    stays vLLM's ``[E, H, I]``, the other providers read it through strides), so no
+    call copies weights. Biases, expert maps, other activations and float32 go to the
+    next provider.
+    """
+    op = ops["my_ops::fused_moe_fused_experts"]
+
+    def serves(dtype, activation, biased, on_input, expert_map) -> bool:
+        return (dtype in (torch.bfloat16, torch.float16) and activation == "silu"
+                and not biased and not on_input and expert_map is None)
+
+    def sophgo_moe_experts(x, w13, w2, topk_weights, topk_ids, *, expert_map=None,
+                           activation="silu", apply_router_weight_on_input=False,
+                           w13_bias=None, w2_bias=None):
+        if not serves(x.dtype, activation, w13_bias is not None or w2_bias is not None,
+                      apply_router_weight_on_input, expert_map):
+            return fallback_kernel("moe_experts", SOPHGO_VENDOR)(
+                x, w13, w2, topk_weights, topk_ids, expert_map=expert_map,
+                activation=activation, apply_router_weight_on_input=apply_router_weight_on_input,
+                w13_bias=w13_bias, w2_bias=w2_bias)
+        m, top_k = topk_ids.shape
+        num_experts, inter = w13.shape[0], w13.shape[1] // 2
+        out = torch.empty(m, top_k, w2.shape[1], dtype=x.dtype, device=x.device)
+        if m:
+            halves = w13.view(num_experts, 2, inter, w13.shape[2])
+            op(out, x.contiguous(), None, None, halves[:, 0], halves[:, 1],
+               w2.transpose(1, 2).contiguous(), None, None, None,
+               topk_ids.to(torch.int32).contiguous(), topk_weights.to(x.dtype).contiguous(),
+               None, None, None, 0, num_experts, top_k, False, 1, 1, None, None, None, False)
+        return torch.einsum("mkh,mk->mh", out.float(), topk_weights.float()).to(x.dtype)
+
+    def prepare_layer(layer) -> None:
+        """Store ``layer.w2_weight`` as ``[E, I, H]`` memory when this op serves it."""
+        w2 = layer.w2_weight
+        biased = getattr(layer, "w13_bias", None) is not None
+        if serves(w2.dtype, layer.activation.value, biased, layer.apply_router_weight_on_input,
+                  layer.expert_map):
+            w2.data = w2.data.transpose(1, 2).contiguous().transpose(1, 2)
+
+    sophgo_moe_experts.prepare_layer = prepare_layer
+    return sophgo_moe_experts
+
+
 # (provider, kernel name, vendor ops it needs -- any one suffices for "any", all
 #  for "all", adapter factory)
 VENDOR_KERNELS: tuple[tuple[str, str, tuple[str, ...], str, Callable], ...] = (
     (GCU_VENDOR, "rms_norm", ("_C::rms_norm", "_C::fused_add_rms_norm"), "any", _gcu_rms_norm),
     (GCU_VENDOR, "silu_and_mul", ("_C::silu_and_mul",), "all", _gcu_silu_and_mul),
     (GCU_VENDOR, "rotary_embedding", ("_C::rotary_embedding",), "all", _gcu_rotary_embedding),
-    (GCU_VENDOR, "moe_route", ("_moe_C::topk_softmax",), "all", _gcu_topk_softmax),
+    (GCU_VENDOR, "moe_route", ("_moe_C::topk_softmax", "_C::fused_grouped_topk"), "any",
+     _gcu_moe_route),
     (SOPHGO_VENDOR, "rms_norm", ("my_ops::rmsnorm_forward",), "all", _sophgo_rms_norm),
+    (SOPHGO_VENDOR, "moe_experts", ("my_ops::fused_moe_fused_experts",), "all",
+     _sophgo_moe_experts),
 )
 
 

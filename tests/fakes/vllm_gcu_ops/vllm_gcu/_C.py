@@ -105,3 +105,35 @@ except RuntimeError:
                        "Tensor! token_expert_indices, Tensor gating_output) -> ()")
 for _key in ("PrivateUse1", "CPU"):
     _moe_impl.impl("topk_softmax", topk_softmax, _key)
+
+
+# Group-limited routing under _C (vllm-gcu's replacement for vLLM's grouped_topk):
+# scores by softmax or sigmoid; a correction bias moves the choice, not the weights;
+# groups scored by their best expert (with a bias: their best two).
+def fused_grouped_topk(topk_weights, topk_ids, gating_output, topk, renormalize,
+                       num_expert_group, topk_group, e_score_correction_bias, scoring_func):
+    CALLS["fused_grouped_topk"] += 1
+    logits = gating_output.float()
+    scores = torch.softmax(logits, -1) if scoring_func == "softmax" else logits.sigmoid()
+    biased = e_score_correction_bias is not None
+    choice = scores + e_score_correction_bias.float() if biased else scores
+    m, e = choice.shape
+    grouped = choice.view(m, num_expert_group, e // num_expert_group)
+    group_score = grouped.topk(2, -1).values.sum(-1) if biased else grouped.amax(-1)
+    keep = torch.zeros_like(group_score, dtype=torch.bool)
+    keep.scatter_(1, group_score.topk(topk_group, -1).indices, True)
+    choice = choice.masked_fill(~keep.repeat_interleave(e // num_expert_group, 1), -1e30)
+    ids = choice.topk(topk, -1).indices
+    weights = scores.gather(1, ids)
+    if renormalize:
+        weights = weights / weights.sum(-1, keepdim=True)
+    topk_weights.copy_(weights)
+    topk_ids.copy_(ids.to(topk_ids.dtype))
+
+
+if not _exists("fused_grouped_topk"):
+    _define.define("fused_grouped_topk(Tensor! topk_weights, Tensor! topk_ids, "
+                   "Tensor gating_output, int topk, bool renormalize, int num_expert_group, "
+                   "int topk_group, Tensor? e_score_correction_bias, str scoring_func) -> ()")
+for _key in ("PrivateUse1", "CPU"):
+    _impl.impl("fused_grouped_topk", fused_grouped_topk, _key)
