@@ -68,10 +68,16 @@ FAMILIES = {
 }
 
 
+#: the LM head's spread (tied: the embedding's too) where 0.4 saturates the logits:
+#: Gemma scales its embeddings by sqrt(hidden) and soft-caps the logits, so with 0.4
+#: every row is one-hot (log-probs 0 and < -30) and no error in between shows
+HEAD_STD = {"gemma2": 0.1, "gemma3_text": 0.1}
+
+
 def build_tiny(path: Path, family: str, *, hidden: int = 128, layers: int = 2,
-               vocab: int = 512, seed: int = 0) -> Path:
+               vocab: int = 512, seed: int = 0, norm_spread: float = 0.0) -> Path:
     """A ``family`` checkpoint at ``path`` (4 query / 2 KV heads where the family has
-    GQA; Bloom is MHA)."""
+    GQA; Bloom is MHA); ``norm_spread`` draws the norms' weights away from their init."""
     import transformers
     from transformers import AutoModelForCausalLM
 
@@ -88,11 +94,14 @@ def build_tiny(path: Path, family: str, *, hidden: int = 128, layers: int = 2,
     with torch.no_grad():
         for name, p in model.named_parameters():
             if p.dim() > 1:
-                p.normal_(0, 0.4 if head is not None and p is head.weight else 0.08)
+                p.normal_(0, HEAD_STD.get(family, 0.4) if head is not None and p is head.weight
+                          else 0.08)
             elif "sinks" in name:
                 p.normal_(0, 1.0)
             elif "e_score_correction_bias" in name:  # (HF inits zeros)
                 p.normal_(0, 0.1)
+            elif "norm" in name and norm_spread:
+                p.add_(torch.randn_like(p) * norm_spread)
     model.save_pretrained(path, safe_serialization=True)
     return path
 

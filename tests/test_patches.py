@@ -496,3 +496,19 @@ def test_qwen3_model_takes_our_layer_inside_the_block_only():
     with patches.applied("qwen3_model", layer_type=AccelQwen3DecoderLayer):
         assert qwen3.Qwen3Model.decoder_layer_type is AccelQwen3DecoderLayer
     assert qwen3.Qwen3Model.decoder_layer_type is before is qwen3.Qwen3DecoderLayer
+
+
+@pytest.mark.parametrize("module_name,name,ours", [
+    ("gemma2", "Gemma2DecoderLayer", "AccelGemma2DecoderLayer"),
+    ("gemma3", "Gemma3DecoderLayer", "AccelGemma3DecoderLayer")])
+def test_gemma_models_take_our_layer_inside_the_block_only(module_name, name, ours):
+    import importlib
+
+    from vllm_accel.models import llama
+
+    module = importlib.import_module(f"vllm.model_executor.models.{module_name}")
+    before = getattr(module, name)
+    with patches.applied("gemma_layers", name=name, layer_type=getattr(llama, ours)):
+        assert getattr(module, name) is getattr(llama, ours)
+        assert issubclass(getattr(module, name), before)
+    assert getattr(module, name) is before

@@ -37,7 +37,8 @@ class Patch:
     #: the world group's creation on an SG2260 (a context manager; gets
     #: ``dist_backend`` and ``pg_options``); "card_runner": around the card runner's
     #: calls that create or enter vLLM's copy streams (gets ``device_module``);
-    #: "qwen3_model": around AccelQwen3ForCausalLM's construction (gets ``layer_type``).
+    #: "qwen3_model": around AccelQwen3ForCausalLM's construction (gets ``layer_type``);
+    #: "gemma_layers": around AccelGemma2/3ForCausalLM's (gets ``name``, ``layer_type``).
     phase: str = "platform"
 
 
@@ -366,6 +367,19 @@ def _qwen3_layer_type(layer_type):
         yield
     finally:
         qwen3.Qwen3Model.decoder_layer_type = saved
+
+
+@contextlib.contextmanager
+def _gemma_layer_type(name, layer_type):
+    from vllm.model_executor.models import gemma2, gemma3
+
+    module = {"Gemma2DecoderLayer": gemma2, "Gemma3DecoderLayer": gemma3}[name]
+    saved = getattr(module, name)
+    setattr(module, name, layer_type)
+    try:
+        yield
+    finally:
+        setattr(module, name, saved)
 
 
 def _lora_rank_check(parser=None) -> None:
@@ -714,6 +728,23 @@ PATCHES: tuple[Patch, ...] = (
         remove_when="vLLM's Qwen3ForCausalLM takes a layer (or model) type.",
         apply=_qwen3_layer_type,
         phase="qwen3_model",
+    ),
+    Patch(
+        name="Gemma 2/3's decoder layers are ours while AccelGemma2/3ForCausalLM builds",
+        why=(
+            "vLLM 0.32's Gemma2Model and Gemma3Model build their layers through a lambda "
+            "that names the module's Gemma2DecoderLayer / Gemma3DecoderLayer: neither "
+            "the model nor the causal LM takes another layer class."
+        ),
+        how=(
+            "While AccelGemma2ForCausalLM / AccelGemma3ForCausalLM.__init__ runs vLLM's, "
+            "the module global is AccelGemma2DecoderLayer / AccelGemma3DecoderLayer "
+            "(models/llama.py, subclasses of the originals), restored when the block "
+            "ends (one model a process is built at a time)."
+        ),
+        remove_when="vLLM's Gemma models take a layer type.",
+        apply=_gemma_layer_type,
+        phase="gemma_layers",
     ),
     Patch(
         name="spawned workers on real cards (VLLM_WORKER_MULTIPROC_METHOD=spawn)",

@@ -3,4 +3,6 @@
 #: architecture -> our class, registered lazily (imported in the worker that builds it)
 OVERRIDES = {"LlamaForCausalLM": "vllm_accel.models.llama:AccelLlamaForCausalLM",
              "MistralForCausalLM": "vllm_accel.models.llama:AccelMistralForCausalLM",
-             "Qwen3ForCausalLM": "vllm_accel.models.llama:AccelQwen3ForCausalLM"}
+             "Qwen3ForCausalLM": "vllm_accel.models.llama:AccelQwen3ForCausalLM",
+             "Gemma2ForCausalLM": "vllm_accel.models.llama:AccelGemma2ForCausalLM",
+             "Gemma3ForCausalLM": "vllm_accel.models.llama:AccelGemma3ForCausalLM"}

@@ -1,4 +1,5 @@
-"""Llama, Mistral and Qwen3 on the simulator: each decoder layer in one C++ call.
+"""Llama, Mistral, Qwen3 and Gemma 2/3 on the simulator: each decoder layer in one C++
+call.
 
 vLLM runs a Llama decoder layer as a dozen module calls around ten ops (two norms,
 four linears, rotary, its attention op, SiLU): ~145 us of Python a layer on a 2-core
@@ -10,7 +11,9 @@ would take the simulator's kernel anyway: bf16 linears routed to
 layout (``vllm_accel::int4pack_linear``, no act-order permutation) or W8A8 ones with
 dynamic per-token activations (``vllm_accel::int8_linear_dynamic``), ACCEL_ATTN with
 its one-call attention step (plain causal, or with Mistral's sliding window or a
-logits soft-cap), Qwen3's per-head q/k RMSNorm, vLLM's rotary formula, one world rank. Every other layer (other
+logits soft-cap), Qwen3's and Gemma 3's per-head q/k RMSNorm, Gemma's four norms
+(``x * (1 + w)``, the weight held as ``1 + w`` in the activations' dtype) and GELU-tanh
+MLP, vLLM's rotary formula, one world rank. Every other layer (other
 quantized or LoRA linears, oneDNN linears, tensor parallel, rope variants with their
 own forward, a card) keeps vLLM's forward: the choice is made once per model after
 its weights load (``prepare_fused_layers``) and logged.
@@ -26,8 +29,8 @@ import torch
 from vllm.config import get_current_vllm_config
 from vllm.distributed import get_tensor_model_parallel_world_size
 from vllm.forward_context import get_forward_context
-from vllm.model_executor.layers.activation import SiluAndMul
-from vllm.model_executor.layers.layernorm import RMSNorm
+from vllm.model_executor.layers.activation import GeluAndMul, SiluAndMul
+from vllm.model_executor.layers.layernorm import GemmaRMSNorm, RMSNorm
 from vllm.model_executor.layers.linear import (
     MergedColumnParallelLinear,
     QKVParallelLinear,
@@ -35,6 +38,18 @@ from vllm.model_executor.layers.linear import (
     UnquantizedLinearMethod,
 )
 from vllm.model_executor.layers.rotary_embedding.base import RotaryEmbedding
+from vllm.model_executor.models.gemma2 import (
+    Gemma2Attention,
+    Gemma2DecoderLayer,
+    Gemma2ForCausalLM,
+    Gemma2MLP,
+)
+from vllm.model_executor.models.gemma3 import (
+    Gemma3Attention,
+    Gemma3DecoderLayer,
+    Gemma3ForCausalLM,
+    Gemma3MLP,
+)
 from vllm.model_executor.models.llama import (
     LlamaAttention,
     LlamaDecoderLayer,
@@ -111,19 +126,57 @@ def _layer_weights(layer: "FusedDecoderLayer") -> list | None:
 _FUSED_FEATURES = {"sliding_window", "logits_soft_cap"}
 
 
+def _activation_code(act_fn: torch.nn.Module) -> int | None:
+    """The C++ layer's code of the MLP's gated activation (``gated_activation``: SiLU 0,
+    GELU 1, GELU-tanh 2; the plugin's own SiluAndMul is one), or None."""
+    if isinstance(act_fn, SiluAndMul):
+        return 0
+    if isinstance(act_fn, GeluAndMul):
+        return {"none": 1, "tanh": 2}.get(act_fn.approximate)
+    return None
+
+
+def _is_gemma(layer: "FusedDecoderLayer") -> bool:
+    """Gemma's layer: four norms (x * (1 + w)), the attention's and the MLP's outputs
+    normed before they join the residual."""
+    return isinstance(layer, (Gemma2DecoderLayer, Gemma3DecoderLayer))
+
+
+def _layer_norms(layer: "FusedDecoderLayer") -> list[torch.nn.Module]:
+    """The layer's hidden-size norms, input first; then the ones the C++ op takes as
+    ``post_norm`` (added to the residual), ``attn_out_norm`` and ``mlp_out_norm``."""
+    if _is_gemma(layer):
+        return [layer.input_layernorm, layer.pre_feedforward_layernorm,
+                layer.post_attention_layernorm, layer.post_feedforward_layernorm]
+    return [layer.input_layernorm, layer.post_attention_layernorm]
+
+
+def _plain_norm(norm: torch.nn.Module, gemma: bool) -> bool:
+    """vLLM's RMSNorm with a weight and no variance override, or Gemma's."""
+    if gemma:
+        return type(norm) is GemmaRMSNorm
+    return isinstance(norm, RMSNorm) and norm.has_weight and norm.variance_size_override is None
+
+
+def _norm_weight(norm: torch.nn.Module, dtype: torch.dtype) -> torch.Tensor:
+    """The weight the C++ RMSNorm multiplies by: Gemma's ``1 + w`` (in ``dtype``)."""
+    if type(norm) is GemmaRMSNorm:
+        return (norm.weight.float() + 1.0).to(dtype)
+    return norm.weight
+
+
 def _plain_attention_and_mlp(layer: "FusedDecoderLayer") -> bool:
     """Llama's attention and MLP, Mistral's without its Llama-4 scaling and its
-    time-conditioned norm (the Voxtral variant), or Qwen3's with q/k norms of the
-    layer's epsilon."""
+    time-conditioned norm (the Voxtral variant), Qwen3's or Gemma 3's with q/k norms of
+    the layer's epsilon, or Gemma 2's."""
     attn_layer = layer.self_attn
-    if type(layer.mlp) not in (LlamaMLP, Qwen2MLP):
+    if type(layer.mlp) not in (LlamaMLP, Qwen2MLP, Gemma2MLP, Gemma3MLP):
         return False
-    if type(attn_layer) is LlamaAttention:
+    if type(attn_layer) in (LlamaAttention, Gemma2Attention):
         return True
-    if type(attn_layer) is Qwen3Attention:
+    if type(attn_layer) in (Qwen3Attention, Gemma3Attention):
         eps = layer.input_layernorm.variance_epsilon
-        return all(isinstance(n, RMSNorm) and n.has_weight and n.variance_epsilon == eps
-                   and n.variance_size_override is None
+        return all(_plain_norm(n, _is_gemma(layer)) and n.variance_epsilon == eps
                    for n in (attn_layer.q_norm, attn_layer.k_norm))
     return (type(attn_layer) is MistralAttention and not attn_layer.do_llama_4_scaling
             and getattr(layer, "ada_rms_norm_t_cond", None) is None)
@@ -146,9 +199,9 @@ def _why_not_fused(layer: "FusedDecoderLayer") -> str | None:
                 "per-token activations on vllm_accel::int8_linear_dynamic (float32/float16 "
                 "weights, another quantization, act-order, static activation scales, "
                 "LoRA, or ACCEL_BF16_LINEAR=off)")
-    norms = (layer.input_layernorm, layer.post_attention_layernorm)
-    if not all(isinstance(n, RMSNorm) and n.has_weight and n.variance_size_override is None
-               for n in norms) or norms[0].variance_epsilon != norms[1].variance_epsilon:
+    norms = _layer_norms(layer)
+    if not all(_plain_norm(n, _is_gemma(layer)) for n in norms) or len(
+            {n.variance_epsilon for n in norms}) != 1:
         return "an RMSNorm variant"
     rope = attn_layer.rotary_emb
     if not (isinstance(rope, RotaryEmbedding) and rope.cos_sin_cache.dim() == 2
@@ -156,7 +209,7 @@ def _why_not_fused(layer: "FusedDecoderLayer") -> str | None:
             and {getattr(type(rope), name) for name in ("forward_native", "forward_cpu",
                                                         "forward_oot")} <= _BASE_ROPE_FORWARDS):
         return f"rotary embedding {type(rope).__name__}"
-    if not isinstance(mlp.act_fn, SiluAndMul):
+    if _activation_code(mlp.act_fn) is None:
         return f"activation {type(mlp.act_fn).__name__}"
     attn = attn_layer.attn
     impl = attn.impl
@@ -200,8 +253,9 @@ class FusedDecoderLayer:
         #: its trailing ones: each linear's quantization tensor (int4 scales and zeros,
         #: or W8A8 per-channel scales; None: a bf16 linear)
         self._fused_quant: tuple = ()
-        #: the attention step's sliding window and soft-cap (0: none), the q/k norms
-        self._fused_features: tuple = (0, 0.0, None, None)
+        #: the attention step's sliding window and soft-cap (0: none), the q/k norms,
+        #: Gemma's attention- and MLP-output norms, the activation's code
+        self._fused_features: tuple = (0, 0.0, None, None, None, None, 0)
 
     def prepare_fused(self) -> str | None:
         """Decide (after the weights load) whether this layer runs as one C++ op;
@@ -211,23 +265,27 @@ class FusedDecoderLayer:
             self._fused_args = ()
             return reason
         attn_layer, mlp = self.self_attn, self.mlp
-        norm = self.input_layernorm
+        dtype = self.input_layernorm.weight.dtype
         rope = attn_layer.rotary_emb
         # the cache in the activations' dtype, as the rope kernel wants it (vLLM's helper
         # casts it once and keeps it)
-        cos_sin_cache = rope._match_cos_sin_cache_dtype(norm.weight.new_empty(0))
+        cos_sin_cache = rope._match_cos_sin_cache_dtype(self.input_layernorm.weight.new_empty(0))
         (qkv, _), (o, _), (gate_up, _), (down, _) = weights = _layer_weights(self)
+        norm_in, norm_post, *out_norms = [_norm_weight(n, dtype) for n in _layer_norms(self)]
         self._fused_args = (
-            norm.weight, qkv, attn_layer.qkv_proj.bias, o, attn_layer.o_proj.bias,
-            self.post_attention_layernorm.weight, gate_up, down, norm.variance_epsilon,
-            cos_sin_cache, rope.rotary_dim, rope.is_neox_style, attn_layer.num_heads,
+            norm_in, qkv, attn_layer.qkv_proj.bias, o, attn_layer.o_proj.bias, norm_post,
+            gate_up, down, self.input_layernorm.variance_epsilon, cos_sin_cache,
+            rope.rotary_dim, rope.is_neox_style, attn_layer.num_heads,
             attn_layer.num_kv_heads, attn_layer.head_dim)
         self._fused_quant = tuple(quant for _, quant in weights)
         features = attn_layer.attn.impl.features
+        qk_norms = [_norm_weight(n, dtype) if n is not None else None
+                    for n in (getattr(attn_layer, "q_norm", None),
+                              getattr(attn_layer, "k_norm", None))]
+        attn_out_norm, mlp_out_norm = out_norms or (None, None)
         self._fused_features = (features.get("sliding_window", 0),
-                                features.get("logits_soft_cap", 0.0),
-                                getattr(getattr(attn_layer, "q_norm", None), "weight", None),
-                                getattr(getattr(attn_layer, "k_norm", None), "weight", None))
+                                features.get("logits_soft_cap", 0.0), *qk_norms,
+                                attn_out_norm, mlp_out_norm, _activation_code(mlp.act_fn))
         return None
 
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor,
@@ -278,6 +336,17 @@ class AccelQwen3DecoderLayer(FusedDecoderLayer, Qwen3DecoderLayer):
     vLLM's ``Qwen3Model`` through ``patches.py``'s ``qwen3_layer``)."""
 
 
+class AccelGemma2DecoderLayer(FusedDecoderLayer, Gemma2DecoderLayer):
+    """vLLM's Gemma 2 decoder layer (four norms, soft-capped and windowed attention,
+    GELU-tanh), one C++ op where it can (built through ``patches.py``'s
+    ``gemma_layers``)."""
+
+
+class AccelGemma3DecoderLayer(FusedDecoderLayer, Gemma3DecoderLayer):
+    """vLLM's Gemma 3 decoder layer (Gemma 2's with q/k norms, local and global rope),
+    one C++ op where it can (built through ``patches.py``'s ``gemma_layers``)."""
+
+
 class AccelLlamaForCausalLM(LlamaForCausalLM):
     """vLLM's ``LlamaForCausalLM`` built from ``AccelLlamaDecoderLayer``."""
 
@@ -301,6 +370,28 @@ class AccelQwen3ForCausalLM(Qwen3ForCausalLM):
         from vllm_accel import patches
 
         with patches.applied("qwen3_model", layer_type=AccelQwen3DecoderLayer):
+            super().__init__(vllm_config=vllm_config, prefix=prefix)
+
+
+class AccelGemma2ForCausalLM(Gemma2ForCausalLM):
+    """vLLM's ``Gemma2ForCausalLM`` built from ``AccelGemma2DecoderLayer``."""
+
+    def __init__(self, *, vllm_config, prefix: str = "") -> None:
+        from vllm_accel import patches
+
+        with patches.applied("gemma_layers", name="Gemma2DecoderLayer",
+                             layer_type=AccelGemma2DecoderLayer):
+            super().__init__(vllm_config=vllm_config, prefix=prefix)
+
+
+class AccelGemma3ForCausalLM(Gemma3ForCausalLM):
+    """vLLM's ``Gemma3ForCausalLM`` built from ``AccelGemma3DecoderLayer``."""
+
+    def __init__(self, *, vllm_config, prefix: str = "") -> None:
+        from vllm_accel import patches
+
+        with patches.applied("gemma_layers", name="Gemma3DecoderLayer",
+                             layer_type=AccelGemma3DecoderLayer):
             super().__init__(vllm_config=vllm_config, prefix=prefix)
 
 

@@ -681,6 +681,19 @@ at::Tensor layer_linear(const at::Tensor& x, const at::Tensor& weight,
   return bias.has_value() ? at::add(y, *bias) : y;
 }
 
+// act(h[:, :I]) * h[:, I:] for the gated activations of moe.py and the decoder
+// layer (0 silu, 1 gelu, 2 gelu_tanh).
+at::Tensor gated_activation(const at::Tensor& h, int64_t activation) {
+  if (activation == 0) {
+    at::Tensor out = cpu_silu_and_mul(h);
+    if (out.defined()) return out;
+  }
+  const int64_t d = h.size(1) / 2;
+  const at::Tensor gate = h.narrow(1, 0, d), up = h.narrow(1, d, d);
+  if (activation == 0) return at::mul(at::mul(gate, at::sigmoid(gate)), up);
+  return at::mul(at::gelu(gate, activation == 2 ? "tanh" : "none"), up);
+}
+
 // The current phase of a decoder layer op as a torch.profiler range (a child of the
 // op's own event), so benchmarks/step_profile.py can split the op by kernel; with no
 // profiler running, each phase costs a flag check.
@@ -705,7 +718,10 @@ class LayerPhases {
 // layer op by op). The first layer passes no residual: its input is the residual.
 // A linear whose `*_quant` is given has a quantized weight (layer_linear). The attention
 // takes a sliding window and a logits soft-cap (Mistral's, Gemma's: 0 for none); with
-// q_norm and k_norm, each head's q and k get an RMSNorm before the rotary (Qwen3's).
+// q_norm and k_norm, each head's q and k get an RMSNorm before the rotary (Qwen3's,
+// Gemma 3's). Gemma's "sandwich" norms: attn_out_norm normalizes the attention's
+// output before it joins the residual, mlp_out_norm the MLP's output; `activation`
+// is gated_activation's code (Gemma: 2, GELU tanh).
 std::tuple<at::Tensor, at::Tensor> cpu_decoder_layer(
     const at::Tensor& hidden, const std::optional<at::Tensor>& residual,
     const at::Tensor& positions, const at::Tensor& input_norm, const at::Tensor& qkv_weight,
@@ -719,7 +735,9 @@ std::tuple<at::Tensor, at::Tensor> cpu_decoder_layer(
     double v_scale, int64_t max_prefill_pairs, const std::optional<at::Tensor>& qkv_quant,
     const std::optional<at::Tensor>& o_quant, const std::optional<at::Tensor>& gate_up_quant,
     const std::optional<at::Tensor>& down_quant, int64_t sliding_window, double soft_cap,
-    const std::optional<at::Tensor>& q_norm, const std::optional<at::Tensor>& k_norm) {
+    const std::optional<at::Tensor>& q_norm, const std::optional<at::Tensor>& k_norm,
+    const std::optional<at::Tensor>& attn_out_norm,
+    const std::optional<at::Tensor>& mlp_out_norm, int64_t activation) {
   // Everything after the attention step must run once it has written the cache, so
   // what the later kernels check is checked here first.
   const int64_t q_size = num_heads * head_size, kv_size = num_kv_heads * head_size;
@@ -738,8 +756,13 @@ std::tuple<at::Tensor, at::Tensor> cpu_decoder_layer(
     return !w.has_value() || (w->dim() == 1 && w->size(0) == head_size &&
                               w->stride(0) == 1 && cpu_of(*w, hidden.scalar_type()));
   };
+  const auto hidden_norm_ok = [&](const std::optional<at::Tensor>& w) {
+    return !w.has_value() || (w->dim() == 1 && w->size(0) == hidden.size(1) &&
+                              w->stride(0) == 1 && cpu_of(*w, hidden.scalar_type()));
+  };
   if (!shapes_ok || !head_norm_ok(q_norm) || !head_norm_ok(k_norm) ||
-      q_norm.has_value() != k_norm.has_value())
+      q_norm.has_value() != k_norm.has_value() || !hidden_norm_ok(attn_out_norm) ||
+      !hidden_norm_ok(mlp_out_norm) || activation < 0 || activation > 2)
     return {};
   const int64_t tokens = hidden.size(0);
   LayerPhases phase;
@@ -776,37 +799,33 @@ std::tuple<at::Tensor, at::Tensor> cpu_decoder_layer(
     return {};
   }
   phase.next("accel_layer::o_proj");
-  const at::Tensor o = layer_linear(attn.view({tokens, q_size}), o_weight, o_quant, o_bias);
+  at::Tensor o = layer_linear(attn.view({tokens, q_size}), o_weight, o_quant, o_bias);
   phase.next("accel_layer::norm");
+  if (attn_out_norm.has_value()) {
+    o = std::get<0>(cpu_rms_norm(o, attn_out_norm, eps, std::nullopt));
+    TORCH_CHECK(o.defined(), "cpu_decoder_layer: the attention-output RMSNorm declined");
+  }
   auto [h2, residual_out] = cpu_rms_norm(o, post_norm, eps, res);
   TORCH_CHECK(h2.defined(), "cpu_decoder_layer: the post-attention RMSNorm declined");
   phase.next("accel_layer::gate_up_proj");
   const at::Tensor gate_up = layer_linear(h2, gate_up_weight, gate_up_quant, std::nullopt);
-  phase.next("accel_layer::silu_and_mul");
-  const at::Tensor act = cpu_silu_and_mul(gate_up);
-  TORCH_CHECK(act.defined(), "cpu_decoder_layer: SiluAndMul declined");
+  phase.next("accel_layer::act_and_mul");
+  const at::Tensor act = gated_activation(gate_up, activation);
   decoder_layer_calls.add(tokens);
   phase.next("accel_layer::down_proj");
-  return {layer_linear(act, down_weight, down_quant, std::nullopt), residual_out};
+  at::Tensor out = layer_linear(act, down_weight, down_quant, std::nullopt);
+  if (mlp_out_norm.has_value()) {
+    phase.next("accel_layer::norm");
+    out = std::get<0>(cpu_rms_norm(out, mlp_out_norm, eps, std::nullopt));
+    TORCH_CHECK(out.defined(), "cpu_decoder_layer: the MLP-output RMSNorm declined");
+  }
+  return {out, residual_out};
 }
 
 // Expert `e`'s slice of a per-expert tensor, or nothing.
 std::optional<at::Tensor> expert_slice(const std::optional<at::Tensor>& t, int64_t e) {
   if (!t.has_value()) return std::nullopt;
   return t->select(0, e);
-}
-
-// act(h[:, :I]) * h[:, I:] for the gated activations of moe.py (0 silu, 1 gelu,
-// 2 gelu_tanh).
-at::Tensor moe_gated_activation(const at::Tensor& h, int64_t activation) {
-  if (activation == 0) {
-    at::Tensor out = cpu_silu_and_mul(h);
-    if (out.defined()) return out;
-  }
-  const int64_t d = h.size(1) / 2;
-  const at::Tensor gate = h.narrow(1, 0, d), up = h.narrow(1, d, d);
-  if (activation == 0) return at::mul(at::mul(gate, at::sigmoid(gate)), up);
-  return at::mul(at::gelu(gate, activation == 2 ? "tanh" : "none"), up);
 }
 
 template <typename T>
@@ -881,7 +900,7 @@ at::Tensor cpu_moe_experts(const at::Tensor& x, const at::Tensor& w13, const at:
     const at::Tensor h = layer_linear(xe, w13.select(0, e), expert_slice(w13_quant, e),
                                       expert_slice(w13_bias, e));
     const at::Tensor y =
-        layer_linear(moe_gated_activation(h, activation), w2.select(0, e),
+        layer_linear(gated_activation(h, activation), w2.select(0, e),
                      expert_slice(w2_quant, e), expert_slice(w2_bias, e))
             .contiguous();
     const std::vector<float> ones(apply_router_weight_on_input ? r.size() : 0, 1.0f);
@@ -958,7 +977,8 @@ TORCH_LIBRARY_FRAGMENT(vllm_accel, m) {
         "Tensor seq_lens, float scale, float k_scale, float v_scale, int max_prefill_pairs, "
         "Tensor? qkv_quant=None, Tensor? o_quant=None, Tensor? gate_up_quant=None, "
         "Tensor? down_quant=None, int sliding_window=0, float soft_cap=0., "
-        "Tensor? q_norm=None, Tensor? k_norm=None) -> (Tensor, Tensor)");
+        "Tensor? q_norm=None, Tensor? k_norm=None, Tensor? attn_out_norm=None, "
+        "Tensor? mlp_out_norm=None, int activation=0) -> (Tensor, Tensor)");
   m.def("cpu_moe_experts(Tensor x, Tensor w13, Tensor w2, Tensor topk_weights, Tensor topk_ids, "
         "Tensor? expert_map, Tensor? w13_quant, Tensor? w2_quant, Tensor? w13_bias, "
         "Tensor? w2_bias, int activation, bool apply_router_weight_on_input) -> Tensor");
