@@ -62,18 +62,22 @@ def test_impl_takes_the_features_and_rejects_what_it_cannot_serve():
 
 
 def test_mla_impl_refuses_what_it_cannot_serve():
-    """An fp8 latent cache or a window with MLA fail naming the feature; INT8 is served."""
+    """An fp8 e5m2 latent cache (vLLM views MLA caches as e4m3) or a window with MLA fail
+    naming the feature; INT8 and fp8 e4m3 are served."""
     from vllm_accel.ops.mla import AccelMLAImpl
 
     kv_b_proj = torch.nn.Linear(256, 4 * 64)
     args = dict(q_lora_rank=None, kv_lora_rank=256, qk_nope_head_dim=32, qk_rope_head_dim=64,
                 qk_head_dim=96, v_head_dim=32, kv_b_proj=kv_b_proj)
-    with pytest.raises(NotImplementedError, match="latent cache in fp8_e4m3"):
-        AccelMLAImpl(4, 320, 0.1, 1, None, None, "fp8_e4m3", None, "decoder", None, **args)
+    with pytest.raises(NotImplementedError, match="latent cache in fp8_e5m2"):
+        AccelMLAImpl(4, 320, 0.1, 1, None, None, "fp8_e5m2", None, "decoder", None, **args)
     from vllm.config import VllmConfig, set_current_vllm_config
 
     with set_current_vllm_config(VllmConfig()):
         assert AccelMLAImpl(4, 320, 0.1, 1, None, None, "int8_per_token_head", None,
                             "decoder", None, **args)._suffix == "_int8"
+        for fp8 in ("fp8", "fp8_e4m3"):
+            assert AccelMLAImpl(4, 320, 0.1, 1, None, None, fp8, None, "decoder", None,
+                                **args)._suffix == "_fp8"
     with pytest.raises(NotImplementedError, match="MLA with a sliding window"):
         AccelMLAImpl(4, 320, 0.1, 1, None, 128, "auto", None, "decoder", None, **args)

@@ -115,6 +115,49 @@ def test_adapters_in_one_batch_match_hf_with_the_adapter_merged(case, lora_model
                           [results["outputs"][i] for i in rows], nats=2e-3)
 
 
+#: base-weight formats under the adapters: (quantizer, its arguments, what serves it)
+QUANTIZED_BASES = {
+    "gptq-w4-g32": ("quantize_checkpoint", dict(bits=4, group_size=32, sym=False),
+                    "quantization=gcu_gptq"),
+    "awq-w4-g32": ("quantize_checkpoint_awq", dict(group_size=32), "quantization=gcu_awq"),
+}
+
+
+@pytest.mark.engine
+@pytest.mark.parametrize("fmt", list(QUANTIZED_BASES))
+def test_adapters_on_a_quantized_base_match_hf_merged(fmt, lora_models, tmp_path):
+    """Adapters over GPTQ / AWQ 4-bit base weights (the base's linears on the plugin's
+    int4 kernels, the adapters' products added by the LoRA ops), mixed with a request
+    without adapter: each matches HF float64 on the dequantized base with its adapter
+    merged."""
+    import quantizer
+
+    base, _ = lora_models
+    quantize, kwargs, served = QUANTIZED_BASES[fmt]
+    dequant = tmp_path / "dequant"
+    getattr(quantizer, quantize)(base, tmp_path / "quant", dequant_dst=dequant, **kwargs)
+    adapters = {name: write_adapter(dequant, tmp_path / name, seed + 5)
+                for seed, name in enumerate(("a", "b"))}
+    prompts = _prompts(fmt, lengths=(5, 29, 12, 40))
+    which = ["a", "b", None, "a"]
+    results, log = run_engine({
+        "llm": {"model": str(tmp_path / "quant"), "dtype": "float32", "enforce_eager": True,
+                "skip_tokenizer_init": True, "max_model_len": 256, "max_num_seqs": 8,
+                "enable_lora": True, "max_loras": 2, "max_lora_rank": RANK, "seed": 0},
+        "prompts": prompts,
+        "lora_requests": [None if w is None else [w, i + 1, str(adapters[w][0])]
+                          for i, w in enumerate(which)],
+        "sampling": {"temperature": 0.0, "max_tokens": 10, "ignore_eos": True,
+                     "detokenize": False, "logprobs": 1},
+    }, tmp_path)
+    assert served in log
+    for adapter in ("a", "b", None):
+        rows = [i for i, w in enumerate(which) if w == adapter]
+        model = dequant if adapter is None else adapters[adapter][1]
+        assert_matches_hf(model, [prompts[i] for i in rows],
+                          [results["outputs"][i] for i in rows], nats=2e-3)
+
+
 @pytest.mark.server
 def test_serve_lora_modules_runtime_updates_and_bad_adapters(lora_models, tmp_path):
     """--lora-modules a=PATH serves ``a`` as a model; /v1/load_lora_adapter adds ``b`` at

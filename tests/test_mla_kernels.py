@@ -149,3 +149,53 @@ def test_int8_latent_cache(provider):
     vmax = torch.stack([lat[:, :lora].abs().max() for lat in latents]).double()
     # as the INT8 KV cache's bound (paged_cases.INT8_ERR), on top of bf16's tolerance
     assert ((out.double() - want).abs() <= 0.02 * vmax[:, None, None] + 2e-2).all()
+
+
+@pytest.mark.parametrize("kv_scale", [1.0, 0.005, torch.tensor([0.5])],
+                         ids=["1", "0.005", "tensor"])
+@pytest.mark.parametrize("provider", ["reference", "torch_fast"])
+def test_fp8_latent_cache(provider, kv_scale):
+    """Rows stored as e4m3 of ``x / kv_scale`` (a float or a one-element tensor),
+    saturated at 448 (the 0.005 scale pushes latents past it), padding slots skipped; the
+    gather returns exactly ``codes * kv_scale``; decode over the fp8 cache is the
+    float64 oracle over those dequantized latents (bf16 queries), and within e4m3's
+    rounding of the oracle over the originals where nothing saturated."""
+    lora, rope, block_size = 256, 64, 16
+    seq_lens = [1, 17, 40, 33]
+    latents, table, _ = latent_case(seq_lens, block_size, lora, rope, torch.float32, seed=6)
+    rows = torch.cat(latents)
+    slots = torch.cat([table[i, torch.arange(s) // block_size].long() * block_size
+                       + torch.arange(s) % block_size for i, s in enumerate(seq_lens)])
+    g = torch.Generator().manual_seed(7)
+    cache = torch.randint(0, 256, (int(table.max()) + 1, block_size, lora + rope), generator=g,
+                          dtype=torch.uint8).view(torch.float8_e4m3fn)
+    untouched = cache.clone()
+    padded = torch.cat([rows, torch.full((1, lora + rope), 7.0)])
+    get_kernel("mla_cache_write_fp8", provider)(
+        padded[:, :lora], padded[:, lora:], cache, torch.cat([slots, torch.tensor([-1])]),
+        kv_scale)
+    scale = float(kv_scale)
+    assert bool((rows.abs() / scale > 448).any()) == (scale < 0.01)
+    codes = (rows / scale).clamp(-448, 448).to(torch.float8_e4m3fn)
+    flat = cache.view(-1, lora + rope)
+    assert torch.equal(flat[slots].view(torch.uint8), codes.view(torch.uint8))
+    others = torch.ones(flat.shape[0], dtype=torch.bool)
+    others[slots] = False
+    assert torch.equal(flat[others].view(torch.uint8),
+                       untouched.view(-1, lora + rope)[others].view(torch.uint8))
+    dequant = codes.float() * scale
+    assert torch.equal(get_kernel("mla_gather_fp8", provider)(cache, table, seq_lens,
+                                                              kv_scale), dequant)
+    q_nope = torch.randn(len(seq_lens), 16, lora, generator=g).bfloat16()
+    q_pe = torch.randn(len(seq_lens), 16, rope, generator=g).bfloat16()
+    attn_scale = (lora + rope) ** -0.5
+    out = get_kernel("mla_decode_fp8", provider)(
+        q_nope, q_pe, cache, table, torch.tensor(seq_lens, dtype=torch.int32), attn_scale,
+        kv_scale)
+    seen = list(dequant.split(seq_lens))
+    torch.testing.assert_close(out.double(), absorbed_oracle(q_nope, q_pe, seen, lora,
+                                                             attn_scale), **TOL[torch.bfloat16])
+    if scale == 1.0:  # e4m3 keeps 3 mantissa bits: 1/16 relative per latent
+        want = absorbed_oracle(q_nope, q_pe, latents, lora, attn_scale)
+        vmax = torch.stack([lat[:, :lora].abs().max() for lat in latents]).double()
+        assert ((out.double() - want).abs() <= 0.1 * vmax[:, None, None] + 2e-2).all()

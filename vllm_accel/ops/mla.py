@@ -8,7 +8,8 @@ it, and hands prefill tokens to :meth:`AccelMLAImpl.forward_mha`. The impl runs:
 
 - **cache writes** through ``mla_cache_write`` into vLLM's latent cache
   ``[num_blocks, block_size, kv_lora_rank + rope]`` (``reference/mla.py``), or its INT8
-  form (``--kv-cache-dtype int8``: the ``_int8`` kernels);
+  form (``--kv-cache-dtype int8``: the ``_int8`` kernels) or fp8 form (``fp8`` /
+  ``fp8_e4m3``: e4m3 over the layer's ``k_scale``, the ``_fp8`` kernels);
 - **decode** with the absorbed weights: ``mla_decode``, MQA over the latents (every
   head reads the same rows once);
 - **prefill** by decompression: each prefill request's cached latents (its context
@@ -40,12 +41,16 @@ from vllm_accel.ops.torch_fast import mla as _torch_fast  # noqa: F401  (registe
 logger = init_logger(__name__)
 
 BACKEND_NAME = "ACCEL_MLA"
+#: the fp8 latent-cache names served: vLLM's MLA layer views the cache as its
+#: platform's fp8 dtype, e4m3 (so not fp8_e5m2)
+FP8_LATENT_CACHE = ("fp8", "fp8_e4m3")
 
 
 class AccelMLABackend(MLACommonBackend):
     supported_dtypes: ClassVar[list[torch.dtype]] = [torch.float16, torch.bfloat16,
                                                      torch.float32]
-    supported_kv_cache_dtypes: ClassVar[list] = ["auto", "float16", "bfloat16", INT8_KV]
+    supported_kv_cache_dtypes: ClassVar[list] = ["auto", "float16", "bfloat16", INT8_KV,
+                                                 *FP8_LATENT_CACHE]
 
     @staticmethod
     def get_name() -> str:
@@ -102,8 +107,10 @@ class AccelMLAImpl(MLACommonImpl[MLACommonMetadata]):
         super().__init__(num_heads, head_size, scale, num_kv_heads, alibi_slopes,
                          sliding_window, kv_cache_dtype, logits_soft_cap, attn_type,
                          kv_sharing_target_layer_name, **mla_args)
-        # the kernels of the cache's dtype (INT8: codes and per-token scales)
-        self._suffix = "_int8" if kv_cache_dtype == INT8_KV else ""
+        # the kernels of the cache's dtype (INT8: codes and per-token scales; fp8: e4m3
+        # over the layer's k_scale)
+        self._suffix = ("_int8" if kv_cache_dtype == INT8_KV
+                        else "_fp8" if kv_cache_dtype in FP8_LATENT_CACHE else "")
         # (no fp8 queries, no flashinfer's concat, no decode context parallel)
         self.supports_quant_query_input = False
         self._use_flashinfer_concat_mla_k = False
@@ -112,7 +119,8 @@ class AccelMLAImpl(MLACommonImpl[MLACommonMetadata]):
         logger.info_once(
             "%s: latent cache of %d + %d per token%s, decode %s (absorbed), prefill by "
             "decompression (%s)", BACKEND_NAME, self.kv_lora_rank, self.qk_rope_head_dim,
-            " in int8 with per-token scales" if self._suffix else "",
+            {"_int8": " in int8 with per-token scales",
+             "_fp8": " in fp8 (e4m3, the layer's k_scale)"}.get(self._suffix, ""),
             resolve_provider("mla_decode" + self._suffix), resolve_provider("varlen_attention"))
 
     def do_kv_cache_update(self, kv_c_normed: torch.Tensor, k_pe: torch.Tensor,
@@ -121,6 +129,10 @@ class AccelMLAImpl(MLACommonImpl[MLACommonMetadata]):
         if kv_cache.numel() == 0:  # profiling run
             return
         n = slot_mapping.shape[0]
+        if self._suffix == "_fp8":
+            get_kernel("mla_cache_write_fp8")(kv_c_normed[:n], k_pe[:n].reshape(n, -1),
+                                              _fp8_view(kv_cache), slot_mapping, k_scale)
+            return
         get_kernel("mla_cache_write" + self._suffix)(kv_c_normed[:n], k_pe[:n].reshape(n, -1),
                                                      kv_cache, slot_mapping)
 
@@ -130,6 +142,10 @@ class AccelMLAImpl(MLACommonImpl[MLACommonMetadata]):
         q_nope, q_pe = q if isinstance(q, tuple) else q.split(
             [self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)
         decode = attn_metadata.decode
+        if self._suffix == "_fp8":
+            return get_kernel("mla_decode_fp8")(
+                q_nope, q_pe, _fp8_view(kv_c_and_k_pe_cache), decode.block_table,
+                decode.seq_lens, self.scale, layer._k_scale), None
         return get_kernel("mla_decode" + self._suffix)(
             q_nope, q_pe, kv_c_and_k_pe_cache, decode.block_table, decode.seq_lens,
             self.scale), None
@@ -142,9 +158,14 @@ class AccelMLAImpl(MLACommonImpl[MLACommonMetadata]):
             reject_unsupported({"MLA with fused output quantization": True})
         prefill = attn_metadata.prefill
         gather = get_kernel("mla_gather" + self._suffix)
-        latent = (gather(kv_c_and_k_pe_cache, prefill.block_table, prefill.accel_seq_lens,
-                         self.kv_lora_rank) if self._suffix
-                  else gather(kv_c_and_k_pe_cache, prefill.block_table, prefill.accel_seq_lens))
+        if self._suffix == "_int8":
+            latent = gather(kv_c_and_k_pe_cache, prefill.block_table, prefill.accel_seq_lens,
+                            self.kv_lora_rank)
+        elif self._suffix == "_fp8":
+            latent = gather(_fp8_view(kv_c_and_k_pe_cache), prefill.block_table,
+                            prefill.accel_seq_lens, k_scale)
+        else:
+            latent = gather(kv_c_and_k_pe_cache, prefill.block_table, prefill.accel_seq_lens)
         c, k_rope = latent.split([self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)
         kv = self.kv_b_proj(c.to(q.dtype).contiguous())[0].view(
             -1, self.num_heads, self.qk_nope_head_dim + self.v_head_dim)
@@ -155,6 +176,13 @@ class AccelMLAImpl(MLACommonImpl[MLACommonMetadata]):
             q, k, v, prefill.accel_query_start_loc, self.scale, causal=True,
             key_start_loc=prefill.accel_key_start_loc)
         output.copy_(out.flatten(start_dim=-2))
+
+
+def _fp8_view(kv_cache: torch.Tensor) -> torch.Tensor:
+    """The latent cache as e4m3 (vLLM allocates it as bytes; its layer views it so for
+    attention, not for the cache update)."""
+    return kv_cache if kv_cache.dtype == torch.float8_e4m3fn else kv_cache.view(
+        torch.float8_e4m3fn)
 
 
 def prepare_mla_layers(model: torch.nn.Module) -> int:

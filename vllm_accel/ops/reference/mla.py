@@ -13,6 +13,12 @@ The INT8 latent cache (``--kv-cache-dtype int8``, the ``_int8`` kernels) stores 
 ``c`` and ``k_pe`` as int8 codes, then two float32 scales, one for each part (vLLM's
 per-token-head layout for MLA: ``L + R`` bytes, then 8): symmetric, ``max|x| / 127``,
 rounded as the INT8 KV writers round (``reference/cache_write.py``).
+
+The fp8 latent cache (``--kv-cache-dtype fp8`` / ``fp8_e4m3``, the ``_fp8`` kernels)
+stores each row as float8 e4m3 of ``x / kv_scale`` (the layer's per-tensor ``k_scale``,
+1 unless the checkpoint gives one), saturated at e4m3's largest value: vLLM's MLA
+layer views the cache in its fp8 dtype. ``kv_scale`` is a float or a one-element
+tensor (so a card never synchronises to read it).
 """
 
 import torch
@@ -48,22 +54,31 @@ def mla_cache_write(kv_c: torch.Tensor, k_pe: torch.Tensor, kv_cache: torch.Tens
             rows[slot, lora:] = k_pe[i]
 
 
+def decode_rows(q_nope: torch.Tensor, q_pe: torch.Tensor, block_table: torch.Tensor,
+                seq_lens: torch.Tensor, scale: float, block_size: int,
+                read_rows) -> torch.Tensor:
+    """Absorbed decode, one request at a time in float64; ``read_rows(slots)`` gives
+    those cache rows as float64 ``[len(slots), L + R]``."""
+    b, n, lora = q_nope.shape
+    out = q_nope.new_zeros(b, n, lora)
+    for i, seq_len in enumerate(seq_lens.tolist()):
+        if seq_len == 0:
+            continue
+        latent = read_rows(request_slots(block_table[i], block_size, seq_len))
+        c, k_pe = latent[:, :lora], latent[:, lora:]
+        scores = (q_nope[i].double() @ c.T + q_pe[i].double() @ k_pe.T) * scale  # [N, S]
+        out[i] = (torch.softmax(scores, dim=-1) @ c).to(out.dtype)
+    return out
+
+
 @register_kernel("mla_decode")
 def mla_decode(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor,
                block_table: torch.Tensor, seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
     """Absorbed decode: ``q_nope`` ``[B, N, L]``, ``q_pe`` ``[B, N, R]`` over each request's
     ``seq_len`` cached latents; returns ``[B, N, L]`` (zeros for ``seq_len`` 0)."""
-    b, n, lora = q_nope.shape
-    out = q_nope.new_zeros(b, n, lora)
     rows = latent_rows(kv_cache)
-    for i, seq_len in enumerate(seq_lens.tolist()):
-        if seq_len == 0:
-            continue
-        latent = rows[request_slots(block_table[i], kv_cache.shape[1], seq_len)].double()
-        c, k_pe = latent[:, :lora], latent[:, lora:]
-        scores = (q_nope[i].double() @ c.T + q_pe[i].double() @ k_pe.T) * scale  # [N, S]
-        out[i] = (torch.softmax(scores, dim=-1) @ c).to(out.dtype)
-    return out
+    return decode_rows(q_nope, q_pe, block_table, seq_lens, scale, kv_cache.shape[1],
+                       lambda slots: rows[slots].double())
 
 
 @register_kernel("mla_gather")
@@ -114,17 +129,9 @@ def mla_decode_int8(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Te
     """``mla_decode`` over an INT8 latent cache (its rows dequantized in float64)."""
     lora = q_nope.shape[-1]
     codes, scales = int8_latents(kv_cache, lora)
-    out = q_nope.new_zeros(q_nope.shape)
-    block_size = kv_cache.shape[1]
-    for i, seq_len in enumerate(seq_lens.tolist()):
-        if seq_len == 0:
-            continue
-        slots = request_slots(block_table[i], block_size, seq_len)
-        latent = dequantized(codes[slots], scales[slots], lora, torch.float64)
-        c, k_pe = latent[:, :lora], latent[:, lora:]
-        scores = (q_nope[i].double() @ c.T + q_pe[i].double() @ k_pe.T) * scale
-        out[i] = (torch.softmax(scores, dim=-1) @ c).to(out.dtype)
-    return out
+    return decode_rows(q_nope, q_pe, block_table, seq_lens, scale, kv_cache.shape[1],
+                       lambda slots: dequantized(codes[slots], scales[slots], lora,
+                                                 torch.float64))
 
 
 @register_kernel("mla_gather_int8")
@@ -135,3 +142,35 @@ def mla_gather_int8(kv_cache: torch.Tensor, block_table: torch.Tensor, seq_lens:
     slots = torch.cat([request_slots(block_table[i], kv_cache.shape[1], s)
                        for i, s in enumerate(seq_lens)])
     return dequantized(codes[slots], scales[slots], lora)
+
+
+def fp8_codes(x: torch.Tensor, dtype: torch.dtype, kv_scale) -> torch.Tensor:
+    """``x / kv_scale`` in the fp8 ``dtype``, saturated at its largest finite value."""
+    finfo = torch.finfo(dtype)
+    return (x.float() / kv_scale).clamp(finfo.min, finfo.max).to(dtype)
+
+
+@register_kernel("mla_cache_write_fp8")
+def mla_cache_write_fp8(kv_c: torch.Tensor, k_pe: torch.Tensor, kv_cache: torch.Tensor,
+                        slot_mapping: torch.Tensor, kv_scale) -> None:
+    """``mla_cache_write`` into an fp8 latent cache (``kv_cache`` in its fp8 dtype)."""
+    keep = slot_mapping >= 0
+    latent_rows(kv_cache)[slot_mapping[keep].long()] = fp8_codes(
+        torch.cat((kv_c[keep], k_pe[keep]), dim=-1), kv_cache.dtype, kv_scale)
+
+
+@register_kernel("mla_decode_fp8")
+def mla_decode_fp8(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor,
+                   block_table: torch.Tensor, seq_lens: torch.Tensor, scale: float,
+                   kv_scale) -> torch.Tensor:
+    """``mla_decode`` over an fp8 latent cache (its rows times ``kv_scale`` in float64)."""
+    rows = latent_rows(kv_cache)
+    return decode_rows(q_nope, q_pe, block_table, seq_lens, scale, kv_cache.shape[1],
+                       lambda slots: rows[slots].double() * kv_scale)
+
+
+@register_kernel("mla_gather_fp8")
+def mla_gather_fp8(kv_cache: torch.Tensor, block_table: torch.Tensor, seq_lens: list[int],
+                   kv_scale) -> torch.Tensor:
+    """``mla_gather`` of an fp8 latent cache, dequantized to float32."""
+    return mla_gather(kv_cache, block_table, seq_lens).float() * kv_scale

@@ -8,6 +8,7 @@ from vllm_accel.ops.reference.mla import (
     dequantized,
     int8_latents,
     latent_rows,
+    mla_cache_write_fp8,
     mla_cache_write_int8,
 )
 from vllm_accel.ops.registry import register_kernel
@@ -98,5 +99,24 @@ def mla_gather_int8(kv_cache: torch.Tensor, block_table: torch.Tensor, seq_lens:
     return dequantized(codes.index_select(0, slots), scales.index_select(0, slots), lora)
 
 
-# (the reference writer is already one vectorized scatter)
+@register_kernel("mla_decode_fp8", FAST)
+def mla_decode_fp8(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor,
+                   block_table: torch.Tensor, seq_lens: torch.Tensor, scale: float,
+                   kv_scale) -> torch.Tensor:
+    """``mla_decode`` over an fp8 latent cache, dequantized to the queries' dtype."""
+    rows = latent_rows(kv_cache)
+    return _decode(q_nope, q_pe, kv_cache, block_table, seq_lens, scale,
+                   lambda slots: (rows.index_select(0, slots).float() * kv_scale)
+                   .to(q_nope.dtype))
+
+
+@register_kernel("mla_gather_fp8", FAST)
+def mla_gather_fp8(kv_cache: torch.Tensor, block_table: torch.Tensor, seq_lens: list[int],
+                   kv_scale) -> torch.Tensor:
+    """``mla_gather`` of an fp8 latent cache, dequantized to float32."""
+    return mla_gather(kv_cache, block_table, seq_lens).float() * kv_scale
+
+
+# (the reference writers are already one vectorized scatter)
 register_kernel("mla_cache_write_int8", FAST)(mla_cache_write_int8)
+register_kernel("mla_cache_write_fp8", FAST)(mla_cache_write_fp8)
