@@ -323,8 +323,14 @@ def installed(res: WIntResident) -> InstalledWInt:
 
 
 def install_resident(layer: torch.nn.Module, res: WIntResident) -> None:
-    """Install the weight on ``layer`` as ``layer.wint`` (:func:`installed`)."""
+    """Install the weight on ``layer`` as ``layer.wint`` (:func:`installed`).
+
+    ``layer.qweight`` then names the installed packed weight (an alias, not another
+    parameter): vLLM's LoRA layers place a quantized base layer's adapters on the
+    device of its ``qweight`` (``vllm/lora/layers/utils.py``) and refuse a layer
+    without one."""
     layer.wint = installed(res)
+    layer.__dict__["qweight"] = next(layer.wint.parameters())
 
 
 class ResidentStats(LayerTotals):
