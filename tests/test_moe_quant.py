@@ -195,6 +195,8 @@ def test_w8a8_experts_match_the_float64_oracle(path, simulator_providers):
 # -- engines ---------------------------------------------------------------------------
 
 VIRTUAL = {**VIRTUAL_GCU_ENV, "ACCEL_SIM_DEVICE_MEMORY_GB": "1"}
+#: the Triton kernels forced (fused quantized experts), in Triton's interpreter
+TRITON = {"ACCEL_KERNEL_PROVIDER": "triton", "TRITON_INTERPRET": "1"}
 
 
 def _prompts(seed, lengths=(5, 29, 60, 3)):
@@ -221,6 +223,8 @@ GPTQ_ENGINES = {
                                            "per expert"),
     "qwen3_moe-int8-g16-virtual": ("qwen3_moe", 8, 16, True, False, VIRTUAL, True,
                                    "per expert"),
+    "mixtral-int4-g32-asym-triton": ("mixtral", 4, 32, False, False, TRITON, False,
+                                     "moe_quant_experts[triton]"),
 }
 
 
@@ -244,6 +248,8 @@ def test_gptq_moe_checkpoint_matches_hf_on_the_dequantized_weights(case, tmp_pat
     assert (calls > 0) == (layout == "stacked")
     if env is VIRTUAL:
         assert "device gcu via virtual" in log
+    if env is TRITON:
+        assert "Triton fused MoE: 8 experts' 4-bit weights (group 32, asym) stacked" in log
     assert_matches_hf(tmp_path / "dq", prompts, results["outputs"], nats=5e-3)
 
 
@@ -292,6 +298,8 @@ def test_weight_only_moe_checkpoint_matches_hf_on_the_dequantized_weights(case, 
     assert (calls > 0) == (layout == "stacked")
     if env is VIRTUAL:
         assert "device gcu via virtual" in log
+    if env is TRITON:
+        assert "Triton fused MoE: 8 experts' 4-bit weights (group 32, asym) stacked" in log
     assert_matches_hf(tmp_path / "dq", prompts, results["outputs"], nats=5e-3)
 
 

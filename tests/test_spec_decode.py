@@ -1,5 +1,5 @@
-"""Speculative decoding through the plugin: n-gram prompt lookup and a draft model, on
-the simulator (compiled and eager) and the virtual GCU. Greedy tokens with speculation
+"""Speculative decoding through the plugin: n-gram prompt lookup, a draft model and an
+EAGLE head, on the simulator (compiled and eager) and the virtual GCU. Greedy tokens with speculation
 are plain greedy decoding's: each is HF float64's top-1 given the tokens before it (the
 plugin's plain greedy is held to the same oracle throughout the suite), and the drafts
 were really proposed and accepted (vLLM's spec-decode counters)."""
@@ -8,6 +8,7 @@ import random
 import shutil
 
 import pytest
+import torch
 
 from conftest import VIRTUAL_GCU_ENV, build_tiny_model, run_engine
 from moe_models import assert_matches_hf
@@ -24,7 +25,27 @@ def models(tmp_path_factory):
     # draft is accepted and a wrong draft path shows as a rejected or wrong token
     draft = root / "draft"
     shutil.copytree(target, draft)
-    return target, draft
+    return target, draft, _eagle_head(root / "eagle")
+
+
+def _eagle_head(path):
+    """An EAGLE-1 head for the target, in the format of the released Llama heads (one
+    decoder layer without its input norm, ``fc`` [hidden, 2 * hidden] over the token's
+    embedding and the target's hidden state; the target's embedding and LM head shared):
+    random weights, so its drafts are mostly rejected and the target's tokens decide."""
+    from safetensors.torch import load_file, save_file
+
+    base = build_tiny_model(path, num_heads=4, num_kv_heads=2, head_dim=32, layers=1,
+                            seed=6)
+    weights = load_file(str(base / "model.safetensors"))
+    head = {name.removeprefix("model."): w for name, w in weights.items()
+            if name.startswith("model.layers.0.") and "input_layernorm" not in name}
+    g = torch.Generator().manual_seed(7)
+    hidden = weights["model.embed_tokens.weight"].shape[1]
+    head["fc.weight"] = torch.randn(hidden, 2 * hidden, generator=g) * (2 * hidden) ** -0.5
+    (base / "model.safetensors").unlink()
+    save_file(head, str(base / "model.safetensors"), metadata={"format": "pt"})
+    return base
 
 
 def _prompts(seed):
@@ -45,6 +66,8 @@ CASES = {
     "ngram-virtual": ({"method": "ngram", "num_speculative_tokens": 3,
                        "prompt_lookup_max": 4, "prompt_lookup_min": 2}, VIRTUAL, False),
     "draft-virtual": ({"method": "draft_model", "num_speculative_tokens": 2}, VIRTUAL, False),
+    "eagle-sim-compiled": ({"method": "eagle", "num_speculative_tokens": 2}, {}, True),
+    "eagle-virtual": ({"method": "eagle", "num_speculative_tokens": 2}, VIRTUAL, False),
 }
 
 
@@ -52,9 +75,10 @@ CASES = {
 @pytest.mark.parametrize("case", list(CASES))
 def test_speculative_greedy_is_plain_greedy(case, models, tmp_path):
     speculative, env, compiled = CASES[case]
-    target, draft = models
-    if speculative["method"] == "draft_model":
-        speculative = {**speculative, "model": str(draft)}
+    target, draft, eagle = models
+    if speculative["method"] in ("draft_model", "eagle"):
+        speculative = {**speculative,
+                       "model": str(draft if speculative["method"] == "draft_model" else eagle)}
     prompts = _prompts(case)
     spec = {"llm": {"model": str(target), "dtype": "float32", "enforce_eager": not compiled,
                     "skip_tokenizer_init": True, "max_model_len": 256, "max_num_seqs": 4,
@@ -73,4 +97,6 @@ def test_speculative_greedy_is_plain_greedy(case, models, tmp_path):
     assert drafted > 0, counters  # (the repeated phrases give prompt lookup its n-grams)
     if speculative["method"] == "draft_model":  # the target's copy drafts its tokens
         assert accepted == drafted, counters
+    if speculative["method"] == "eagle":  # (vLLM's EAGLE proposer loaded our head)
+        assert "Detected EAGLE model without its own lm_head" in log
     assert_matches_hf(target, prompts, results["outputs"])

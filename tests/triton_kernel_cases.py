@@ -479,3 +479,63 @@ def test_moe_align_pairs_pads_each_expert_and_skips_the_others():
         else:
             assert bool((slot[real] == expert).all())
     assert blocks.tolist() == sorted(blocks.tolist(), key=lambda v: (v < 0, v))
+
+
+class _ResidentLinear(torch.nn.Module):
+    """A stand-in for the weight-only module of ``quant/packed.py`` (InstalledWInt) in
+    its generic layout: codes (4-bit nibbles, even column low, or bytes), scales and
+    zero points per group; ``forward`` is the dequantized matmul in float64."""
+
+    def __init__(self, codes, scales, zeros, bits, group_size):
+        super().__init__()
+        self.provider, self.bits, self.group_size = None, bits, group_size
+        self.out_features = codes.shape[0]
+        packed = (codes[:, 0::2] | (codes[:, 1::2] << 4)) if bits == 4 else codes
+        self.qweight = torch.nn.Parameter(packed.to(torch.uint8).contiguous(),
+                                          requires_grad=False)
+        self.scales = torch.nn.Parameter(scales, requires_grad=False)
+        self.zeros = None if zeros is None else torch.nn.Parameter(zeros, requires_grad=False)
+        self.perm = self.g_idx = None
+        z = float(2 ** (bits - 1)) if zeros is None else zeros.double().repeat_interleave(
+            group_size, 1)
+        self.dense = (codes.double() - z) * scales.double().repeat_interleave(group_size, 1)
+
+    def forward(self, x, bias=None):
+        y = x.double() @ self.dense.T
+        return (y if bias is None else y + bias.double()).to(x.dtype)
+
+
+def _resident_experts(e, n, k, bits, group_size, asym, g):
+    mods = []
+    for _ in range(e):
+        codes = torch.randint(0, 2 ** bits, (n, k), generator=g, dtype=torch.int16)
+        scales = (torch.rand(n, k // group_size, generator=g) * 0.02 + 0.005).half()
+        zeros = (torch.randint(0, 2 ** bits, (n, k // group_size), generator=g).half()
+                 if asym else None)
+        mods.append(_ResidentLinear(codes, scales, zeros, bits, group_size))
+    return torch.nn.ModuleList(mods)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16],
+                         ids=lambda d: str(d).split(".")[-1])
+@pytest.mark.parametrize("bits,group_size,asym", [(4, 32, True), (4, 64, False),
+                                                  (8, 16, False)])
+def test_moe_quant_experts(bits, group_size, asym, dtype):
+    """Weight-only experts (4-bit asym g32, 4-bit sym g64, 8-bit sym g16) fused, each
+    tile dequantized as loaded, vs the float64 matmuls of the dequantized weights; the
+    stack is built once and the modules then hold views of it."""
+    m, e, h, i, k = 23, 6, 64, 64, 2
+    g = torch.Generator().manual_seed(bits + group_size)
+    w13 = _resident_experts(e, 2 * i, h, bits, group_size, asym, g)
+    w2 = _resident_experts(e, h, i, bits, group_size, asym, g)
+    x = torch.randn(m, h, generator=g).to(dtype)
+    weights, ids = reference_moe.route(torch.randn(m, e, generator=g) * 2, k, renormalize=True)
+    want = reference_moe.moe_quant_experts(x, w13, w2, weights, ids)
+    for mod in (*w13, *w2):
+        mod.to(DEVICE)
+    got = moe.moe_quant_experts(*on_device(x), w13, w2, *on_device(weights, ids))
+    _assert_moe_close(got, want.double(), dtype, k)
+    stack = w13.__dict__["_accel_triton_stack"]
+    assert w13[1].qweight.data_ptr() == stack.weight[1].data_ptr()
+    again = moe.moe_quant_experts(*on_device(x), w13, w2, *on_device(weights, ids))
+    assert torch.equal(again, got)

@@ -16,14 +16,29 @@ expert, without a host synchronisation (so a card can capture it in a graph).
 
 The router weight scales the expert's input instead (``apply_router_weight_on_input``,
 Llama 4) by scaling the gate/up products before their biases, which is the same sum.
+
+Quantized experts (``moe_quant_experts``: GPTQ, AWQ, compressed-tensors W4A16/W8A16)
+run the same kernels on the weight-only resident layout of the dense linears
+(``quant/packed.py``: codes ``[N, K/2]`` nibbles, even column low, or ``[N, K]`` bytes;
+scales and zero points ``[N, G]``), each tile dequantized as it is loaded. The experts'
+tensors are stacked ``[E, ...]`` once, on the first call, and each expert's module then
+holds views of the stack, so memory does not grow; act-order permutations and
+prepared layouts go to the next provider.
 """
+
+import logging
 
 import torch
 import triton
 import triton.language as tl
 
 from vllm_accel.ops.reference.moe import GATED_ACTIVATIONS, local_slots
+from vllm_accel.ops.registry import fallback_kernel
 from vllm_accel.ops.triton.paged_attention import interpreted
+
+# (vLLM's logger configuration reaches children of "vllm": vllm_accel.logger's naming,
+# without importing vLLM, which this module runs without)
+logger = logging.getLogger("vllm." + __name__)
 
 #: pairs per block (tl.dot needs at least 16 rows)
 BLOCK_M = 16
@@ -78,12 +93,34 @@ def _activate(g, ACTIVATION: tl.constexpr):
 
 
 @triton.jit
-def _gate_up_kernel(x_ptr, w_ptr, bias_ptr, weights_ptr, pair_ptr, block_expert_ptr, act_ptr,
-                    pairs, top_k, hidden, inter, stride_xm, stride_we, stride_wn,
-                    stride_be, stride_am,
-                    HAS_BIAS: tl.constexpr, WEIGHT_ON_INPUT: tl.constexpr,
-                    ACTIVATION: tl.constexpr, IEEE: tl.constexpr, BLOCK_M: tl.constexpr,
-                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+def _weight_tile(w_ptr, s_ptr, z_ptr, rows, k, mask, stride_wn, stride_sn, group_size,
+                 BITS: tl.constexpr, HAS_ZEROS: tl.constexpr):
+    """``W[rows, k]`` as a ``[BLOCK_K, BLOCK_N]`` tile (``rows`` ``[1, N]``, ``k``
+    ``[K, 1]``): the weight itself (``BITS`` 0), or codes dequantized in float32."""
+    if BITS == 0:
+        return tl.load(w_ptr + rows * stride_wn + k, mask=mask, other=0.0)
+    if BITS == 4:
+        byte = tl.load(w_ptr + rows * stride_wn + k // 2, mask=mask, other=0)
+        code = ((byte >> ((k % 2) * 4).to(tl.uint8)) & 0xF).to(tl.float32)
+    else:
+        code = tl.load(w_ptr + rows * stride_wn + k, mask=mask, other=0).to(tl.float32)
+    g = k // group_size
+    scale = tl.load(s_ptr + rows * stride_sn + g, mask=mask, other=0.0).to(tl.float32)
+    if HAS_ZEROS:
+        zero = tl.load(z_ptr + rows * stride_sn + g, mask=mask, other=0.0).to(tl.float32)
+    else:
+        zero = 1 << (BITS - 1)
+    return (code - zero) * scale
+
+
+@triton.jit
+def _gate_up_kernel(x_ptr, w_ptr, s_ptr, z_ptr, bias_ptr, weights_ptr, pair_ptr,
+                    block_expert_ptr, act_ptr, pairs, top_k, hidden, inter, stride_xm,
+                    stride_we, stride_wn, stride_se, stride_sn, group_size, stride_be,
+                    stride_am, HAS_BIAS: tl.constexpr, WEIGHT_ON_INPUT: tl.constexpr,
+                    ACTIVATION: tl.constexpr, IEEE: tl.constexpr, BITS: tl.constexpr,
+                    HAS_ZEROS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                    BLOCK_K: tl.constexpr):
     block = tl.program_id(0)
     expert = tl.load(block_expert_ptr + block)
     if expert < 0:
@@ -96,6 +133,8 @@ def _gate_up_kernel(x_ptr, w_ptr, bias_ptr, weights_ptr, pair_ptr, block_expert_
     col_ok = cols < inter
     offs_k = tl.arange(0, BLOCK_K)
     w_base = w_ptr + expert.to(tl.int64) * stride_we
+    s_base = s_ptr + expert.to(tl.int64) * stride_se
+    z_base = z_ptr + expert.to(tl.int64) * stride_se
     gate = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
     up = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
     for k0 in range(0, hidden, BLOCK_K):
@@ -103,17 +142,18 @@ def _gate_up_kernel(x_ptr, w_ptr, bias_ptr, weights_ptr, pair_ptr, block_expert_
         k_ok = k < hidden
         a = tl.load(x_ptr + token[:, None] * stride_xm + k[None, :],
                     mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-        wg = tl.load(w_base + cols[None, :] * stride_wn + k[:, None],
-                     mask=col_ok[None, :] & k_ok[:, None], other=0.0)
-        wu = tl.load(w_base + (cols[None, :] + inter) * stride_wn + k[:, None],
-                     mask=col_ok[None, :] & k_ok[:, None], other=0.0)
+        w_ok = col_ok[None, :] & k_ok[:, None]
+        wg = _weight_tile(w_base, s_base, z_base, cols[None, :], k[:, None], w_ok, stride_wn,
+                          stride_sn, group_size, BITS, HAS_ZEROS)
+        wu = _weight_tile(w_base, s_base, z_base, cols[None, :] + inter, k[:, None], w_ok,
+                          stride_wn, stride_sn, group_size, BITS, HAS_ZEROS)
         if IEEE:  # float32 products (float32 inputs; the interpreter's bf16 dot is wrong)
             a = a.to(tl.float32)
             gate += tl.dot(a, wg.to(tl.float32), input_precision="ieee")
             up += tl.dot(a, wu.to(tl.float32), input_precision="ieee")
         else:
-            gate += tl.dot(a, wg)
-            up += tl.dot(a, wu)
+            gate += tl.dot(a, wg.to(a.dtype))
+            up += tl.dot(a, wu.to(a.dtype))
     if WEIGHT_ON_INPUT:
         w = tl.load(weights_ptr + pair, mask=row_ok, other=0.0)
         gate *= w[:, None]
@@ -128,11 +168,12 @@ def _gate_up_kernel(x_ptr, w_ptr, bias_ptr, weights_ptr, pair_ptr, block_expert_
 
 
 @triton.jit
-def _down_kernel(act_ptr, w_ptr, bias_ptr, weights_ptr, pair_ptr, block_expert_ptr, out_ptr,
-                 pairs, hidden, inter, stride_am, stride_we, stride_wn, stride_be,
-                 stride_om, HAS_BIAS: tl.constexpr, WEIGHT_ON_INPUT: tl.constexpr,
-                 IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                 BLOCK_K: tl.constexpr):
+def _down_kernel(act_ptr, w_ptr, s_ptr, z_ptr, bias_ptr, weights_ptr, pair_ptr,
+                 block_expert_ptr, out_ptr, pairs, hidden, inter, stride_am, stride_we,
+                 stride_wn, stride_se, stride_sn, group_size, stride_be, stride_om,
+                 HAS_BIAS: tl.constexpr, WEIGHT_ON_INPUT: tl.constexpr, IEEE: tl.constexpr,
+                 BITS: tl.constexpr, HAS_ZEROS: tl.constexpr, BLOCK_M: tl.constexpr,
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     block = tl.program_id(0)
     expert = tl.load(block_expert_ptr + block)
     if expert < 0:
@@ -144,18 +185,21 @@ def _down_kernel(act_ptr, w_ptr, bias_ptr, weights_ptr, pair_ptr, block_expert_p
     col_ok = cols < hidden
     offs_k = tl.arange(0, BLOCK_K)
     w_base = w_ptr + expert.to(tl.int64) * stride_we
+    s_base = s_ptr + expert.to(tl.int64) * stride_se
+    z_base = z_ptr + expert.to(tl.int64) * stride_se
     acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
     for k0 in range(0, inter, BLOCK_K):
         k = k0 + offs_k
         k_ok = k < inter
         a = tl.load(act_ptr + rows.to(tl.int64)[:, None] * stride_am + k[None, :],
                     mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-        w = tl.load(w_base + cols[None, :] * stride_wn + k[:, None],
-                    mask=col_ok[None, :] & k_ok[:, None], other=0.0)
+        w = _weight_tile(w_base, s_base, z_base, cols[None, :], k[:, None],
+                         col_ok[None, :] & k_ok[:, None], stride_wn, stride_sn, group_size,
+                         BITS, HAS_ZEROS)
         if IEEE:
             acc += tl.dot(a.to(tl.float32), w.to(tl.float32), input_precision="ieee")
         else:
-            acc += tl.dot(a, w)
+            acc += tl.dot(a, w.to(a.dtype))
     if HAS_BIAS:
         acc += tl.load(bias_ptr + expert.to(tl.int64) * stride_be + cols, mask=col_ok,
                        other=0.0).to(tl.float32)[None, :]
@@ -165,6 +209,59 @@ def _down_kernel(act_ptr, w_ptr, bias_ptr, weights_ptr, pair_ptr, block_expert_p
              mask=row_ok[:, None] & col_ok[None, :])
 
 
+class _Weights:
+    """One projection of every local expert as the kernels read it: a float weight
+    ``[E, N, K]`` (``bits`` 0), or stacked resident codes with their scales and zero
+    points (None: symmetric)."""
+
+    def __init__(self, weight, bits=0, group_size=1, scales=None, zeros=None):
+        self.weight, self.bits, self.group_size = weight.contiguous(), bits, group_size
+        self.scales = scales if scales is not None else self.weight
+        self.zeros = zeros
+
+    def args(self):
+        """(weight, scales, zeros, expert and row strides of each, group size)."""
+        zeros = self.zeros if self.zeros is not None else self.scales
+        return (self.weight, self.scales, zeros, self.weight.stride(0), self.weight.stride(1),
+                self.scales.stride(0), self.scales.stride(1), self.group_size)
+
+
+def _fused(x, w13: _Weights, w2: _Weights, topk_weights, topk_ids, inter, hidden, *,
+           expert_map, activation, apply_router_weight_on_input, w13_bias, w2_bias):
+    if activation not in _ACTIVATION_CODES:
+        raise ValueError(f"MoE activation {activation!r} is not one of {GATED_ACTIVATIONS}")
+    m, top_k = topk_ids.shape
+    num_local = w13.weight.shape[0]
+    pairs = m * top_k
+    out = torch.zeros(pairs, hidden, dtype=torch.float32, device=x.device)
+    if pairs == 0:
+        return out.view(m, hidden).to(x.dtype)
+    x = x.contiguous()
+    weights = topk_weights.reshape(-1).to(torch.float32).contiguous()
+    pair_of_row, block_expert = align_pairs(topk_ids, expert_map, num_local)
+    act = torch.empty(pair_of_row.numel(), inter, dtype=x.dtype, device=x.device)
+    ieee = x.dtype == torch.float32 or interpreted(_gate_up_kernel)
+    blocks = block_expert.numel()
+    b13 = w13_bias.contiguous() if w13_bias is not None else w13.weight
+    b2 = w2_bias.contiguous() if w2_bias is not None else w2.weight
+    w13_ptr, s13, z13, we13, wn13, se13, sn13, g13 = w13.args()
+    w2_ptr, s2, z2, we2, wn2, se2, sn2, g2 = w2.args()
+    _gate_up_kernel[(blocks, triton.cdiv(inter, BLOCK_N))](
+        x, w13_ptr, s13, z13, b13, weights, pair_of_row, block_expert, act, pairs, top_k,
+        hidden, inter, x.stride(0), we13, wn13, se13, sn13, g13, b13.stride(0), act.stride(0),
+        HAS_BIAS=w13_bias is not None, WEIGHT_ON_INPUT=apply_router_weight_on_input,
+        ACTIVATION=_ACTIVATION_CODES[activation], IEEE=ieee, BITS=w13.bits,
+        HAS_ZEROS=w13.zeros is not None, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
+        num_warps=NUM_WARPS)
+    _down_kernel[(blocks, triton.cdiv(hidden, BLOCK_N))](
+        act, w2_ptr, s2, z2, b2, weights, pair_of_row, block_expert, out, pairs, hidden, inter,
+        act.stride(0), we2, wn2, se2, sn2, g2, b2.stride(0), out.stride(0),
+        HAS_BIAS=w2_bias is not None, WEIGHT_ON_INPUT=apply_router_weight_on_input,
+        IEEE=ieee, BITS=w2.bits, HAS_ZEROS=w2.zeros is not None, BLOCK_M=BLOCK_M,
+        BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, num_warps=NUM_WARPS)
+    return out.view(m, top_k, hidden).sum(dim=1).to(x.dtype)
+
+
 def moe_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                 topk_weights: torch.Tensor, topk_ids: torch.Tensor, *,
                 expert_map: torch.Tensor | None = None, activation: str = "silu",
@@ -172,33 +269,67 @@ def moe_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                 w13_bias: torch.Tensor | None = None,
                 w2_bias: torch.Tensor | None = None) -> torch.Tensor:
     """The experts held here over their routed tokens: ``[M, H]`` in x's dtype."""
-    if activation not in _ACTIVATION_CODES:
-        raise ValueError(f"MoE activation {activation!r} is not one of {GATED_ACTIVATIONS}")
-    m, top_k = topk_ids.shape
-    num_local, inter2, hidden = w13.shape
-    inter = inter2 // 2
-    pairs = m * top_k
-    out = torch.zeros(pairs, hidden, dtype=torch.float32, device=x.device)
-    if pairs == 0:
-        return out.view(m, hidden).to(x.dtype)
-    x = x.contiguous()
-    w13, w2 = w13.contiguous(), w2.contiguous()
-    weights = topk_weights.reshape(-1).to(torch.float32).contiguous()
-    pair_of_row, block_expert = align_pairs(topk_ids, expert_map, num_local)
-    act = torch.empty(pair_of_row.numel(), inter, dtype=x.dtype, device=x.device)
-    ieee = x.dtype == torch.float32 or interpreted(_gate_up_kernel)
-    blocks = block_expert.numel()
-    b13 = w13_bias.contiguous() if w13_bias is not None else w13
-    b2 = w2_bias.contiguous() if w2_bias is not None else w2
-    _gate_up_kernel[(blocks, triton.cdiv(inter, BLOCK_N))](
-        x, w13, b13, weights, pair_of_row, block_expert, act, pairs, top_k, hidden, inter,
-        x.stride(0), w13.stride(0), w13.stride(1), b13.stride(0), act.stride(0),
-        HAS_BIAS=w13_bias is not None, WEIGHT_ON_INPUT=apply_router_weight_on_input,
-        ACTIVATION=_ACTIVATION_CODES[activation], IEEE=ieee, BLOCK_M=BLOCK_M,
-        BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, num_warps=NUM_WARPS)
-    _down_kernel[(blocks, triton.cdiv(hidden, BLOCK_N))](
-        act, w2, b2, weights, pair_of_row, block_expert, out, pairs, hidden, inter,
-        act.stride(0), w2.stride(0), w2.stride(1), b2.stride(0), out.stride(0),
-        HAS_BIAS=w2_bias is not None, WEIGHT_ON_INPUT=apply_router_weight_on_input,
-        IEEE=ieee, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, num_warps=NUM_WARPS)
-    return out.view(m, top_k, hidden).sum(dim=1).to(x.dtype)
+    return _fused(x, _Weights(w13), _Weights(w2), topk_weights, topk_ids, w13.shape[1] // 2,
+                  w2.shape[1], expert_map=expert_map, activation=activation,
+                  apply_router_weight_on_input=apply_router_weight_on_input,
+                  w13_bias=w13_bias, w2_bias=w2_bias)
+
+
+#: the resident tensors a weight-only module (``quant/packed.py``'s InstalledWInt) holds
+_RESIDENT = ("qweight", "scales", "zeros")
+
+
+def _generic_resident(module) -> bool:
+    """A weight-only module in the generic resident layout the kernels read: 4 or 8 bits,
+    no act-order permutation, no provider's prepared layout."""
+    return (getattr(module, "provider", "") is None and getattr(module, "bits", 0) in (4, 8)
+            and getattr(module, "perm", None) is None and getattr(module, "g_idx", None) is None
+            and isinstance(getattr(module, "qweight", None), torch.Tensor))
+
+
+def stacked_experts(modules) -> _Weights | None:
+    """The experts' resident tensors stacked ``[E, ...]`` (built once and kept on the
+    module list; each module's tensors become views of the stack), or None where a
+    module is not in the generic layout or the experts' schemes differ."""
+    cached = modules.__dict__.get("_accel_triton_stack")
+    if cached is not None:
+        return cached
+    first = modules[0]
+    if not all(_generic_resident(m) for m in modules) or len(
+            {(m.bits, m.group_size, m.zeros is None, m.qweight.shape, m.scales.dtype)
+             for m in modules}) != 1:
+        return None
+    stacks = {}
+    for name in _RESIDENT:
+        if getattr(first, name) is None:
+            continue
+        stacks[name] = torch.stack([getattr(m, name).data for m in modules]).contiguous()
+        for e, m in enumerate(modules):
+            getattr(m, name).data = stacks[name][e]
+    weights = _Weights(stacks["qweight"], first.bits, first.group_size, stacks["scales"],
+                       stacks.get("zeros"))
+    modules.__dict__["_accel_triton_stack"] = weights
+    logger.info("Triton fused MoE: %d experts' %d-bit weights (group %d, %s) stacked, "
+                "the modules now views of the stack", len(modules), first.bits,
+                first.group_size, "asym" if first.zeros is not None else "sym")
+    return weights
+
+
+def moe_quant_experts(x: torch.Tensor, w13: list, w2: list, topk_weights: torch.Tensor,
+                      topk_ids: torch.Tensor, *, expert_map: torch.Tensor | None = None,
+                      activation: str = "silu", apply_router_weight_on_input: bool = False,
+                      w13_bias: torch.Tensor | None = None,
+                      w2_bias: torch.Tensor | None = None) -> torch.Tensor:
+    """Weight-only quantized experts (``w13[e]`` / ``w2[e]``: the dense linears' modules)
+    fused like :func:`moe_experts`; other modules go to the next provider."""
+    s13 = stacked_experts(w13)
+    s2 = stacked_experts(w2) if s13 is not None else None
+    if s2 is None:
+        return fallback_kernel("moe_quant_experts", "triton")(
+            x, w13, w2, topk_weights, topk_ids, expert_map=expert_map, activation=activation,
+            apply_router_weight_on_input=apply_router_weight_on_input, w13_bias=w13_bias,
+            w2_bias=w2_bias)
+    return _fused(x, s13, s2, topk_weights, topk_ids, w13[0].out_features // 2,
+                  w2[0].out_features, expert_map=expert_map, activation=activation,
+                  apply_router_weight_on_input=apply_router_weight_on_input,
+                  w13_bias=w13_bias, w2_bias=w2_bias)

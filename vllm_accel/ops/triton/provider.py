@@ -113,6 +113,7 @@ def install_triton_kernels(device: torch.device) -> tuple[bool, str]:
 
     register_kernel("mla_decode", TRITON)(mla.mla_decode)
     register_kernel("moe_experts", TRITON)(moe.moe_experts)
+    register_kernel("moe_quant_experts", TRITON)(moe.moe_quant_experts)
     for name in ("paged_decode", "paged_decode_int8"):
         register_kernel(name, TRITON)(paged_attention.paged_decode)
     for name in ("paged_prefill", "paged_prefill_int8"):
@@ -121,4 +122,5 @@ def install_triton_kernels(device: torch.device) -> tuple[bool, str]:
     register_kernel("wint_prepare", TRITON)(_keep_generic_layout)
     register_kernel("int8_linear", TRITON)(_int8_linear)
     return True, ("registered paged_decode, paged_prefill (bf16/fp16/fp32 and int8 KV), "
-                  f"mla_decode, moe_experts, wint_linear, int8_linear ({why})")
+                  f"mla_decode, moe_experts, moe_quant_experts, wint_linear, int8_linear "
+                  f"({why})")
