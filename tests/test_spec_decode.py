@@ -1,5 +1,6 @@
-"""Speculative decoding through the plugin: n-gram prompt lookup, a draft model and an
-EAGLE head, on the simulator (compiled and eager) and the virtual GCU. Greedy tokens with speculation
+"""Speculative decoding through the plugin: n-gram prompt lookup, a draft model, an
+EAGLE head and DeepSeek's multi-token prediction (MTP) layer, on the simulator (compiled
+and eager) and the virtual GCU. Greedy tokens with speculation
 are plain greedy decoding's: each is HF float64's top-1 given the tokens before it (the
 plugin's plain greedy is held to the same oracle throughout the suite), and the drafts
 were really proposed and accepted (vLLM's spec-decode counters)."""
@@ -100,3 +101,61 @@ def test_speculative_greedy_is_plain_greedy(case, models, tmp_path):
     if speculative["method"] == "eagle":  # (vLLM's EAGLE proposer loaded our head)
         assert "Detected EAGLE model without its own lm_head" in log
     assert_matches_hf(target, prompts, results["outputs"])
+
+
+def _deepseek_with_mtp(path):
+    """A tiny DeepSeek-V3 (MLA, sigmoid-routed experts) with one MTP layer, laid out as
+    the released checkpoints are: the MTP block as layer ``num_hidden_layers`` (a
+    decoder layer HF built as a third layer), with its ``enorm``/``hnorm``, ``eh_proj``,
+    ``shared_head`` and a copy of the embedding. HF runs the two-layer model (it skips
+    the MTP tensors); vLLM's DeepSeekMTP drafts from them (random: mostly rejected)."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    from attention_models import build_tiny
+
+    build_tiny(path, "deepseek_v3", layers=3, seed=3)
+    weights = load_file(str(path / "model.safetensors"))
+    config = json.loads((path / "config.json").read_text())
+    config.update(num_hidden_layers=2, num_nextn_predict_layers=1)
+    (path / "config.json").write_text(json.dumps(config, indent=2))
+    hidden = weights["model.embed_tokens.weight"].shape[1]
+    g = torch.Generator().manual_seed(9)
+    mtp = "model.layers.2."
+    weights.update({
+        mtp + "embed_tokens.weight": weights["model.embed_tokens.weight"].clone(),
+        mtp + "enorm.weight": torch.ones(hidden), mtp + "hnorm.weight": torch.ones(hidden),
+        mtp + "eh_proj.weight": torch.randn(hidden, 2 * hidden, generator=g) * (2 * hidden) ** -0.5,
+        mtp + "shared_head.norm.weight": torch.ones(hidden),
+        mtp + "shared_head.head.weight": weights["lm_head.weight"].clone()})
+    save_file({k: v.contiguous() for k, v in weights.items()}, str(path / "model.safetensors"),
+              metadata={"format": "pt"})
+    return path
+
+
+@pytest.mark.engine
+@pytest.mark.parametrize("env,compiled", [({}, True), (VIRTUAL, False)],
+                         ids=["sim-default", "virtual"])
+def test_mtp_greedy_is_plain_greedy(env, compiled, tmp_path):
+    """``--speculative-config '{"method": "mtp"}'`` on a DeepSeek-V3 checkpoint with an MTP
+    layer: vLLM's DeepSeekMTP proposer (MLA and MoE on the plugin's kernels) drafts, and
+    greedy tokens stay HF float64's top-1. Asked to compile, the simulator runs this
+    model eagerly (compiled, its query-LoRA MLA gave a wrong first token), saying so."""
+    model = _deepseek_with_mtp(tmp_path / "deepseek_mtp")
+    rng = random.Random(1)
+    prompts = [[rng.randrange(3, 512) for _ in range(n)] for n in (5, 17, 33)]
+    spec = {"llm": {"model": str(model), "dtype": "float32", "enforce_eager": not compiled,
+                    "skip_tokenizer_init": True, "max_model_len": 256, "max_num_seqs": 4,
+                    "speculative_config": {"method": "mtp", "num_speculative_tokens": 1},
+                    "disable_log_stats": False, "seed": 0},
+            "prompts": prompts,
+            "sampling": {"temperature": 0.0, "max_tokens": 12, "ignore_eos": True,
+                         "detokenize": False, "logprobs": 1}}
+    results, log = run_engine(spec, tmp_path, env=env)
+    assert "Detected MTP model" in log
+    # (its query LoRA: the simulator runs such MLA models eagerly, platform.py)
+    assert ("MLA with a query LoRA (q_lora_rank 64) runs eagerly" in log) == compiled
+    assert "Warming up model for the compilation" not in log
+    assert results["spec_decode"].get("vllm:spec_decode_num_draft_tokens", 0) > 0
+    assert_matches_hf(model, prompts, results["outputs"])
