@@ -102,8 +102,11 @@ def _keeping_mla_scheduling(vllm_config):
 def _eager_for_mla_q_lora(vllm_config) -> None:
     """MLA with a query LoRA (DeepSeek-V3, Kimi: ``q_lora_rank``) runs eagerly on the
     simulator: compiled, a tiny DeepSeek-V3's first token came out 2.6 nats off HF's
-    (test_spec_decode.py's checkpoint; the same without q LoRA, or eager, matches), a
-    fault not located yet. Wrong tokens are worse than a slower start."""
+    (test_spec_decode.py's checkpoint; the same without q LoRA, or eager, matches; dynamo
+    with its eager backend and the reference kernels fail too). The MLA op's inputs and
+    outputs and the MoE experts' input equal eager's, but the experts get other top-k ids
+    and weights of exactly 0.5 / 0.5: the routing traced into the graph goes wrong. Until
+    that is found, wrong tokens are worse than a slower start."""
     from vllm.config import CompilationMode
 
     model_config = vllm_config.model_config
