@@ -80,16 +80,10 @@ CASES = {"sim": ({}, True), "virtual": ({**VIRTUAL_GCU_ENV,
                                          "ACCEL_SIM_DEVICE_MEMORY_GB": "1"}, False)}
 
 
-@pytest.mark.engine
-@pytest.mark.parametrize("case", list(CASES))
-def test_adapters_in_one_batch_match_hf_with_the_adapter_merged(case, lora_models, tmp_path):
-    """Requests with adapter a, adapter b and none, mixed in one batch (max_loras 2)."""
-    env, compiled = CASES[case]
-    base, adapters = lora_models
-    prompts = _prompts(case)
-    which = ["a", "b", None, "a", "b", None]
-    spec = {
-        "llm": {"model": str(base), "dtype": "float32", "enforce_eager": not compiled,
+def _lora_spec(model, prompts, which, adapters, compiled):
+    """An engine spec: request ``i`` with adapter ``which[i]`` (None: the base alone)."""
+    return {
+        "llm": {"model": str(model), "dtype": "float32", "enforce_eager": not compiled,
                 "skip_tokenizer_init": True, "max_model_len": 256, "max_num_seqs": 8,
                 "enable_lora": True, "max_loras": 2, "max_lora_rank": RANK, "seed": 0},
         "prompts": prompts,
@@ -99,7 +93,27 @@ def test_adapters_in_one_batch_match_hf_with_the_adapter_merged(case, lora_model
                      "detokenize": False, "logprobs": 1},
         "worker_kernel_calls": ["cpu_lora_linear"],
     }
-    results, log = run_engine(spec, tmp_path, env=env)
+
+
+def _assert_each_adapter_matches_hf(base, adapters, prompts, which, outputs):
+    """Each request vs HF float64 on ``base`` with its adapter merged (or on ``base``)."""
+    for adapter in ("a", "b", None):
+        rows = [i for i, w in enumerate(which) if w == adapter]
+        model = base if adapter is None else adapters[adapter][1]
+        assert_matches_hf(model, [prompts[i] for i in rows], [outputs[i] for i in rows],
+                          nats=2e-3)
+
+
+@pytest.mark.engine
+@pytest.mark.parametrize("case", list(CASES))
+def test_adapters_in_one_batch_match_hf_with_the_adapter_merged(case, lora_models, tmp_path):
+    """Requests with adapter a, adapter b and none, mixed in one batch (max_loras 2)."""
+    env, compiled = CASES[case]
+    base, adapters = lora_models
+    prompts = _prompts(case)
+    which = ["a", "b", None, "a", "b", None]
+    results, log = run_engine(_lora_spec(base, prompts, which, adapters, compiled), tmp_path,
+                              env=env)
     # the simulator's layers take the C++ kernel, one call per layer and step; the card
     # path has no cpu_native provider
     (counts,) = results["worker_kernel_calls"]
@@ -108,18 +122,16 @@ def test_adapters_in_one_batch_match_hf_with_the_adapter_merged(case, lora_model
     assert ("LoRA runs eagerly on the gcu" in log) == (compiled and not env)
     if env:
         assert "device gcu via virtual" in log
-    for adapter in ("a", "b", None):
-        rows = [i for i, w in enumerate(which) if w == adapter]
-        model = base if adapter is None else adapters[adapter][1]
-        assert_matches_hf(model, [prompts[i] for i in rows],
-                          [results["outputs"][i] for i in rows], nats=2e-3)
+    _assert_each_adapter_matches_hf(base, adapters, prompts, which, results["outputs"])
 
 
-#: base-weight formats under the adapters: (quantizer, its arguments, what serves it)
+#: base-weight formats under the adapters: (quantizer, its arguments, what serves it,
+#: path env)
 QUANTIZED_BASES = {
-    "gptq-w4-g32": ("quantize_checkpoint", dict(bits=4, group_size=32, sym=False),
-                    "quantization=gcu_gptq"),
-    "awq-w4-g32": ("quantize_checkpoint_awq", dict(group_size=32), "quantization=gcu_awq"),
+    "gptq-w4-g32-sim": ("quantize_checkpoint", dict(bits=4, group_size=32, sym=False),
+                        "quantization=gcu_gptq", {}),
+    "awq-w4-g32-virtual": ("quantize_checkpoint_awq", dict(group_size=32),
+                           "quantization=gcu_awq", CASES["virtual"][0]),
 }
 
 
@@ -128,34 +140,25 @@ QUANTIZED_BASES = {
 def test_adapters_on_a_quantized_base_match_hf_merged(fmt, lora_models, tmp_path):
     """Adapters over GPTQ / AWQ 4-bit base weights (the base's linears on the plugin's
     int4 kernels, the adapters' products added by the LoRA ops), mixed with a request
-    without adapter: each matches HF float64 on the dequantized base with its adapter
+    without adapter, on the simulator and the virtual GCU (vLLM's default mode: LoRA
+    runs eagerly): each matches HF float64 on the dequantized base with its adapter
     merged."""
     import quantizer
 
     base, _ = lora_models
-    quantize, kwargs, served = QUANTIZED_BASES[fmt]
+    quantize, kwargs, served, env = QUANTIZED_BASES[fmt]
     dequant = tmp_path / "dequant"
     getattr(quantizer, quantize)(base, tmp_path / "quant", dequant_dst=dequant, **kwargs)
     adapters = {name: write_adapter(dequant, tmp_path / name, seed + 5)
                 for seed, name in enumerate(("a", "b"))}
     prompts = _prompts(fmt, lengths=(5, 29, 12, 40))
     which = ["a", "b", None, "a"]
-    results, log = run_engine({
-        "llm": {"model": str(tmp_path / "quant"), "dtype": "float32", "enforce_eager": True,
-                "skip_tokenizer_init": True, "max_model_len": 256, "max_num_seqs": 8,
-                "enable_lora": True, "max_loras": 2, "max_lora_rank": RANK, "seed": 0},
-        "prompts": prompts,
-        "lora_requests": [None if w is None else [w, i + 1, str(adapters[w][0])]
-                          for i, w in enumerate(which)],
-        "sampling": {"temperature": 0.0, "max_tokens": 10, "ignore_eos": True,
-                     "detokenize": False, "logprobs": 1},
-    }, tmp_path)
+    results, log = run_engine(
+        _lora_spec(tmp_path / "quant", prompts, which, adapters, compiled=True), tmp_path,
+        env=env)
     assert served in log
-    for adapter in ("a", "b", None):
-        rows = [i for i, w in enumerate(which) if w == adapter]
-        model = dequant if adapter is None else adapters[adapter][1]
-        assert_matches_hf(model, [prompts[i] for i in rows],
-                          [results["outputs"][i] for i in rows], nats=2e-3)
+    assert ("device gcu via virtual" in log) == bool(env)
+    _assert_each_adapter_matches_hf(dequant, adapters, prompts, which, results["outputs"])
 
 
 @pytest.mark.server

@@ -114,6 +114,30 @@ def _weight_tile(w_ptr, s_ptr, z_ptr, rows, k, mask, stride_wn, stride_sn, group
 
 
 @triton.jit
+def _block_pairs(pair_ptr, block, pairs, BLOCK_M: tl.constexpr):
+    """A block's padded rows, the pair each holds and which rows are real pairs."""
+    rows = block * BLOCK_M + tl.arange(0, BLOCK_M)
+    pair = tl.load(pair_ptr + rows)
+    return rows, pair, pair < pairs
+
+
+@triton.jit
+def _expert_tensors(expert, w_ptr, s_ptr, z_ptr, stride_we, stride_se):
+    """Pointers to ``expert``'s weight, scales and zero points."""
+    e = expert.to(tl.int64)
+    return w_ptr + e * stride_we, s_ptr + e * stride_se, z_ptr + e * stride_se
+
+
+@triton.jit
+def _dot(acc, a, w, IEEE: tl.constexpr):
+    """``acc + a @ w``: float32 products where ``IEEE`` (float32 inputs, or the
+    interpreter, whose bf16 dot is wrong), else in the activations' dtype."""
+    if IEEE:
+        return acc + tl.dot(a.to(tl.float32), w.to(tl.float32), input_precision="ieee")
+    return acc + tl.dot(a, w.to(a.dtype))
+
+
+@triton.jit
 def _gate_up_kernel(x_ptr, w_ptr, s_ptr, z_ptr, bias_ptr, weights_ptr, pair_ptr,
                     block_expert_ptr, act_ptr, pairs, top_k, hidden, inter, stride_xm,
                     stride_we, stride_wn, stride_se, stride_sn, group_size, stride_be,
@@ -125,16 +149,12 @@ def _gate_up_kernel(x_ptr, w_ptr, s_ptr, z_ptr, bias_ptr, weights_ptr, pair_ptr,
     expert = tl.load(block_expert_ptr + block)
     if expert < 0:
         return
-    rows = block * BLOCK_M + tl.arange(0, BLOCK_M)
-    pair = tl.load(pair_ptr + rows)
-    row_ok = pair < pairs
+    rows, pair, row_ok = _block_pairs(pair_ptr, block, pairs, BLOCK_M)
     token = tl.where(row_ok, pair // top_k, 0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < inter
     offs_k = tl.arange(0, BLOCK_K)
-    w_base = w_ptr + expert.to(tl.int64) * stride_we
-    s_base = s_ptr + expert.to(tl.int64) * stride_se
-    z_base = z_ptr + expert.to(tl.int64) * stride_se
+    w_base, s_base, z_base = _expert_tensors(expert, w_ptr, s_ptr, z_ptr, stride_we, stride_se)
     gate = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
     up = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
     for k0 in range(0, hidden, BLOCK_K):
@@ -147,13 +167,8 @@ def _gate_up_kernel(x_ptr, w_ptr, s_ptr, z_ptr, bias_ptr, weights_ptr, pair_ptr,
                           stride_sn, group_size, BITS, HAS_ZEROS)
         wu = _weight_tile(w_base, s_base, z_base, cols[None, :] + inter, k[:, None], w_ok,
                           stride_wn, stride_sn, group_size, BITS, HAS_ZEROS)
-        if IEEE:  # float32 products (float32 inputs; the interpreter's bf16 dot is wrong)
-            a = a.to(tl.float32)
-            gate += tl.dot(a, wg.to(tl.float32), input_precision="ieee")
-            up += tl.dot(a, wu.to(tl.float32), input_precision="ieee")
-        else:
-            gate += tl.dot(a, wg.to(a.dtype))
-            up += tl.dot(a, wu.to(a.dtype))
+        gate = _dot(gate, a, wg, IEEE)
+        up = _dot(up, a, wu, IEEE)
     if WEIGHT_ON_INPUT:
         w = tl.load(weights_ptr + pair, mask=row_ok, other=0.0)
         gate *= w[:, None]
@@ -178,15 +193,11 @@ def _down_kernel(act_ptr, w_ptr, s_ptr, z_ptr, bias_ptr, weights_ptr, pair_ptr,
     expert = tl.load(block_expert_ptr + block)
     if expert < 0:
         return
-    rows = block * BLOCK_M + tl.arange(0, BLOCK_M)
-    pair = tl.load(pair_ptr + rows)
-    row_ok = pair < pairs
+    rows, pair, row_ok = _block_pairs(pair_ptr, block, pairs, BLOCK_M)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < hidden
     offs_k = tl.arange(0, BLOCK_K)
-    w_base = w_ptr + expert.to(tl.int64) * stride_we
-    s_base = s_ptr + expert.to(tl.int64) * stride_se
-    z_base = z_ptr + expert.to(tl.int64) * stride_se
+    w_base, s_base, z_base = _expert_tensors(expert, w_ptr, s_ptr, z_ptr, stride_we, stride_se)
     acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
     for k0 in range(0, inter, BLOCK_K):
         k = k0 + offs_k
@@ -196,10 +207,7 @@ def _down_kernel(act_ptr, w_ptr, s_ptr, z_ptr, bias_ptr, weights_ptr, pair_ptr,
         w = _weight_tile(w_base, s_base, z_base, cols[None, :], k[:, None],
                          col_ok[None, :] & k_ok[:, None], stride_wn, stride_sn, group_size,
                          BITS, HAS_ZEROS)
-        if IEEE:
-            acc += tl.dot(a.to(tl.float32), w.to(tl.float32), input_precision="ieee")
-        else:
-            acc += tl.dot(a, w.to(a.dtype))
+        acc = _dot(acc, a, w, IEEE)
     if HAS_BIAS:
         acc += tl.load(bias_ptr + expert.to(tl.int64) * stride_be + cols, mask=col_ok,
                        other=0.0).to(tl.float32)[None, :]
