@@ -24,8 +24,8 @@ test: setup
 
 # both modes: compiled (vLLM's default, with the W4A16, W8A8 and INT8-KV engines
 # as well), then eager; then the batch-size sweep (compiled) with its plot.
-# matplotlib alone: installing the package again would bring back the torchvision
-# that setup removes.
+# matplotlib alone: installing the package again would bring back the
+# torchaudio/torchcodec that setup removes.
 bench: setup
 	$(PY) -m pip install -q "matplotlib>=3.8,<3.11"
 	$(PY) benchmarks/throughput.py --compile --engines accel,stock,accel-w4a16,accel-w8a8,accel-int8

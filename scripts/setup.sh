@@ -30,10 +30,14 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
     # kernel" case. --no-deps: its torch pin must not replace torch 2.13.0+cpu.
     say "installing xformers 0.0.35 (optional kernel provider; no CPU kernels)"
     "$VENV/bin/python" -m pip install -q --no-deps "xformers==0.0.35"
-    # PyPI's torchvision/torchaudio/torchcodec cannot load beside CPU torch
-    # ("operator torchvision::nms does not exist") and then break transformers.
-    say "removing torchvision/torchaudio/torchcodec (incompatible with CPU torch)"
-    "$VENV/bin/python" -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
+    # PyPI's torchaudio/torchcodec cannot load beside CPU torch and are not used.
+    # PyPI's torchvision is the CUDA build: its compiled ops do not load beside CPU
+    # torch; the import hook below lets its Python transforms (all that the image
+    # processors of Qwen2-VL, LLaVA, InternVL use) import anyway.
+    say "removing torchaudio/torchcodec (incompatible with CPU torch)"
+    "$VENV/bin/python" -m pip uninstall -q -y torchaudio torchcodec 2>/dev/null || true
+    say "installing the torchvision import hook (vllm_accel/torchvision_compat.py)"
+    "$VENV/bin/python" -m vllm_accel.tools.models install-torchvision-hook >/dev/null
     echo "$want" > "$stamp"
 else
     say "packages up to date ($VENV)"

@@ -43,11 +43,12 @@ VLLM = str(Path(sys.executable).parent / "vllm")
 #: starts last
 SLOW_FILES = ("test_attention_models.py", "test_moe_engine.py", "test_moe_quant.py",
               "test_scaling_out.py", "test_e2e_fp8_kv.py", "test_quant_compiled.py",  # 350-500
-              "test_virtual_gcu.py", "test_quant_w8a8.py", "test_reliability.py",  # 200-300
+              "test_vlm.py", "test_virtual_gcu.py", "test_quant_w8a8.py",
+              "test_reliability.py",  # 200-300
               "test_e2e_tiny.py", "test_e2e_int8_kv.py", "test_e2e_tensor_parallel.py",
               "test_server.py", "test_repack_cache.py", "test_e2e_default_model.py",
               "test_e2e_scheduling.py", "test_spec_decode.py", "test_pooling_server.py",
-              "test_vlm.py", "test_lora.py", "test_quant_gptq.py", "test_quant_awq.py",  # 100-200
+              "test_lora.py", "test_quant_gptq.py", "test_quant_awq.py",  # 100-200
               "test_quant_compressed_tensors.py", "test_cpu_native_bf16_linear.py",
               "test_quant_w8a16.py")
 

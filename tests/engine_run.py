@@ -8,7 +8,7 @@ of their state). Input: a JSON file path with ``llm`` (LLM kwargs), ``prompts``
 generated one batch after another, e.g. to hit the prefix cache), ``embed`` (optional: token-id
 prompts embedded by a pooling model), ``lora_requests`` (optional, per prompt:
 ``[name, id, path]`` of a LoRA adapter or null), ``mm_prompts`` (optional: text prompts
-with images, each ``{"prompt", "images": [vlm_models.random_image seeds]}``), ``requests``
+with images, each ``{"prompt", "images": [vlm_models.image_of entries]}``), ``requests``
 (optional: {"prompt", "sampling"} pairs, each with its own SamplingParams kwargs;
 ``structured_outputs`` there is a StructuredOutputsParams dict). Output: one
 stdout line "ENGINE_RESULT <json>" (outputs, batch outputs, prefix-cache and
@@ -117,12 +117,12 @@ def main() -> None:
         outs = llm.generate([r["prompt"] for r in spec["requests"]], params_list, use_tqdm=False)
         results["requests"] = [{"token_ids": list(o.outputs[0].token_ids),
                                 "text": o.outputs[0].text} for o in outs]
-    if spec.get("mm_prompts"):  # text prompts with images: {"prompt", "images": [seeds]}
+    if spec.get("mm_prompts"):  # text prompts with images: {"prompt", "images": [...]}
         sys.path.insert(0, str(__import__("pathlib").Path(__file__).parent))
-        from vlm_models import random_image
+        from vlm_models import image_of
 
         mm = [{"prompt": p["prompt"]} | ({"multi_modal_data": {
-            "image": [random_image(seed) for seed in p["images"]]}} if p["images"] else {})
+            "image": [image_of(entry) for entry in p["images"]]}} if p["images"] else {})
               for p in spec["mm_prompts"]]
         outs = llm.generate(mm, params, use_tqdm=False)
         results["mm_outputs"] = [_output(o) for o in outs]

@@ -1,38 +1,64 @@
-"""Vision-language models through the plugin: a tiny BLIP-2 (BLIP vision tower, Q-Former,
-OPT decoder) with its processor built locally, on the simulator (compiled) and the
-virtual GCU. Image and text-only requests in one batch, the same image again (vLLM's
-encoder cache, prefix caching), teacher-forced against HF float64 on the processor's
-inputs; the vision tower's attention runs the plugin's ``varlen_attention``
-(``AccelMMEncoderAttention``), not a silent SDPA."""
+"""Vision-language models through the plugin, tiny random-weight checkpoints with their
+processors built locally: BLIP-2 (Q-Former), Qwen2-VL (M-RoPE, dynamic resolution),
+Qwen2.5-VL (windowed vision tower) and LLaVA (CLIP tower), each on the simulator
+(compiled) and the virtual GCU. Image and text-only requests in one batch, two images
+of different sizes in one request, the same image again (vLLM's encoder cache, prefix
+caching), teacher-forced against HF float64 on the processor's inputs; the vision
+tower's attention runs the plugin's ``varlen_attention`` (``AccelMMEncoderAttention``),
+not a silent SDPA."""
+
+import functools
 
 import pytest
 
 from conftest import VIRTUAL_GCU_ENV, run_engine
-from vlm_models import build_tiny_blip2, hf_logprobs, random_image
+from vlm_models import (PLACEHOLDERS, build_tiny_blip2, build_tiny_llava, build_tiny_qwen_vl,
+                        hf_logprobs, image_of, random_image)
 
 VIRTUAL = {**VIRTUAL_GCU_ENV, "ACCEL_SIM_DEVICE_MEMORY_GB": "1"}
 CASES = {"sim-compiled": ({}, True), "virtual": (VIRTUAL, False)}
-#: (prompt, image seed or None); the last repeats the first (encoder and prefix caches)
-PROMPTS = [("Question: what is in the picture? Answer:", 1),
-           ("Question: say something about France. Answer:", None),
-           ("Question: which colour is it? Answer:", 2),
-           ("Question: what is in the picture? Answer:", 1)]
+BUILDERS = {"blip2": build_tiny_blip2, "llava": build_tiny_llava,
+            "qwen2_vl": functools.partial(build_tiny_qwen_vl, family="qwen2_vl"),
+            "qwen2_5_vl": functools.partial(build_tiny_qwen_vl, family="qwen2_5_vl")}
+
+
+def prompts(family: str) -> list[tuple[str, list]]:
+    """(prompt, images as ``image_of`` entries); the last repeats the first (encoder
+    and prefix caches). BLIP-2 takes one image per prompt; the others get two of
+    different sizes (Qwen's token count follows the size)."""
+    image = PLACEHOLDERS[family]
+    two = ([f"{image}{image}Question: which one is brighter? Answer:", [2, [3, 140, 200]]]
+           if family != "blip2" else ["Question: which colour is it? Answer:", [2]])
+    return [(f"{image}Question: what is in the picture? Answer:", [1]),
+            ("Question: say something about France. Answer:", []),
+            tuple(two),
+            (f"{image}Question: what is in the picture? Answer:", [1])]
 
 
 @pytest.fixture(scope="module")
-def blip2(tmp_path_factory, default_model):
-    return build_tiny_blip2(tmp_path_factory.mktemp("vlm") / "blip2", default_model)
+def vlm_dir(tmp_path_factory, default_model):
+    built = {}
+
+    def get(family: str):
+        if family not in built:
+            built[family] = BUILDERS[family](tmp_path_factory.mktemp(family) / family,
+                                             default_model)
+        return built[family]
+    return get
 
 
 @pytest.mark.engine
 @pytest.mark.parametrize("case", list(CASES))
-def test_blip2_images_match_hf(case, blip2, tmp_path):
+@pytest.mark.parametrize("family", list(BUILDERS))
+def test_images_match_hf(family, case, vlm_dir, tmp_path):
     env, compiled = CASES[case]
-    spec = {"llm": {"model": str(blip2), "dtype": "float32", "enforce_eager": not compiled,
-                    "max_model_len": 256, "max_num_seqs": 4, "enable_prefix_caching": True,
-                    "seed": 0},
-            "mm_prompts": [{"prompt": p, "images": [] if s is None else [s]}
-                           for p, s in PROMPTS],
+    model_dir = vlm_dir(family)
+    cases = prompts(family)
+    spec = {"llm": {"model": str(model_dir), "dtype": "float32",
+                    "enforce_eager": not compiled, "max_model_len": 512, "max_num_seqs": 4,
+                    "enable_prefix_caching": True, "seed": 0,
+                    "limit_mm_per_prompt": {"image": 2 if family != "blip2" else 1}},
+            "mm_prompts": [{"prompt": p, "images": images} for p, images in cases],
             "sampling": {"temperature": 0.0, "max_tokens": 8, "ignore_eos": True,
                          "logprobs": 1}}
     results, log = run_engine(spec, tmp_path, env=env)
@@ -40,21 +66,22 @@ def test_blip2_images_match_hf(case, blip2, tmp_path):
     if env:
         assert "device gcu via virtual" in log
     assert "Multimodal encoder attention: varlen_attention (torch_fast)" in log
-    for (prompt, seed), out in zip(PROMPTS, results["mm_outputs"], strict=True):
-        image = None if seed is None else random_image(seed)
-        logp, n = hf_logprobs(blip2, prompt, image, out["token_ids"])
+    for (prompt, images), out in zip(cases, results["mm_outputs"], strict=True):
+        logp, n = hf_logprobs(model_dir, prompt, [image_of(i) for i in images],
+                              out["token_ids"])
         for step, (token, top) in enumerate(zip(out["token_ids"], out["logprobs"])):
             row = logp[n - 1 + step]
-            assert int(row.argmax()) == token, (prompt, seed, step)
-            assert abs(top[str(token)] - float(row[token])) <= 2e-3, (prompt, seed, step)
+            assert int(row.argmax()) == token, (prompt, images, step)
+            assert abs(top[str(token)] - float(row[token])) <= 2e-3, (prompt, images, step)
     assert results["mm_outputs"][3]["token_ids"] == results["mm_outputs"][0]["token_ids"]
 
 
 @pytest.mark.server
-def test_chat_api_images_by_data_url_and_local_file(blip2, tmp_path):
-    """``/v1/chat/completions`` with an ``image_url``: a base64 data URL and a local
-    ``file://`` URL of the same image give the same answer, which the image changes;
-    a broken image is a 400 and the server keeps serving."""
+def test_chat_api_images_by_data_url_and_local_file(vlm_dir, tmp_path):
+    """``/v1/chat/completions`` to a Qwen2-VL server with ``image_url`` parts: a base64
+    data URL and a local ``file://`` URL of the same image give the same answer, which
+    another image, or a second image in the same message, changes; a broken image is
+    a 400 and the server keeps serving."""
     import base64
     import io
 
@@ -67,9 +94,10 @@ def test_chat_api_images_by_data_url_and_local_file(blip2, tmp_path):
     path = tmp_path / "image.png"
     image.save(path)
     data_url = "data:image/png;base64," + base64.b64encode(path.read_bytes()).decode()
-    proc, url = start_server([str(blip2), "--device", "gcu", "--dtype", "float32",
-                              "--max-model-len", "256", "--allowed-local-media-path",
-                              str(tmp_path)], tmp_path / "server.log")
+    proc, url = start_server([str(vlm_dir("qwen2_vl")), "--device", "gcu", "--dtype",
+                              "float32", "--max-model-len", "512", "--allowed-local-media-path",
+                              str(tmp_path), "--limit-mm-per-prompt", '{"image": 2}'],
+                             tmp_path / "server.log")
     try:
         client = OpenAI(base_url=f"{url}/v1", api_key="unused")
         model = client.models.list().data[0].id
@@ -90,7 +118,10 @@ def test_chat_api_images_by_data_url_and_local_file(blip2, tmp_path):
         other = io.BytesIO()
         random_image(7).save(other, format="PNG")
         other_url = "data:image/png;base64," + base64.b64encode(other.getvalue()).decode()
-        assert ask([{"type": "image_url", "image_url": {"url": other_url}}, question]) != by_data
+        other_part = {"type": "image_url", "image_url": {"url": other_url}}
+        assert ask([other_part, question]) != by_data
+        both = ask([{"type": "image_url", "image_url": {"url": data_url}}, other_part, question])
+        assert both not in (by_data, ask([other_part, question]))
         bad = httpx.post(f"{url}/v1/chat/completions", timeout=60, json={
             "model": model, "max_tokens": 4, "messages": [{"role": "user", "content": [
                 {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}},

@@ -1,25 +1,139 @@
 """Tiny random-weight vision-language checkpoints with their processors, built locally
-(no hub): BLIP-2 (a BLIP vision tower, a Q-Former of 8 queries, an OPT decoder). The
-tokenizer is the default model's with an ``<image>`` token added; the image processor is
-transformers' PIL one. (vLLM 0.32's Qwen2-VL, LLaVA and InternVL modules import
-torchvision, which does not load beside the CPU torch wheel: BLIP-2's do not.)
+(no hub), each with the default model's tokenizer and its image tokens added:
+
+- BLIP-2: a BLIP vision tower, a Q-Former of 8 queries, an OPT decoder (PIL processor);
+- Qwen2-VL: its vision tower (2D RoPE, 2x2 patch merger), a Qwen2 decoder with M-RoPE,
+  dynamic resolution (the image's size sets its token count);
+- Qwen2.5-VL: the same with a windowed vision tower (RMSNorm, SwiGLU; one windowed and
+  one full-attention block) and time-aligned M-RoPE;
+- LLaVA: a CLIP vision tower (CLS dropped, second-to-last layer) through a 2-layer
+  projector into a Llama decoder.
+
+The Qwen and LLaVA processors use torchvision's transforms (vllm_accel's
+``torchvision_compat`` makes PyPI's CUDA build import beside CPU torch).
 """
 
+import functools
 from pathlib import Path
 
 import torch
 
 IMAGE_TOKEN = "<image>"
 IMAGE_SIZE, PATCH, QUERIES = 56, 14, 8
+QWEN_IMAGE = "<|vision_start|><|image_pad|><|vision_end|>"
+QWEN_TOKENS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
+#: the prompt text that stands for one image, per family (BLIP-2's processors put
+#: its query tokens first themselves, one image per prompt)
+PLACEHOLDERS = {"blip2": "", "qwen2_vl": QWEN_IMAGE, "qwen2_5_vl": QWEN_IMAGE,
+                "llava": IMAGE_TOKEN}
+
+
+def _tokenizer(default_model: Path, tokens: list[str]):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(default_model)
+    tok.add_special_tokens({"additional_special_tokens": tokens})
+    return tok
+
+
+def _peaked(model, std: float = 0.08) -> None:
+    """Weights drawn so that logits are peaked (HF's init gives near-ties)."""
+    head = model.get_output_embeddings()
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.normal_(0, 0.4 if p is head.weight else std)
+
+
+def _qwen_text_config(tok) -> dict:
+    return dict(vocab_size=len(tok), hidden_size=128, intermediate_size=256,
+                num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                max_position_embeddings=2048, bos_token_id=tok.bos_token_id,
+                eos_token_id=tok.eos_token_id,
+                rope_parameters={"rope_type": "default", "mrope_section": [4, 6, 6],
+                                 "rope_theta": 10000.0})
+
+
+def build_tiny_qwen_vl(path: Path, default_model: Path, family: str = "qwen2_vl",
+                       seed: int = 0) -> Path:
+    """Qwen2-VL (``family="qwen2_vl"``) or Qwen2.5-VL (``"qwen2_5_vl"``); images are
+    resized to at most 224x224 pixels (up to 64 image tokens)."""
+    import transformers
+    from transformers.models.qwen2_vl.image_processing_qwen2_vl import Qwen2VLImageProcessor
+    from transformers.models.qwen2_vl.video_processing_qwen2_vl import Qwen2VLVideoProcessor
+
+    tok = _tokenizer(default_model, QWEN_TOKENS)
+    ids = dict(zip(("vision_start_token_id", "vision_end_token_id", "image_token_id",
+                    "video_token_id"), tok.convert_tokens_to_ids(QWEN_TOKENS), strict=True))
+    if family == "qwen2_vl":
+        vision = dict(depth=2, embed_dim=64, hidden_size=128, num_heads=2, mlp_ratio=2)
+        config_cls, model_cls = transformers.Qwen2VLConfig, \
+            transformers.Qwen2VLForConditionalGeneration
+        processor_cls = transformers.Qwen2VLProcessor
+    else:
+        vision = dict(depth=2, hidden_size=64, intermediate_size=128, num_heads=2,
+                      out_hidden_size=128, window_size=112, fullatt_block_indexes=[1])
+        config_cls, model_cls = transformers.Qwen2_5_VLConfig, \
+            transformers.Qwen2_5_VLForConditionalGeneration
+        processor_cls = transformers.Qwen2_5_VLProcessor
+    config = config_cls(text_config=_qwen_text_config(tok), vision_config=vision, **ids)
+    torch.manual_seed(seed)
+    model = model_cls(config)
+    _peaked(model)
+    model.save_pretrained(path)
+    pixels = {"min_pixels": 56 * 56, "max_pixels": 224 * 224}
+    processor_cls(image_processor=Qwen2VLImageProcessor(**pixels), tokenizer=tok,
+                  video_processor=Qwen2VLVideoProcessor(**pixels)).save_pretrained(path)
+    return path
+
+
+def build_tiny_llava(path: Path, default_model: Path, seed: int = 0) -> Path:
+    """LLaVA-1.5 layout: 56x56 images, 16 image tokens each."""
+    import transformers
+    from transformers.models.clip.image_processing_clip import CLIPImageProcessor
+
+    tok = _tokenizer(default_model, [IMAGE_TOKEN])
+    vision = transformers.CLIPVisionConfig(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
+        image_size=IMAGE_SIZE, patch_size=PATCH, projection_dim=64)
+    text = transformers.LlamaConfig(
+        vocab_size=len(tok), hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+        bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
+    tokens = (IMAGE_SIZE // PATCH) ** 2
+    config = transformers.LlavaConfig(
+        vision_config=vision.to_dict(), text_config=text.to_dict(),
+        image_token_index=tok.convert_tokens_to_ids(IMAGE_TOKEN), image_seq_length=tokens)
+    torch.manual_seed(seed)
+    model = transformers.LlavaForConditionalGeneration(config)
+    _peaked(model)
+    model.save_pretrained(path)
+    _released_clip_layout(path / "model.safetensors")
+    transformers.LlavaProcessor(
+        image_processor=CLIPImageProcessor(
+            size={"shortest_edge": IMAGE_SIZE},
+            crop_size={"height": IMAGE_SIZE, "width": IMAGE_SIZE}),
+        tokenizer=tok, patch_size=PATCH, vision_feature_select_strategy="default",
+        num_additional_image_tokens=1, image_token=IMAGE_TOKEN).save_pretrained(path)
+    return path
+
+
+def _released_clip_layout(file: Path) -> None:
+    """transformers 5 saves LLaVA's CLIP tower as ``vision_tower.<...>``; the released
+    checkpoints (llava-hf) and vLLM's loader have ``vision_tower.vision_model.<...>``."""
+    from safetensors.torch import load_file, save_file
+
+    prefix = "vision_tower."
+    tensors = {(prefix + "vision_model." + k[len(prefix):] if k.startswith(prefix) else k): v
+               for k, v in load_file(file).items()}
+    save_file(tensors, file, metadata={"format": "pt"})
 
 
 def build_tiny_blip2(path: Path, default_model: Path, seed: int = 0) -> Path:
     import transformers
-    from transformers import AutoTokenizer
     from transformers.models.blip.image_processing_pil_blip import BlipImageProcessorPil
 
-    tok = AutoTokenizer.from_pretrained(default_model)
-    tok.add_special_tokens({"additional_special_tokens": [IMAGE_TOKEN]})
+    tok = _tokenizer(default_model, [IMAGE_TOKEN])
     vision = transformers.Blip2VisionConfig(
         hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
         image_size=IMAGE_SIZE, patch_size=PATCH)
@@ -36,11 +150,7 @@ def build_tiny_blip2(path: Path, default_model: Path, seed: int = 0) -> Path:
         image_token_index=tok.convert_tokens_to_ids(IMAGE_TOKEN))
     torch.manual_seed(seed)
     model = transformers.Blip2ForConditionalGeneration(config)
-    head = model.get_output_embeddings()
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() > 1:
-                p.normal_(0, 0.4 if p is head.weight else 0.08)
+    _peaked(model)
     model.save_pretrained(path, safe_serialization=True)
     transformers.Blip2Processor(
         image_processor=BlipImageProcessorPil(size={"height": IMAGE_SIZE,
@@ -49,36 +159,58 @@ def build_tiny_blip2(path: Path, default_model: Path, seed: int = 0) -> Path:
     return path
 
 
-def random_image(seed: int, size=(70, 90)):
-    """A noise image (PIL) of ``size`` pixels (height, width), resized by the processor."""
+def random_image(seed: int, height: int = 70, width: int = 90):
+    """A noise image (PIL) of ``height`` x ``width`` pixels, resized by the processor."""
     import numpy as np
     from PIL import Image
 
     rng = np.random.default_rng(seed)
-    return Image.fromarray((rng.random((*size, 3)) * 255).astype("uint8"))
+    return Image.fromarray((rng.random((height, width, 3)) * 255).astype("uint8"))
 
 
-def hf_logprobs(model_dir: Path, prompt: str, image, continuation: list[int]):
-    """HF float64 log-probs ``[len, vocab]`` of ``prompt`` (with ``image``'s query
-    tokens, as the processor places them) followed by ``continuation``, and the number
-    of positions before the continuation."""
+def image_of(entry):
+    """An engine spec's image: a seed, or ``[seed, height, width]``."""
+    return random_image(*entry) if isinstance(entry, list) else random_image(entry)
+
+
+HF_CLASSES = {"blip-2": "Blip2ForConditionalGeneration",
+              "qwen2_vl": "Qwen2VLForConditionalGeneration",
+              "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration",
+              "llava": "LlavaForConditionalGeneration"}
+
+
+@functools.lru_cache(maxsize=2)
+def _hf_model(model_dir: str):
     import transformers
 
-    processor = transformers.AutoProcessor.from_pretrained(model_dir)
-    hf = transformers.Blip2ForConditionalGeneration.from_pretrained(
+    model_type = transformers.AutoConfig.from_pretrained(model_dir).model_type
+    model = getattr(transformers, HF_CLASSES[model_type]).from_pretrained(
         model_dir, dtype=torch.float64, attn_implementation="eager")
-    if image is None:
-        ids = processor.tokenizer(prompt, return_tensors="pt")["input_ids"]
-        kwargs = {}
+    return transformers.AutoProcessor.from_pretrained(model_dir), model, model_type
+
+
+def hf_logprobs(model_dir: Path, prompt: str, images: list, continuation: list[int]):
+    """HF float64 log-probs ``[len, vocab]`` of ``prompt`` with ``images`` (PIL; their
+    tokens placed by the processor) followed by ``continuation``, and the number of
+    positions before the continuation."""
+    processor, hf, model_type = _hf_model(str(model_dir))
+    if images:
+        enc = dict(processor(text=prompt, images=images, return_tensors="pt"))
     else:
-        enc = processor(text=prompt, images=[image], return_tensors="pt")
-        ids, kwargs = enc["input_ids"], {"pixel_values": enc["pixel_values"].double()}
-    n = ids.shape[1]
-    ids = torch.cat((ids, torch.tensor([continuation])), dim=1)
+        enc = dict(processor.tokenizer(prompt, return_tensors="pt"))
+    n = enc["input_ids"].shape[1]
+    tail = torch.tensor([continuation])
+    ids = torch.cat((enc.pop("input_ids"), tail), dim=1)
+    enc.pop("attention_mask", None)
+    if "pixel_values" in enc:
+        enc["pixel_values"] = enc["pixel_values"].double()
+    if "mm_token_type_ids" in enc:  # Qwen's M-RoPE positions: text after the prompt
+        enc["mm_token_type_ids"] = torch.cat(
+            (enc["mm_token_type_ids"], torch.zeros_like(tail)), dim=1)
     with torch.no_grad():
-        if image is None:
-            logits = hf.language_model(input_ids=ids).logits[0] if hasattr(
-                hf.language_model, "lm_head") else hf(input_ids=ids).logits[0]
+        if model_type == "blip-2" and not images:  # BLIP-2's forward needs an image
+            lm = hf.language_model
+            logits = (lm if hasattr(lm, "lm_head") else hf)(input_ids=ids).logits[0]
         else:
-            logits = hf(input_ids=ids, **kwargs).logits[0]
+            logits = hf(input_ids=ids, attention_mask=torch.ones_like(ids), **enc).logits[0]
     return torch.log_softmax(logits.double(), -1), n

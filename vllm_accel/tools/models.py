@@ -476,6 +476,9 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
         "serves it, with which kernels, or what is missing; exit 1 when it does not")
     check.add_argument("model_dir", help="an HF model directory")
     check.add_argument("--json", action="store_true", help="print JSON")
+    sub.add_parser(
+        "install-torchvision-hook", help="let PyPI's (CUDA) torchvision import beside CPU "
+        "torch: write the .pth that installs vllm_accel.torchvision_compat's hook")
     return parser
 
 
@@ -491,6 +494,11 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         print(text)
         return 0 if served else 1
+    if args.command == "install-torchvision-hook":
+        from vllm_accel.torchvision_compat import install_pth
+
+        print(install_pth())
+        return 0
     if not logging.getLogger().handlers:
         logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(levelname)s %(name)s: %(message)s")
     try:
