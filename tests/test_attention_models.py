@@ -44,7 +44,7 @@ CASES = {
     "granite_swa-virtual": ("granite_swa", VIRTUAL, False),
     "deepseek_v2-sim-compiled": ("deepseek_v2", SIM, True),
     "deepseek_v2-virtual": ("deepseek_v2", VIRTUAL, False),
-    "deepseek_v3-sim-eager": ("deepseek_v3", SIM, False),
+    "deepseek_v3-sim-compiled": ("deepseek_v3", SIM, True),
     "deepseek_v3-virtual": ("deepseek_v3", VIRTUAL, False),
 }
 

@@ -377,6 +377,31 @@ def test_patch_routes_only_bf16_weights_when_wanted(monkeypatch):
         torch.testing.assert_close(got.float(), expected.float(), rtol=2**-7, atol=2e-3)
 
 
+def test_patch_gives_router_gates_torchs_linear(monkeypatch):
+    """A float32 MoE router gate (vLLM's GateLinear) gets torch's linear, a result of
+    its own, not oneDNN's out-variant (whose buffer compiled routing read before the
+    matmul filled it); a plain Linear of the same shape keeps vLLM's kernel."""
+    from vllm.model_executor.layers import utils
+    from vllm.model_executor.layers.fused_moe.router.gate_linear import GateLinear
+
+    patches.apply_all("general")
+    monkeypatch.setenv("ACCEL_BF16_LINEAR", "on")
+    gate = object.__new__(GateLinear)
+    torch.nn.Module.__init__(gate)
+    gate.weight = _PythonParameter(torch.randn(8, 64), requires_grad=False)
+    plain = torch.nn.Linear(64, 8, bias=False)
+    plain.weight = _PythonParameter(torch.randn(8, 64), requires_grad=False)
+    x = torch.randn(5, 64)
+    expected = {"gate": x @ gate.weight.data.T, "plain": x @ plain.weight.data.T}
+    for name, layer in (("gate", gate), ("plain", plain)):
+        utils.dispatch_cpu_unquantized_gemm(layer, remove_weight=True)
+        torch.testing.assert_close(layer.cpu_linear(x, layer.weight, None), expected[name])
+    assert gate.cpu_linear is torch.nn.functional.linear
+    assert type(gate.weight) is torch.nn.Parameter and gate.weight.shape == (8, 64)
+    assert plain.cpu_linear is not torch.nn.functional.linear
+    assert plain.weight.numel() == 0  # vLLM's oneDNN path dropped it (remove_weight)
+
+
 def test_inductor_graphs_from_the_compile_cache_get_a_finalize_step():
     """vLLM's load path calls finalize_loading() on whatever torch deserialized; the
     wrapper inductor's graphs come back in must have it (and the patch keeps an

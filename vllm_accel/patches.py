@@ -247,6 +247,7 @@ def _serve_exit_status_on_engine_death() -> None:
 
 def _bf16_linear_dispatch() -> None:
     from vllm.model_executor.layers import utils
+    from vllm.model_executor.layers.fused_moe.router.gate_linear import GateLinear
 
     original = utils.dispatch_cpu_unquantized_gemm
     if getattr(original, "__accel_patched__", False):
@@ -260,13 +261,18 @@ def _bf16_linear_dispatch() -> None:
         from vllm_accel.ops.cpu_native import bf16_linear
 
         weight = getattr(layer, "weight", None)
-        if (get_backend().torch_device_type != "cpu" or weight is None
-                or not bf16_linear.takes_weight(weight) or not bf16_linear.wanted()):
+        if get_backend().torch_device_type != "cpu" or weight is None or weight.dim() != 2:
             return original(layer, remove_weight)
-        layer.cpu_linear = bf16_linear.cpu_linear
+        ours = bf16_linear.takes_weight(weight) and bf16_linear.wanted()
+        if not ours and not isinstance(layer, GateLinear):
+            return original(layer, remove_weight)
+        # (a router gate that is not ours: torch's linear, whose result is a new tensor)
+        layer.cpu_linear = bf16_linear.cpu_linear if ours else torch.nn.functional.linear
         # A plain Parameter on the same storage, as vLLM's own dispatch leaves: vLLM's
         # parameter classes run Python (__torch_function__) on every op they enter.
         layer.weight = torch.nn.Parameter(weight.data, requires_grad=False)
+        if not ours:
+            return
         onednn_rows = bf16_linear.onednn_rows(torch.bfloat16)
         logger.info_once("bf16 Linear layers run the cpu_native kernel (ACCEL_BF16_LINEAR=%s; "
                          "AVX512-BF16 tiles from %s rows; AMX tiles from %s rows; oneDNN "
@@ -537,7 +543,7 @@ PATCHES: tuple[Patch, ...] = (
         phase="cli",
     ),
     Patch(
-        name="bf16 linears on the simulator's kernel",
+        name="bf16 linears on the simulator's kernel; router gates on torch's linear",
         why=(
             "vLLM 0.32's CPU linears (UnquantizedLinearMethod -> "
             "dispatch_cpu_unquantized_gemm) call oneDNN's bf16 matmul, which on a CPU "
@@ -549,7 +555,12 @@ PATCHES: tuple[Patch, ...] = (
             "torch's linear, 1.6-4.4x slower than the plugin's AVX2 kernel at 1-64 rows "
             "(an Intel Xeon held to AVX2, measured). Linears on the plugin's "
             "kernel also let a Llama layer run as one op (models/llama.py). vLLM has no "
-            "hook to choose another kernel for unquantized linears."
+            "hook to choose another kernel for unquantized linears. Router gates: "
+            "vLLM's oneDNN linear writes into a buffer it allocates (_C::onednn_mm, an "
+            "out-variant), and in a compiled tiny DeepSeek-V3 torch 2.13's inductor "
+            "scheduled the routing that reads the gate's buffer before the matmul that "
+            "fills it (read uninitialised memory: weights 0.5/0.5 or NaN, wrong "
+            "tokens; seen in the generated code)."
         ),
         how=(
             "Wrap utils.dispatch_cpu_unquantized_gemm (UnquantizedLinearMethod imports it "
@@ -558,8 +569,11 @@ PATCHES: tuple[Patch, ...] = (
             "vllm_accel::bf16_linear (cpu_native/bf16_linear.py) and its layer.weight "
             "becomes a plain Parameter on the same storage (as vLLM's own dispatch "
             "leaves its weights; vLLM's parameter classes run Python on every op); "
-            "every other layer, backend or CPU goes to vLLM's function unchanged. "
-            "Applied from the general plugin, before any model loads."
+            "a MoE router gate (GateLinear) that kernel does not take gets torch's "
+            "linear (a new tensor: nothing for the compiler to reorder; the gate is "
+            "hidden x experts, a negligible matmul); every other layer, backend or CPU "
+            "goes to vLLM's function unchanged. Applied from the general plugin, "
+            "before any model loads."
         ),
         remove_when="vLLM gives platforms a way to pick the unquantized CPU GEMM (the "
         "kernel then registers there).",

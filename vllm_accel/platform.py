@@ -99,28 +99,6 @@ def _keeping_mla_scheduling(vllm_config):
                      MLA_BACKEND_CLS.rsplit(".", 1)[-1], kept[0], kept[2])
 
 
-def _eager_for_mla_q_lora(vllm_config) -> None:
-    """MLA with a query LoRA (DeepSeek-V3, Kimi: ``q_lora_rank``) runs eagerly on the
-    simulator: compiled, a tiny DeepSeek-V3's first token came out 2.6 nats off HF's
-    (test_spec_decode.py's checkpoint; the same without q LoRA, or eager, matches; dynamo
-    with its eager backend and the reference kernels fail too). The MLA op's inputs and
-    outputs and the MoE experts' input equal eager's, but the experts get other top-k ids
-    and weights of exactly 0.5 / 0.5: the routing traced into the graph goes wrong. Until
-    that is found, wrong tokens are worse than a slower start."""
-    from vllm.config import CompilationMode
-
-    model_config = vllm_config.model_config
-    compilation_config = vllm_config.compilation_config
-    if (model_config is None or not model_config.use_mla
-            or getattr(model_config.hf_text_config, "q_lora_rank", None) is None
-            or compilation_config.mode == CompilationMode.NONE):
-        return
-    logger.info_once("vllm_accel: MLA with a query LoRA (q_lora_rank %d) runs eagerly on "
-                     "the simulator (compiled, it gave wrong tokens)",
-                     model_config.hf_text_config.q_lora_rank)
-    compilation_config.mode = CompilationMode.NONE
-
-
 class AccelPlatform(CpuPlatform):
     # A card is not a CPU to vLLM: its CPU-only paths (oneDNN-packed linear
     # weights, CPU attention and ops) must not run on the card's tensors.
@@ -227,7 +205,6 @@ class AccelPlatform(CpuPlatform):
         if backend.is_real_card:
             cls._check_and_update_card_config(vllm_config)
         else:
-            _eager_for_mla_q_lora(vllm_config)
             with _keeping_mla_scheduling(vllm_config):
                 super().check_and_update_config(vllm_config)
         if vllm_config.lora_config is not None and not backend.is_real_card:
