@@ -1,6 +1,7 @@
 """Vision-language models through the plugin, tiny random-weight checkpoints with their
 processors built locally: BLIP-2 (Q-Former), Qwen2-VL (M-RoPE, dynamic resolution),
-Qwen2.5-VL (windowed vision tower) and LLaVA (CLIP tower), each on the simulator
+Qwen2.5-VL (windowed vision tower), LLaVA (CLIP tower), LLaVA-Next (anyres tiles) and
+InternVL (InternViT, pixel shuffle, tiles), each on the simulator
 (compiled) and the virtual GCU. Image and text-only requests in one batch, two images
 of different sizes in one request, the same image again (vLLM's encoder cache, prefix
 caching), teacher-forced against HF float64 on the processor's inputs; the vision
@@ -12,12 +13,14 @@ import functools
 import pytest
 
 from conftest import VIRTUAL_GCU_ENV, run_engine
-from vlm_models import (PLACEHOLDERS, build_tiny_blip2, build_tiny_llava, build_tiny_qwen_vl,
-                        hf_logprobs, image_of, random_image)
+from vlm_models import (PLACEHOLDERS, build_tiny_blip2, build_tiny_internvl, build_tiny_llava,
+                        build_tiny_qwen_vl, hf_logprobs, image_of, random_image)
 
 VIRTUAL = {**VIRTUAL_GCU_ENV, "ACCEL_SIM_DEVICE_MEMORY_GB": "1"}
 CASES = {"sim-compiled": ({}, True), "virtual": (VIRTUAL, False)}
 BUILDERS = {"blip2": build_tiny_blip2, "llava": build_tiny_llava,
+            "llava_next": functools.partial(build_tiny_llava, family="llava_next"),
+            "internvl": build_tiny_internvl,
             "qwen2_vl": functools.partial(build_tiny_qwen_vl, family="qwen2_vl"),
             "qwen2_5_vl": functools.partial(build_tiny_qwen_vl, family="qwen2_5_vl")}
 

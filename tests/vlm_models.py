@@ -7,9 +7,12 @@
 - Qwen2.5-VL: the same with a windowed vision tower (RMSNorm, SwiGLU; one windowed and
   one full-attention block) and time-aligned M-RoPE;
 - LLaVA: a CLIP vision tower (CLS dropped, second-to-last layer) through a 2-layer
-  projector into a Llama decoder.
+  projector into a Llama decoder; LLaVA-Next the same with anyres tiles and an
+  image-newline embedding;
+- InternVL (transformers' own layout, as InternVL3-hf): an InternViT tower, pixel
+  shuffle, a Qwen2 decoder, images cut into tiles plus a thumbnail.
 
-The Qwen and LLaVA processors use torchvision's transforms (vllm_accel's
+The Qwen, LLaVA and InternVL processors use torchvision's transforms (vllm_accel's
 ``torchvision_compat`` makes PyPI's CUDA build import beside CPU torch).
 """
 
@@ -22,10 +25,13 @@ IMAGE_TOKEN = "<image>"
 IMAGE_SIZE, PATCH, QUERIES = 56, 14, 8
 QWEN_IMAGE = "<|vision_start|><|image_pad|><|vision_end|>"
 QWEN_TOKENS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
+INTERNVL_TOKENS = {"start_image_token": "<img>", "end_image_token": "</img>",
+                   "context_image_token": "<IMG_CONTEXT>", "video_token": "<video>"}
 #: the prompt text that stands for one image, per family (BLIP-2's processors put
 #: its query tokens first themselves, one image per prompt)
 PLACEHOLDERS = {"blip2": "", "qwen2_vl": QWEN_IMAGE, "qwen2_5_vl": QWEN_IMAGE,
-                "llava": IMAGE_TOKEN}
+                "llava": IMAGE_TOKEN, "llava_next": IMAGE_TOKEN,
+                "internvl": INTERNVL_TOKENS["context_image_token"]}
 
 
 def _tokenizer(default_model: Path, tokens: list[str]):
@@ -87,34 +93,94 @@ def build_tiny_qwen_vl(path: Path, default_model: Path, family: str = "qwen2_vl"
     return path
 
 
-def build_tiny_llava(path: Path, default_model: Path, seed: int = 0) -> Path:
-    """LLaVA-1.5 layout: 56x56 images, 16 image tokens each."""
+def _clip_llava(family: str, tok, seed: int):
+    """A LLaVA (``family="llava"``) or LLaVA-Next (``"llava_next"``: 2x2 tiles at most
+    plus the base image, an image-newline embedding) model over a 2-layer CLIP tower
+    of 56x56 images."""
     import transformers
-    from transformers.models.clip.image_processing_clip import CLIPImageProcessor
 
-    tok = _tokenizer(default_model, [IMAGE_TOKEN])
     vision = transformers.CLIPVisionConfig(
         hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
         image_size=IMAGE_SIZE, patch_size=PATCH, projection_dim=64)
     text = transformers.LlamaConfig(
         vocab_size=len(tok), hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
         bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
-    tokens = (IMAGE_SIZE // PATCH) ** 2
-    config = transformers.LlavaConfig(
-        vision_config=vision.to_dict(), text_config=text.to_dict(),
-        image_token_index=tok.convert_tokens_to_ids(IMAGE_TOKEN), image_seq_length=tokens)
+    common = dict(vision_config=vision.to_dict(), text_config=text.to_dict(),
+                  image_token_index=tok.convert_tokens_to_ids(IMAGE_TOKEN),
+                  image_seq_length=(IMAGE_SIZE // PATCH) ** 2)
     torch.manual_seed(seed)
-    model = transformers.LlavaForConditionalGeneration(config)
+    if family == "llava":
+        return transformers.LlavaForConditionalGeneration(transformers.LlavaConfig(**common))
+    config = transformers.LlavaNextConfig(image_grid_pinpoints=GRID_PINPOINTS, **common)
+    model = transformers.LlavaNextForConditionalGeneration(config)
+    with torch.no_grad():
+        model.model.image_newline.normal_(0, 1)
+    return model
+
+
+#: LLaVA-Next's tilings of a 56-pixel tower: 1x1 to 2x2 tiles
+GRID_PINPOINTS = [[56, 56], [56, 112], [112, 56], [112, 112]]
+
+
+def build_tiny_llava(path: Path, default_model: Path, family: str = "llava",
+                     seed: int = 0) -> Path:
+    """LLaVA-1.5 (16 tokens an image) or LLaVA-Next (anyres: up to 4 tiles of 16 tokens
+    plus the base image's and a newline per row), saved in the released layout."""
+    import transformers
+    from transformers.models.clip.image_processing_clip import CLIPImageProcessor
+    from transformers.models.llava_next.image_processing_llava_next import (
+        LlavaNextImageProcessor)
+
+    tok = _tokenizer(default_model, [IMAGE_TOKEN])
+    model = _clip_llava(family, tok, seed)
     _peaked(model)
     model.save_pretrained(path)
     _released_clip_layout(path / "model.safetensors")
-    transformers.LlavaProcessor(
-        image_processor=CLIPImageProcessor(
-            size={"shortest_edge": IMAGE_SIZE},
-            crop_size={"height": IMAGE_SIZE, "width": IMAGE_SIZE}),
-        tokenizer=tok, patch_size=PATCH, vision_feature_select_strategy="default",
-        num_additional_image_tokens=1, image_token=IMAGE_TOKEN).save_pretrained(path)
+    size = dict(size={"shortest_edge": IMAGE_SIZE},
+                crop_size={"height": IMAGE_SIZE, "width": IMAGE_SIZE})
+    if family == "llava":
+        processor_cls, image_processor = transformers.LlavaProcessor, CLIPImageProcessor(**size)
+    else:
+        processor_cls = transformers.LlavaNextProcessor
+        image_processor = LlavaNextImageProcessor(image_grid_pinpoints=GRID_PINPOINTS, **size)
+    processor_cls(image_processor=image_processor, tokenizer=tok, patch_size=PATCH,
+                  vision_feature_select_strategy="default", num_additional_image_tokens=1,
+                  image_token=IMAGE_TOKEN).save_pretrained(path)
+    return path
+
+
+def build_tiny_internvl(path: Path, default_model: Path, seed: int = 0) -> Path:
+    """InternVL in transformers' own layout (InternVL3-hf): an InternViT tower of 56x56
+    tiles, pixel shuffle to 4 tokens a tile, a Qwen2 decoder; images cut into up to 4
+    tiles plus a thumbnail."""
+    import transformers
+    from transformers import AutoTokenizer
+    from transformers.models.got_ocr2.image_processing_got_ocr2 import GotOcr2ImageProcessor
+    from transformers.models.internvl.video_processing_internvl import InternVLVideoProcessor
+
+    tok = AutoTokenizer.from_pretrained(default_model, extra_special_tokens=INTERNVL_TOKENS)
+    vision = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=2,
+                  intermediate_size=128, image_size=[IMAGE_SIZE] * 2, patch_size=[PATCH] * 2)
+    text = transformers.Qwen2Config(
+        vocab_size=len(tok), hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
+        bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
+    tokens = (IMAGE_SIZE // PATCH // 2) ** 2
+    config = transformers.InternVLConfig(
+        vision_config=vision, text_config=text.to_dict(), image_seq_length=tokens,
+        image_token_id=tok.context_image_token_id, downsample_ratio=0.5,
+        tie_word_embeddings=False)
+    torch.manual_seed(seed)
+    model = transformers.InternVLForConditionalGeneration(config)
+    _peaked(model)
+    model.save_pretrained(path)
+    tile = {"height": IMAGE_SIZE, "width": IMAGE_SIZE}
+    transformers.InternVLProcessor(
+        image_processor=GotOcr2ImageProcessor(size=tile, crop_to_patches=True, min_patches=1,
+                                              max_patches=4),
+        tokenizer=tok, video_processor=InternVLVideoProcessor(size=tile),
+        image_seq_length=tokens).save_pretrained(path)
     return path
 
 
@@ -176,7 +242,9 @@ def image_of(entry):
 HF_CLASSES = {"blip-2": "Blip2ForConditionalGeneration",
               "qwen2_vl": "Qwen2VLForConditionalGeneration",
               "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration",
-              "llava": "LlavaForConditionalGeneration"}
+              "llava": "LlavaForConditionalGeneration",
+              "llava_next": "LlavaNextForConditionalGeneration",
+              "internvl": "InternVLForConditionalGeneration"}
 
 
 @functools.lru_cache(maxsize=2)
