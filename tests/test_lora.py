@@ -165,11 +165,15 @@ def test_adapters_on_a_quantized_base_match_hf_merged(fmt, lora_models, tmp_path
 def test_serve_lora_modules_runtime_updates_and_bad_adapters(lora_models, tmp_path):
     """--lora-modules a=PATH serves ``a`` as a model; /v1/load_lora_adapter adds ``b`` at
     run time and /v1/unload_lora_adapter removes it; an adapter of a rank above
-    --max-lora-rank and a missing path are 4xx errors; the server keeps serving."""
+    --max-lora-rank, one made for another base model (vLLM alone would serve it, wrong)
+    and a missing path are 4xx errors; the server keeps serving."""
     from openai import OpenAI
 
     base, adapters = lora_models
     too_big, _ = write_adapter(base, tmp_path / "rank16", seed=9, rank=16)
+    # an adapter trained for another base (hidden 64, not 128)
+    other_base, _ = write_adapter(build_tiny_model(tmp_path / "other", head_dim=16, seed=4),
+                                  tmp_path / "other-adapter", seed=10)
     proc, url = start_server(
         [str(base), "--device", "gcu", "--dtype", "float32", "--enable-lora",
          "--max-lora-rank", str(RANK), "--max-loras", "2", "--max-model-len", "256",
@@ -198,12 +202,36 @@ def test_serve_lora_modules_runtime_updates_and_bad_adapters(lora_models, tmp_pa
         missing = httpx.post(f"{url}/v1/load_lora_adapter",
                              json={"lora_name": "gone", "lora_path": str(tmp_path / "none")})
         assert 400 <= missing.status_code < 500, missing.text
+        other = httpx.post(f"{url}/v1/load_lora_adapter",
+                           json={"lora_name": "other", "lora_path": str(other_base)})
+        assert other.status_code == 400 and "made for another base model" in other.text, \
+            other.text
+        assert ("mlp.down_proj.lora_A.weight is [8, 128], but the model's down_proj takes "
+                "256 features") in other.text
         r = httpx.post(f"{url}/v1/unload_lora_adapter", json={"lora_name": "b"})
         assert r.status_code == 200, r.text
         assert "b" not in {m.id for m in client.models.list().data}
         assert tokens("a") == a_text and tokens(str(base)) == base_text  # still serving
     finally:
         stop_server(proc)
+
+
+@pytest.mark.server
+def test_serve_refuses_a_startup_adapter_made_for_another_base(lora_models, tmp_path):
+    """``--lora-modules`` with an adapter for a narrower base: the server stops at
+    startup naming the tensor (vLLM alone serves it, with garbage)."""
+    from conftest import spawn_server
+
+    base, _ = lora_models
+    other, _ = write_adapter(build_tiny_model(tmp_path / "other", head_dim=16, seed=4),
+                             tmp_path / "other-adapter", seed=10)
+    log = tmp_path / "server.log"
+    proc = spawn_server([str(base), "--device", "gcu", "--dtype", "float32", "--enable-lora",
+                         "--max-lora-rank", str(RANK), "--max-model-len", "256",
+                         "--enforce-eager", "--lora-modules", f"x={other}"], log)
+    assert proc.wait(timeout=300) != 0
+    assert ("LoRA adapter 'x' does not fit this model: base_model.model.model.layers.0.mlp."
+            "down_proj.lora_A.weight is [8, 128]") in log.read_text()
 
 
 @pytest.mark.parametrize("provider", ["reference", "torch_fast"])

@@ -157,3 +157,38 @@ def test_mtp_greedy_is_plain_greedy(env, compiled, tmp_path):
     assert ("Warming up model for the compilation" in log) == compiled
     assert results["spec_decode"].get("vllm:spec_decode_num_draft_tokens", 0) > 0
     assert_matches_hf(model, prompts, results["outputs"])
+
+
+@pytest.mark.server
+def test_serve_ngram_speculation_over_the_openai_api(models, tmp_path):
+    """``vllm serve --speculative-config`` (n-gram): completions through the OpenAI
+    client are HF's greedy tokens, and the server's metrics show drafts proposed and
+    accepted."""
+    import httpx
+    from openai import OpenAI
+
+    from conftest import hf_greedy, start_server, stop_server
+
+    target, _, _ = models
+    prompts = _prompts("serve")
+    expected = hf_greedy(target, prompts, 16)
+    speculative = ('{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4, '
+                   '"prompt_lookup_min": 2}')
+    proc, url = start_server([str(target), "--device", "gcu", "--dtype", "float32",
+                              "--max-model-len", "256", "--skip-tokenizer-init",
+                              "--speculative-config", speculative], tmp_path / "server.log")
+    try:
+        client = OpenAI(base_url=f"{url}/v1", api_key="unused")
+        got = [client.completions.create(
+            model=str(target), prompt=ids, max_tokens=16, temperature=0,
+            extra_body={"ignore_eos": True, "return_token_ids": True}).choices[0].token_ids
+            for ids in prompts]
+        assert got == expected
+        metrics = httpx.get(f"{url}/metrics", timeout=30).text
+        counts = {name: sum(float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines()
+                            if line.startswith(name))
+                  for name in ("vllm:spec_decode_num_draft_tokens_total",
+                               "vllm:spec_decode_num_accepted_tokens_total")}
+        assert all(v > 0 for v in counts.values()), counts
+    finally:
+        stop_server(proc)

@@ -399,19 +399,28 @@ def _lora_rank_check(parser=None) -> None:
         error = await original(self, request)
         if error is not None:
             return error
-        lora_config = getattr(self.engine_client.vllm_config, "lora_config", None)
+        vllm_config = self.engine_client.vllm_config
+        lora_config = getattr(vllm_config, "lora_config", None)
         rank = lora_adapter_rank(request.lora_path)
+        message = None
         if lora_config is not None and rank is not None and rank > lora_config.max_lora_rank:
-            from http import HTTPStatus
+            message = (f"LoRA adapter {request.lora_name!r} has rank {rank}, above this "
+                       f"server's --max-lora-rank {lora_config.max_lora_rank}; restart the "
+                       f"server with --max-lora-rank {rank} or more to serve it.")
+        else:
+            mismatch = lora_adapter_mismatch(request.lora_path,
+                                             vllm_config.model_config.hf_text_config)
+            if mismatch is not None:
+                message = (f"LoRA adapter {request.lora_name!r} does not fit this "
+                           f"model: {mismatch}; it was made for another base model.")
+        if message is None:
+            return None
+        from http import HTTPStatus
 
-            from vllm.entrypoints.serve import create_error_response
+        from vllm.entrypoints.serve import create_error_response
 
-            return create_error_response(
-                message=f"LoRA adapter {request.lora_name!r} has rank {rank}, above this "
-                f"server's --max-lora-rank {lora_config.max_lora_rank}; restart the "
-                f"server with --max-lora-rank {rank} or more to serve it.",
-                err_type="InvalidUserInput", status_code=HTTPStatus.BAD_REQUEST)
-        return None
+        return create_error_response(message=message, err_type="InvalidUserInput",
+                                     status_code=HTTPStatus.BAD_REQUEST)
 
     check.__accel_patched__ = True  # type: ignore[attr-defined]
     OpenAIServingModels._check_load_lora_adapter_request = check
@@ -429,6 +438,53 @@ def lora_adapter_rank(path: str) -> int | None:
     except (OSError, ValueError):
         return None
     return rank if isinstance(rank, int) else None
+
+
+#: a decoder layer's LoRA targets -> (input width, output width) from its text config
+def _projection_widths(config) -> dict[str, tuple[int, int]]:
+    hidden = config.hidden_size
+    heads = config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    head_dim = getattr(config, "head_dim", None) or hidden // heads
+    inter = getattr(config, "intermediate_size", None)
+    widths = {"q_proj": (hidden, heads * head_dim), "k_proj": (hidden, kv_heads * head_dim),
+              "v_proj": (hidden, kv_heads * head_dim), "o_proj": (heads * head_dim, hidden)}
+    if isinstance(inter, int):
+        widths.update(gate_proj=(hidden, inter), up_proj=(hidden, inter),
+                      down_proj=(inter, hidden))
+    return widths
+
+
+def lora_adapter_mismatch(path: str, text_config) -> str | None:
+    """The first LoRA tensor of a local PEFT adapter (safetensors; shapes read from the
+    header, no data) whose width differs from the model's projection it targets, said
+    in words; None when all fit or the adapter is not local safetensors (the engine
+    checks it as before). vLLM 0.32 copies a narrower adapter into its slots without a
+    word and serves garbage."""
+    from pathlib import Path
+
+    from safetensors import safe_open
+
+    file = Path(path) / "adapter_model.safetensors"
+    if not file.is_file():
+        return None
+    try:
+        widths = _projection_widths(text_config)
+    except (AttributeError, TypeError):
+        return None
+    with safe_open(str(file), "pt") as f:
+        for name in f.keys():
+            parts = name.split(".")
+            if len(parts) < 3 or parts[-2] not in ("lora_A", "lora_B") or \
+                    parts[-3] not in widths:
+                continue
+            shape = f.get_slice(name).get_shape()
+            in_width, out_width = widths[parts[-3]]
+            side, want = ((1, in_width) if parts[-2] == "lora_A" else (0, out_width))
+            if len(shape) != 2 or shape[side] != want:
+                return (f"{name} is {list(shape)}, but the model's {parts[-3]} "
+                        f"{'takes' if side else 'gives'} {want} features")
+    return None
 
 
 PATCHES: tuple[Patch, ...] = (
@@ -687,20 +743,26 @@ PATCHES: tuple[Patch, ...] = (
         phase="cli",
     ),
     Patch(
-        name="a LoRA adapter above --max-lora-rank is a 400, not a 500",
+        name="a LoRA adapter above --max-lora-rank, or made for another base, is a 400",
         why=(
             "vLLM 0.32's /v1/load_lora_adapter hands the adapter to the engine and maps "
             "every failure but a missing path to 500 InternalServerError, so a client "
             "asking for an adapter of a rank the server was not started for gets a "
             "server error (the engine's 'LoRA rank 16 is greater than max_lora_rank 8') "
-            "instead of a client error naming the fix."
+            "instead of a client error naming the fix. An adapter made for a narrower "
+            "base model is not refused at all: its tensors are copied into the slots' "
+            "corners and requests get garbage (measured: hidden 64 on a hidden-128 model)."
         ),
         how=(
             "Wrap OpenAIServingModels._check_load_lora_adapter_request (vLLM's request "
             "checks before the engine call): after vLLM's own checks, a local adapter "
             "whose adapter_config.json rank is above the server's max_lora_rank gets "
-            "400 InvalidUserInput naming --max-lora-rank. Applied from the platform's "
-            "parser hook, in the API server's process."
+            "400 InvalidUserInput naming --max-lora-rank, and one whose LoRA tensors' "
+            "widths (read from the safetensors header) differ from the model's "
+            "attention/MLP projections gets 400 naming the tensor; --lora-modules go "
+            "through the same check, so such an adapter stops the server at startup "
+            "with that message. Applied from the platform's parser hook, in the API "
+            "server's process."
         ),
         remove_when="vLLM answers adapter errors caused by the request with a 4xx.",
         apply=_lora_rank_check,
