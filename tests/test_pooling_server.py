@@ -1,5 +1,6 @@
-"""Pooling models behind ``vllm serve --runner pooling`` on the simulated GCU, through
-the OpenAI client and vLLM's scoring endpoints, against HF transformers float64:
+"""Pooling models behind ``vllm serve --runner pooling`` on the simulated GCU (and, for
+the decoder embedding model and the reranker, the virtual GCU), through the OpenAI
+client and vLLM's scoring endpoints, against HF transformers float64:
 
 - an encoder-only embedding model (BERT, CLS pooling): ``/v1/embeddings`` for strings
   and token ids;
@@ -15,7 +16,7 @@ import httpx
 import pytest
 import torch
 
-from conftest import start_server, stop_server
+from conftest import VIRTUAL_GCU_ENV, start_server, stop_server
 from quantizer import _copy_side_files
 
 VOCAB = 49152
@@ -57,9 +58,17 @@ def checkpoints(tmp_path_factory, default_model):
     }
 
 
-def _serve(model, tmp_path, *args):
-    return start_server([str(model), "--device", "gcu", "--runner", "pooling", "--dtype",
-                         "float32", "--max-model-len", "256", *args], tmp_path / "server.log")
+#: where a server runs: the simulator, or the card path on the virtual GCU
+PATHS = {"sim": {}, "virtual": {**VIRTUAL_GCU_ENV, "ACCEL_SIM_DEVICE_MEMORY_GB": "1"}}
+
+
+def _serve(model, tmp_path, *args, path="sim"):
+    proc, url = start_server([str(model), "--device", "gcu", "--runner", "pooling", "--dtype",
+                              "float32", "--max-model-len", "256", *args],
+                             tmp_path / "server.log", env=PATHS[path])
+    if path == "virtual":
+        assert "device gcu via virtual" in (tmp_path / "server.log").read_text()
+    return proc, url
 
 
 def _hf(model_dir, cls):
@@ -97,12 +106,13 @@ def test_encoder_embeddings_endpoint(checkpoints, tmp_path):
 
 
 @pytest.mark.server
-def test_decoder_embedding_model_pools_the_last_token(checkpoints, tmp_path):
+@pytest.mark.parametrize("path", list(PATHS))
+def test_decoder_embedding_model_pools_the_last_token(path, checkpoints, tmp_path):
     from openai import OpenAI
 
     hf, tok = _hf(checkpoints["qwen3"], "Qwen3Model")
     proc, url = _serve(checkpoints["qwen3"], tmp_path, "--pooler-config",
-                       '{"seq_pooling_type": "LAST", "use_activation": true}')
+                       '{"seq_pooling_type": "LAST", "use_activation": true}', path=path)
     try:
         client = OpenAI(base_url=f"{url}/v1", api_key="unused")
         model = client.models.list().data[0].id
@@ -116,7 +126,8 @@ def test_decoder_embedding_model_pools_the_last_token(checkpoints, tmp_path):
 
 
 @pytest.mark.server
-def test_cross_encoder_score_and_rerank(checkpoints, tmp_path):
+@pytest.mark.parametrize("path", list(PATHS))
+def test_cross_encoder_score_and_rerank(path, checkpoints, tmp_path):
     hf, tok = _hf(checkpoints["ranker"], "BertForSequenceClassification")
     query, docs = TEXTS[0], TEXTS
 
@@ -126,7 +137,7 @@ def test_cross_encoder_score_and_rerank(checkpoints, tmp_path):
             return float(torch.sigmoid(hf(**enc).logits[0, 0]))
 
     want = [hf_score(d) for d in docs]
-    proc, url = _serve(checkpoints["ranker"], tmp_path)
+    proc, url = _serve(checkpoints["ranker"], tmp_path, path=path)
     try:
         model = httpx.get(f"{url}/v1/models").json()["data"][0]["id"]
         r = httpx.post(f"{url}/score", json={"model": model, "queries": query,
