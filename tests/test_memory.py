@@ -110,6 +110,37 @@ def _kernel_collapses_pages() -> bool:
     return os.path.exists("/sys/kernel/mm/transparent_hugepage/enabled") and release >= (6, 1)
 
 
+def test_madvise_tries_again_on_eagain(monkeypatch):
+    """MADV_COLLAPSE's EAGAIN (temporary contention) is retried; other errors are not."""
+    import ctypes
+    import errno
+
+    from vllm_accel.backends.cpu_sim import huge_pages
+
+    monkeypatch.setattr(huge_pages.time, "sleep", lambda s: None)
+
+    class Libc:
+        def __init__(self, errors):
+            self.errors, self.calls = list(errors), 0
+
+        def madvise(self, start, length, advice):
+            self.calls += 1
+            if not self.errors:
+                return 0
+            ctypes.set_errno(self.errors.pop(0))
+            return -1
+
+    libc = Libc([errno.EAGAIN, errno.EAGAIN])
+    assert huge_pages._madvise(libc, 0, 4096, huge_pages.MADV_COLLAPSE) == 0
+    assert libc.calls == 3
+    libc = Libc([errno.EAGAIN] * 10)
+    assert huge_pages._madvise(libc, 0, 4096, huge_pages.MADV_COLLAPSE) == errno.EAGAIN
+    assert libc.calls == huge_pages.EAGAIN_RETRIES + 1
+    libc = Libc([errno.EINVAL, errno.EAGAIN])
+    assert huge_pages._madvise(libc, 0, 4096, huge_pages.MADV_COLLAPSE) == errno.EINVAL
+    assert libc.calls == 1
+
+
 def test_weights_move_to_huge_pages_in_place():
     """MADV_HUGEPAGE + MADV_COLLAPSE: every whole huge page inside the weights is one,
     by our smaps reading and by the kernel's own total, and the tensors keep address

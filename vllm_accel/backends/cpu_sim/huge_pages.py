@@ -17,6 +17,7 @@ without THP or ``MADV_COLLAPSE`` leaves the 4 KiB pages, which is only slower.
 import ctypes
 import errno
 import os
+import time
 from collections.abc import Iterable
 
 import torch
@@ -62,11 +63,20 @@ def storage_ranges(tensors: Iterable[torch.Tensor], min_bytes: int = _MIN_BYTES)
     return [(start, end) for start, end in merged]
 
 
+#: MADV_COLLAPSE's EAGAIN is "temporary resource contention" (madvise(2)): seen while
+#: other processes churned memory; tried again this many times, 20 ms apart
+EAGAIN_RETRIES = 5
+
+
 def _madvise(libc, start: int, end: int, advice: int) -> int:
-    """0 or the errno of madvise(2) over [start, end)."""
-    if libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), advice) == 0:
-        return 0
-    return ctypes.get_errno()
+    """0 or the errno of madvise(2) over [start, end) (EAGAIN: after retries)."""
+    for attempt in range(EAGAIN_RETRIES + 1):
+        if libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), advice) == 0:
+            return 0
+        err = ctypes.get_errno()
+        if err != errno.EAGAIN or attempt == EAGAIN_RETRIES:
+            return err
+        time.sleep(0.02)
 
 
 def back_with_huge_pages(tensors: Iterable[torch.Tensor]) -> tuple[int, str | None]:
