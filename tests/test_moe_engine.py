@@ -88,11 +88,13 @@ def test_moe_model_matches_hf(case, models, tmp_path):
 @pytest.mark.parametrize("path", ["sim", "virtual"])
 def test_expert_parallel_tp2_matches_hf(path, models, tmp_path):
     """``--enable-expert-parallel`` at TP=2: each rank holds half the experts (vLLM's
-    expert map), the runner all-reduces; tokens and log-probs stay HF's."""
+    expert map), the runner all-reduces; tokens and log-probs stay HF's. The simulator
+    compiles (vLLM's default; the suite's compiled tensor-parallel engine)."""
     prompts = _prompts("ep", lengths=(9, 31, 4))
-    spec = _spec(models["qwen3_moe"], prompts, "float32", False, tensor_parallel_size=2,
-                 enable_expert_parallel=True)
+    spec = _spec(models["qwen3_moe"], prompts, "float32", path == "sim",
+                 tensor_parallel_size=2, enable_expert_parallel=True)
     results, log = run_engine(spec, tmp_path, env=SIM if path == "sim" else VIRTUAL)
+    assert ("Warming up model for the compilation" in log) == (path == "sim")
     assert "[EP Rank 0/2] Expert parallelism is enabled" in log
     for rank in (0, 1):
         assert re.search(rf"Worker_TP{rank}_EP{rank} .*AccelFusedMoEMethod, 8 of 16 experts here",

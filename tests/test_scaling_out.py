@@ -185,14 +185,16 @@ def test_ray_backend_maps_to_our_executor_and_refuses_the_older_one(monkeypatch)
 
 @pytest.mark.engine
 def test_ray_tensor_parallel_matches_hf_with_one_core_per_rank(tmp_path):
-    """TP=2 through Ray (compiled, vLLM's default), no Ray cluster running: the
-    executor starts a local Ray instance with the engine's 2 simulated devices
-    declared; HF's greedy tokens; each rank's model thread is bound to its own core
-    with one torch thread (Ray starts actors unbound)."""
+    """TP=2 through Ray (eager: the compiled TP=2 engine is test_moe_engine's expert
+    parallel one), no Ray cluster running: the executor starts a local Ray instance
+    with the engine's 2 simulated devices declared; HF's greedy tokens; each rank's
+    model thread is bound to its own core with one torch thread (Ray starts actors
+    unbound)."""
     model = build_tiny_model(tmp_path / "tiny", head_dim=64, hidden_size=256)
     prompts = [[5, 6, 7, 8, 9], [40, 41, 42], [300, 7, 301, 8, 302, 9, 303]]
     expected = hf_greedy(model, prompts, NEW_TOKENS)
-    result, log = run_engine({**_ray_tp2_spec(model, prompts), "worker_threads": True,
+    result, log = run_engine({**_ray_tp2_spec(model, prompts, enforce_eager=True),
+                              "worker_threads": True,
                               "engine_until_exit": True},
                              tmp_path, env={"RAY_ADDRESS": ""})
     assert "starting a local Ray instance with this engine's 2 devices" in log, log[-3000:]
