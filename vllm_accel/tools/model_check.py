@@ -27,6 +27,10 @@ QUANT_MOE = {"gptq": "GPTQ experts (quant/moe.py)",
 ALIBI_TYPES = {"bloom", "mpt", "baichuan", "jais", "falcon"}
 #: model types with learned attention sinks
 SINK_TYPES = {"gpt_oss", "granite_swa", "granitemoe_swa"}
+#: vision-language architectures whose image requests tests/test_vlm.py holds to HF
+VERIFIED_MULTIMODAL = {"Blip2ForConditionalGeneration", "Qwen2VLForConditionalGeneration",
+                       "Qwen2_5_VLForConditionalGeneration", "LlavaForConditionalGeneration",
+                       "LlavaNextForConditionalGeneration", "InternVLForConditionalGeneration"}
 
 
 @dataclass
@@ -144,9 +148,14 @@ def _architecture(config: dict) -> list[Finding]:
                              "vLLM's pooling runner (--runner pooling); encoder-only "
                              "layers through varlen_attention"))
     if info.supports_multimodal:
-        found.append(Finding("multimodal inputs", False,
-                             "not verified through the plugin yet; text-only requests use "
-                             "the plugin's attention; exclude the plugin for images"))
+        if arch in VERIFIED_MULTIMODAL:
+            found.append(Finding("image inputs", True,
+                                 "vLLM's processor and encoder cache; the vision tower's "
+                                 "attention on varlen_attention (AccelMMEncoderAttention)"))
+        else:
+            found.append(Finding("multimodal inputs", False,
+                                 "not verified through the plugin yet; text-only requests "
+                                 "use the plugin's attention; exclude the plugin for images"))
     if info.is_hybrid or info.is_attention_free:
         found.append(Finding("state-space (Mamba) layers", False,
                              "not served: ACCEL_ATTN has no recurrent-state kernels"))
