@@ -460,8 +460,9 @@ def test_compile_cache_key_follows_accel_settings_sources_cpu_and_native_build(m
 
 def test_lora_adapter_above_max_rank_is_a_400_naming_the_flag(tmp_path):
     """The patched request check answers 400 before the engine sees an adapter whose
-    rank is above the server's max_lora_rank; within it, or without a readable
-    adapter_config.json (the engine decides, as before), it passes."""
+    rank is above the server's max_lora_rank, or whose LoRA tensors are not the model's
+    widths; within it, or without a readable adapter_config.json (the engine decides,
+    as before), it passes."""
     import asyncio
     import json
     from types import SimpleNamespace
@@ -475,11 +476,24 @@ def test_lora_adapter_above_max_rank_is_a_400_naming_the_flag(tmp_path):
     models = object.__new__(OpenAIServingModels)
     models.lora_requests = {}
     models.registry = SimpleNamespace(is_base_model=lambda name: False)
-    models.engine_client = SimpleNamespace(
-        vllm_config=SimpleNamespace(lora_config=SimpleNamespace(max_lora_rank=8)))
+    from safetensors.torch import save_file
+    from transformers import LlamaConfig
+
+    text = LlamaConfig(hidden_size=128, intermediate_size=256, num_attention_heads=4,
+                       num_key_value_heads=2)
+    models.engine_client = SimpleNamespace(vllm_config=SimpleNamespace(
+        lora_config=SimpleNamespace(max_lora_rank=8),
+        model_config=SimpleNamespace(hf_text_config=text)))
     for rank in (8, 16):
         (tmp_path / f"r{rank}").mkdir()
         (tmp_path / f"r{rank}" / "adapter_config.json").write_text(json.dumps({"r": rank}))
+    prefix = "base_model.model.model.layers.0."
+    for name, hidden in (("fits", 128), ("other", 64)):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "adapter_config.json").write_text(json.dumps({"r": 8}))
+        save_file({prefix + "self_attn.k_proj.lora_A.weight": torch.zeros(8, hidden),
+                   prefix + "self_attn.k_proj.lora_B.weight": torch.zeros(64, 8)},
+                  str(tmp_path / name / "adapter_model.safetensors"))
 
     def run(path):
         request = LoadLoRAAdapterRequest(lora_name="x", lora_path=str(path))
@@ -488,6 +502,11 @@ def test_lora_adapter_above_max_rank_is_a_400_naming_the_flag(tmp_path):
     assert run(tmp_path / "r8") is None and run(tmp_path / "missing") is None
     error = run(tmp_path / "r16")
     assert error.error.code == 400 and "--max-lora-rank 16" in error.error.message
+    assert run(tmp_path / "fits") is None
+    error = run(tmp_path / "other")
+    assert error.error.code == 400 and "made for another base model" in error.error.message
+    assert "k_proj.lora_A.weight is [8, 64], but the model's k_proj takes 128" in \
+        error.error.message
 
 
 def test_card_runner_streams_come_from_the_device_module_inside_the_block_only():
