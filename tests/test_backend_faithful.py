@@ -112,6 +112,36 @@ GCU_DISPATCH = textwrap.dedent("""
     assert torch.allclose(rk.double(), ref_rope(kk), atol=1e-5)
     rq2, none = registry.get_kernel("rotary_embedding")(pos, q, None, cache, 8, 8, True)
     assert none is None and torch.allclose(rq2.double(), ref_rope(q), atol=1e-5)
+    # MLA (DeepSeek's 512 + 64 latent, pages of 64): the cache write through
+    # concat_and_cache_mla, decode through FlashMLA's op, against the float64 oracle;
+    # a request with nothing cached (batch padding) gives zeros; float32 and pages of
+    # 16 are outside FlashMLA's contract: its decode falls back
+    from vllm_accel.ops.reference import mla as mla_ref
+    import vllm_accel.ops.torch_fast.mla  # noqa: F401
+    for dtype, page, writes, decodes in ((torch.bfloat16, 64, 1, 1), (torch.float32, 64, 1, 0),
+                                         (torch.bfloat16, 16, 1, 0)):
+        before = dict(calls)
+        lens = torch.tensor([70, 0, 5], dtype=torch.int32)
+        table = torch.tensor([[3, 0, 0, 0, 0, 0, 0, 0, 0], [1, 1, 1, 1, 1, 1, 1, 1, 1],
+                              [5, 4, 2, 0, 0, 0, 0, 0, 0]], dtype=torch.int32)[:, :1 + 128 // page]
+        table = table if page == 64 else torch.arange(3 * table.shape[1]).view(3, -1).int() + 1
+        cache = torch.zeros(64 * 6 // page * (4 if page == 16 else 1) + 1, page, 576, dtype=dtype)
+        slots = torch.cat([mla_ref.request_slots(table[i], page, n)
+                           for i, n in enumerate(lens.tolist())])
+        slots = torch.cat((slots, torch.tensor([-1])))  # a padding row
+        c, pe = torch.randn(slots.numel(), 512, dtype=dtype), torch.randn(slots.numel(), 64, dtype=dtype)
+        registry.get_kernel("mla_cache_write")(c, pe, cache, slots)
+        rows = cache.view(-1, 576)
+        assert torch.equal(rows[slots[:-1]], torch.cat((c, pe), -1)[:-1])
+        q_nope, q_pe = torch.randn(3, 4, 512, dtype=dtype), torch.randn(3, 4, 64, dtype=dtype)
+        got = registry.get_kernel("mla_decode")(q_nope, q_pe, cache, table, lens, 0.05)
+        want = mla_ref.mla_decode(q_nope.double(), q_pe.double(), cache.double(), table, lens, 0.05)
+        tol = 2e-2 if dtype == torch.bfloat16 else 1e-5
+        assert got.dtype == dtype and torch.allclose(got.double(), want, atol=tol), dtype
+        assert not got[1].any()
+        vendor = "vllm_gcu._C" in sys.modules
+        for op, n in (("concat_and_cache_mla", writes), ("fwd_kvcache_mla", decodes)):
+            assert calls.get(op, 0) - before.get(op, 0) == (n if vendor else 0), (op, dtype, page)
     print("CALLS", dict(calls))
 """)
 
@@ -123,7 +153,10 @@ def test_gcu_vendor_ops_are_used_when_registered(tmp_path):
     # one plain + one fused norm (the variance_size call fell back), one silu, one
     # rope (the key=None call fell back), two plain and two grouped routings
     assert ("CALLS {'rms_norm': 1, 'fused_add_rms_norm': 1, 'silu_and_mul': 1, "
-            "'topk_softmax': 2, 'fused_grouped_topk': 2, 'rotary_embedding': 1}") in out
+            "'topk_softmax': 2, 'fused_grouped_topk': 2, 'rotary_embedding': 1, "
+            "'concat_and_cache_mla': 3, 'get_mla_metadata': 1, 'fwd_kvcache_mla': 1}") in out
+    assert ("'gcu_vendor:mla_decode': 'registered (_flashmla_C::fwd_kvcache_mla, "
+            "_flashmla_C::get_mla_metadata)'") in out
     assert ("'gcu_vendor:moe_route': 'registered (_C::fused_grouped_topk, "
             "_moe_C::topk_softmax)'") in out
 

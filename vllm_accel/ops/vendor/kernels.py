@@ -18,6 +18,10 @@ Providers:
   without its ``renormalize`` argument, which older forks lack) and
   ``_C::fused_grouped_topk`` (softmax or sigmoid scores, DeepSeek's correction bias
   and group-limited choice; what vllm-gcu swaps in for vLLM's ``grouped_topk``).
+  MLA: the latent cache write through ``_C_cache_ops::concat_and_cache_mla`` and the
+  absorbed decode through FlashMLA's ``_flashmla_C::fwd_kvcache_mla`` (vLLM's latent
+  cache is ours, so both read and write it in place; decode within FlashMLA's
+  contract: bf16/fp16, 512 + 64 latent, pages of 64, which is our default).
 * ``sophgo_vendor``: Sophgo's ``my_ops::rmsnorm_forward`` and the MoE experts
   ``my_ops::fused_moe_fused_experts`` (SiLU-gated bf16/fp16 experts without biases;
   each (token, choice) pair's unweighted output, weighted and summed here). Its
@@ -138,6 +142,80 @@ def _gcu_moe_route(ops):
     return gcu_moe_route
 
 
+#: FlashMLA's contract, which Enflame's ``_flashmla_C`` reuses with vLLM's op names:
+#: DeepSeek's latent (512 + 64 rope) in pages of 64 tokens, bf16 or fp16
+FLASH_MLA_LATENT, FLASH_MLA_ROPE, FLASH_MLA_PAGE = 512, 64, 64
+
+
+def _gcu_mla_cache_write(ops):
+    """``mla_cache_write`` on vLLM's ``_C_cache_ops::concat_and_cache_mla``: its latent
+    cache ``[num_blocks, block_size, L + R]`` is ours, so no copy between layouts.
+    Unquantized caches only (the INT8 and fp8 caches have their own kernels)."""
+    op = ops["_C_cache_ops::concat_and_cache_mla"]
+    unit_scale: dict[torch.device, torch.Tensor] = {}
+
+    def gcu_mla_cache_write(kv_c, k_pe, kv_cache, slot_mapping):
+        if kv_cache.dtype != kv_c.dtype:
+            return fallback_kernel("mla_cache_write", GCU_VENDOR)(kv_c, k_pe, kv_cache,
+                                                                 slot_mapping)
+        scale = unit_scale.get(kv_c.device)
+        if scale is None:
+            scale = unit_scale[kv_c.device] = torch.ones(1, dtype=torch.float32,
+                                                         device=kv_c.device)
+        op(kv_c.contiguous(), k_pe.contiguous(), kv_cache, slot_mapping, "auto", scale)
+
+    return gcu_mla_cache_write
+
+
+def _gcu_mla_decode(ops):
+    """``mla_decode`` on ``_flashmla_C::fwd_kvcache_mla`` with its scheduling metadata
+    (``get_mla_metadata``, or ``get_mla_decoding_metadata`` in later vLLMs). Three
+    schemas of the op are in use; they differ after ``kcache``: vLLM 0.8-0.9 (which
+    vllm-gcu forks) pass ``Tensor? vcache`` (None) there, vLLM 0.10 appends
+    ``descale_q, descale_k`` and later ones ``is_fp8, indices``: their defaults (None,
+    False) keep the plain bf16 decode. Calls outside FlashMLA's contract (dtype, latent
+    widths, page size) go to the next provider. Returns None (not registered) when
+    the schema is none of the three."""
+    fwd = ops["_flashmla_C::fwd_kvcache_mla"]
+    metadata = (ops.get("_flashmla_C::get_mla_decoding_metadata")
+                or ops.get("_flashmla_C::get_mla_metadata"))
+    args = fwd._schema.arguments
+    takes_vcache = len(args) > 2 and isinstance(args[2].type, torch._C.OptionalType)
+    fixed = 10 if takes_vcache else 9
+    tail = []
+    for a in args[fixed:]:
+        if isinstance(a.type, torch._C.OptionalType):
+            tail.append(None)
+        elif a.type == torch._C.BoolType.get():
+            tail.append(False)
+        else:
+            return None
+    if len(args) < fixed or len(metadata._schema.arguments) > 6:
+        return None
+
+    def gcu_mla_decode(q_nope, q_pe, kv_cache, block_table, seq_lens, scale):
+        b, n, lora = q_nope.shape
+        if (q_nope.dtype not in (torch.bfloat16, torch.float16)
+                or kv_cache.dtype != q_nope.dtype or lora != FLASH_MLA_LATENT
+                or q_pe.shape[-1] != FLASH_MLA_ROPE or kv_cache.shape[1] != FLASH_MLA_PAGE
+                or b == 0):
+            return fallback_kernel("mla_decode", GCU_VENDOR)(q_nope, q_pe, kv_cache,
+                                                            block_table, seq_lens, scale)
+        lens = seq_lens.to(torch.int32)
+        # (seqlens, query heads per KV head, KV heads[, query heads, fp8, top-k])
+        extra = (n, False, None)[:len(metadata._schema.arguments) - 3]
+        tile_metadata, num_splits = metadata(lens, n, 1, *extra)
+        q = torch.cat((q_nope, q_pe), dim=-1).unsqueeze(1)  # [B, 1, N, L + R]
+        cache = kv_cache.unsqueeze(2)  # [num_blocks, page, 1 KV head, L + R]
+        out, _ = fwd(q, cache, *((None,) if takes_vcache else ()), lora, lens,
+                     block_table.to(torch.int32), scale, False, tile_metadata, num_splits,
+                     *tail)
+        # requests without cached tokens (batch padding) read nothing: zeros
+        return torch.where(lens.view(b, 1, 1) > 0, out.view(b, n, lora), 0)
+
+    return gcu_mla_decode
+
+
 # ---------------------------------------------------------------------------
 # Sophgo (torch_tpu my_ops) adapters.
 # ---------------------------------------------------------------------------
@@ -208,13 +286,18 @@ def _sophgo_moe_experts(ops):
 
 
 # (provider, kernel name, vendor ops it needs -- any one suffices for "any", all
-#  for "all", adapter factory)
-VENDOR_KERNELS: tuple[tuple[str, str, tuple[str, ...], str, Callable], ...] = (
+#  for "all", or a predicate of the ops found --, adapter factory)
+VENDOR_KERNELS: tuple[tuple[str, str, tuple[str, ...], str | Callable, Callable], ...] = (
     (GCU_VENDOR, "rms_norm", ("_C::rms_norm", "_C::fused_add_rms_norm"), "any", _gcu_rms_norm),
     (GCU_VENDOR, "silu_and_mul", ("_C::silu_and_mul",), "all", _gcu_silu_and_mul),
     (GCU_VENDOR, "rotary_embedding", ("_C::rotary_embedding",), "all", _gcu_rotary_embedding),
     (GCU_VENDOR, "moe_route", ("_moe_C::topk_softmax", "_C::fused_grouped_topk"), "any",
      _gcu_moe_route),
+    (GCU_VENDOR, "mla_cache_write", ("_C_cache_ops::concat_and_cache_mla",), "all",
+     _gcu_mla_cache_write),
+    (GCU_VENDOR, "mla_decode", ("_flashmla_C::fwd_kvcache_mla", "_flashmla_C::get_mla_metadata",
+                                "_flashmla_C::get_mla_decoding_metadata"),
+     lambda ops: "_flashmla_C::fwd_kvcache_mla" in ops and len(ops) > 1, _gcu_mla_decode),
     (SOPHGO_VENDOR, "rms_norm", ("my_ops::rmsnorm_forward",), "all", _sophgo_rms_norm),
     (SOPHGO_VENDOR, "moe_experts", ("my_ops::fused_moe_fused_experts",), "all",
      _sophgo_moe_experts),
@@ -313,11 +396,16 @@ def install_vendor_kernels(backend) -> dict[str, str]:
         if provider not in providers:
             continue
         ops = {q: op for q in qualnames if (op := backend.op(q)) is not None}
-        ok = bool(ops) if need == "any" else len(ops) == len(qualnames)
+        ok = (need(ops) if callable(need) else bool(ops) if need == "any"
+              else len(ops) == len(qualnames))
         key = f"{provider}:{name}"
-        if ok:
-            register_kernel(name, provider)(factory(ops))
+        adapter = factory(ops) if ok else None
+        if adapter is not None:
+            register_kernel(name, provider)(adapter)
             report[key] = "registered (" + ", ".join(sorted(ops)) + ")"
+        elif ok:
+            report[key] = ("not registered: schemas the adapter does not know: "
+                           + "; ".join(str(op._schema) for op in ops.values()))
         else:
             missing = sorted(set(qualnames) - set(ops))
             report[key] = "not registered by the vendor library: " + ", ".join(missing)
