@@ -97,20 +97,24 @@ def _weight_tile(w_ptr, s_ptr, z_ptr, rows, k, mask, stride_wn, stride_sn, group
                  BITS: tl.constexpr, HAS_ZEROS: tl.constexpr):
     """``W[rows, k]`` as a ``[BLOCK_K, BLOCK_N]`` tile (``rows`` ``[1, N]``, ``k``
     ``[K, 1]``): the weight itself (``BITS`` 0), or codes dequantized in float32."""
+    # (one return: the compiler builds what follows an early return too, so the
+    # quantized path's 1 << (BITS - 1) would not compile for BITS 0)
     if BITS == 0:
-        return tl.load(w_ptr + rows * stride_wn + k, mask=mask, other=0.0)
-    if BITS == 4:
-        byte = tl.load(w_ptr + rows * stride_wn + k // 2, mask=mask, other=0)
-        code = ((byte >> ((k % 2) * 4).to(tl.uint8)) & 0xF).to(tl.float32)
+        tile = tl.load(w_ptr + rows * stride_wn + k, mask=mask, other=0.0)
     else:
-        code = tl.load(w_ptr + rows * stride_wn + k, mask=mask, other=0).to(tl.float32)
-    g = k // group_size
-    scale = tl.load(s_ptr + rows * stride_sn + g, mask=mask, other=0.0).to(tl.float32)
-    if HAS_ZEROS:
-        zero = tl.load(z_ptr + rows * stride_sn + g, mask=mask, other=0.0).to(tl.float32)
-    else:
-        zero = 1 << (BITS - 1)
-    return (code - zero) * scale
+        if BITS == 4:
+            byte = tl.load(w_ptr + rows * stride_wn + k // 2, mask=mask, other=0)
+            code = ((byte >> ((k % 2) * 4).to(tl.uint8)) & 0xF).to(tl.float32)
+        else:
+            code = tl.load(w_ptr + rows * stride_wn + k, mask=mask, other=0).to(tl.float32)
+        g = k // group_size
+        scale = tl.load(s_ptr + rows * stride_sn + g, mask=mask, other=0.0).to(tl.float32)
+        if HAS_ZEROS:
+            zero = tl.load(z_ptr + rows * stride_sn + g, mask=mask, other=0.0).to(tl.float32)
+        else:
+            zero = 1 << (BITS - 1)
+        tile = (code - zero) * scale
+    return tile
 
 
 @triton.jit
