@@ -25,7 +25,11 @@ Providers:
 * ``sophgo_vendor``: Sophgo's ``my_ops::rmsnorm_forward`` and the MoE experts
   ``my_ops::fused_moe_fused_experts`` (SiLU-gated bf16/fp16 experts without biases;
   each (token, choice) pair's unweighted output, weighted and summed here). Its
-  attention ops fuse RoPE and use their own cache layout, so they are not plugged in.
+  attention ops fuse RoPE and use their own cache layout, so they are not plugged in;
+  its MLA op (``paged_latent_attention``) is a whole MLA layer -- the query and KV
+  up-projections, RoPE, writes to separate latent and rope caches -- so it would
+  replace vLLM's MLA layer rather than its attention, with weight layouts Sophgo does
+  not document: not plugged in either.
 * ``xformers``: ``paged_prefill`` through ``xformers.ops.memory_efficient_attention``
   (what Enflame's vLLM uses for prefill), registered only when a probe on the
   device succeeds.
