@@ -308,20 +308,28 @@ def bench_w8a8(bandwidth):
     return rows
 
 
+BENCHES = {"paged_decode": bench_decode, "w4a16": bench_w4a16, "w8a8": bench_w8a8,
+           "mla_decode": bench_mla, "moe_experts": bench_moe}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--json", help="write the results here")
+    parser.add_argument("--kernels", default=",".join(BENCHES),
+                        help=f"comma-separated subset of {','.join(BENCHES)} (default: all)")
     args = parser.parse_args()
+    unknown = set(args.kernels.split(",")) - set(BENCHES)
+    if unknown:
+        parser.error(f"unknown kernels {sorted(unknown)}; known: {','.join(BENCHES)}")
     props = torch.cuda.get_device_properties(0)
     bandwidth = copy_bandwidth()
     print(f"GPU: {props.name} ({props.multi_processor_count} SMs); torch {torch.__version__}, "
           f"triton {triton.__version__}")
     print(f"device-to-device copy bandwidth: {bandwidth / 1e9:.1f} GB/s (read + write)")
     results = {"gpu": props.name, "torch": torch.__version__, "triton": triton.__version__,
-               "copy_bandwidth_GBps": round(bandwidth / 1e9, 1),
-               "paged_decode": bench_decode(bandwidth), "w4a16": bench_w4a16(bandwidth),
-               "w8a8": bench_w8a8(bandwidth), "mla_decode": bench_mla(bandwidth),
-               "moe_experts": bench_moe(bandwidth)}
+               "copy_bandwidth_GBps": round(bandwidth / 1e9, 1)}
+    for name in args.kernels.split(","):
+        results[name] = BENCHES[name](bandwidth)
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(results, indent=1) + "\n")
