@@ -107,6 +107,30 @@ def test_op_matches_float64(m, n, k, dtype, linear_calls):
     assert linear_calls() == ((1, m) if bf16_linear.available() and not handed_over else (0, 0))
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32],
+                         ids=["bf16", "fp16", "fp32"])
+@pytest.mark.parametrize("batch,m,n,k", [(16, 1, 512, 128), (5, 3, 130, 37), (3, 27, 9, 100)])
+def test_batched_op_matches_float64(batch, m, n, k, dtype, monkeypatch):
+    """vllm_accel::cpu_bf16_bmm (MLA's absorbed-weight products: one weight per head)
+    on the strides vLLM passes: x a head-major view of token-major rows, out a
+    transposed view; every head in one call of the kernel, within the 2-D op's bound."""
+    gen = torch.Generator().manual_seed(batch * 100 + m)
+    x = torch.randn(m, batch, k, generator=gen).to(dtype).transpose(0, 1)
+    w = torch.randn(batch, n, k, generator=gen).to(torch.bfloat16)
+    out = torch.empty(m, batch, n, dtype=dtype).transpose(0, 1)
+    calls = kernel_calls(monkeypatch, "cpu_bf16_bmm", "", 0)
+    torch.ops.vllm_accel.cpu_bf16_bmm(x, w, out)
+    ref = torch.bmm(x.double(), w.double().transpose(1, 2))
+    tol = UNIT_ROUNDOFF[dtype] * ref.abs() + k * 2.0**-23 * torch.bmm(
+        x.double().abs(), w.double().abs().transpose(1, 2))
+    assert ((out.double() - ref).abs() <= tol + 1e-30).all(), (out.double() - ref).abs().max()
+    assert calls() == ((1, batch * m) if bf16_linear.available() else (0, 0))
+    # a float32 weight is torch's bmm
+    w32 = w.float()
+    torch.ops.vllm_accel.cpu_bf16_bmm(x, w32, out)
+    torch.testing.assert_close(out, torch.bmm(x, w32.transpose(1, 2).to(dtype)))
+
+
 def _c_kernel(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """The C kernel itself (no hand-over to oneDNN), on a row-strided x."""
     m, k = x.shape

@@ -8,6 +8,7 @@ import pickle
 import pytest
 import torch
 
+from conftest import kernel_calls
 from vllm_accel import patches
 
 
@@ -556,3 +557,64 @@ def test_gemma_models_take_our_layer_inside_the_block_only(module_name, name, ou
         assert getattr(module, name) is getattr(llama, ours)
         assert issubclass(getattr(module, name), before)
     assert getattr(module, name) is before
+
+
+def _mla_layer(heads=4, lora=64, nope=32, v=24, dtype=torch.bfloat16):
+    """vLLM's MLAAttention without its constructor: the absorbed weights W_UK_T
+    [N, P, L] and W_UV [N, L, V] as vLLM lays them out, and the flags _v_up_proj reads."""
+    from vllm.model_executor.layers.attention.mla_attention import MLAAttention
+
+    layer = object.__new__(MLAAttention)
+    torch.nn.Module.__init__(layer)
+    layer.num_heads, layer.kv_lora_rank, layer.v_head_dim = heads, lora, v
+    layer.is_aiter_triton_fp4_bmm_enabled = layer.is_aiter_triton_fp8_bmm_enabled = False
+    layer.is_amx_bmm_enabled = False
+    g = torch.Generator().manual_seed(heads)
+    layer.W_UK_T = torch.nn.Parameter(torch.randn(lora, heads, nope, generator=g).permute(1, 2, 0)
+                                      .to(dtype), requires_grad=False)
+    layer.W_UV = torch.nn.Parameter(torch.randn(heads, lora, v, generator=g).to(dtype),
+                                    requires_grad=False)
+    return layer
+
+
+def test_mla_absorbed_bmm_runs_vllms_code_on_our_kernel(monkeypatch):
+    """A bf16 MLA layer gets its own forward_impl / _v_up_proj: vLLM's code objects
+    whose torch.bmm is the simulator's kernel; once prepare_mla_layers has stored the
+    absorbed weights (same values) as per-head rows, vLLM's _v_up_proj computes W_UV's
+    product (vs float64) in one call of vllm_accel::cpu_bf16_bmm; a float32 layer is
+    left as vLLM made it."""
+    from vllm.model_executor.layers.attention.mla_attention import MLAAttention
+
+    from vllm_accel.ops.cpu_native import bf16_linear
+    from vllm_accel.ops.cpu_native import build as native
+    from vllm_accel.ops.mla import AccelMLAImpl, prepare_mla_layers
+
+    patches.apply_all("general")
+    assert getattr(MLAAttention.process_weights_after_loading, "__accel_patched__", False)
+    layer = _mla_layer()
+    if not (bf16_linear.wanted() and native.torch_ops() is not None):  # (not x86)
+        assert not patches.absorbed_bmm_for(layer, MLAAttention)
+        return
+    before = {n: getattr(layer, n).detach().clone() for n in ("W_UK_T", "W_UV")}
+    assert patches.absorbed_bmm_for(layer, MLAAttention)
+    # the worker's prepare_mla_layers stores the weights as the kernel reads them
+    layer.impl = object.__new__(AccelMLAImpl)
+    assert prepare_mla_layers(layer) == 2
+    for name, value in before.items():
+        assert torch.equal(getattr(layer, name), value)
+        assert getattr(layer, name).transpose(1, 2).is_contiguous()  # [N, out, in] rows
+    for name in ("forward_impl", "_v_up_proj"):
+        bound = getattr(layer, name)
+        assert bound.__func__.__code__ is getattr(MLAAttention, name).__code__
+        assert bound.__func__.__globals__["torch"].bmm is not torch.bmm
+        assert getattr(MLAAttention, name).__globals__["torch"] is torch  # vLLM's untouched
+    calls = kernel_calls(monkeypatch, "cpu_bf16_bmm", "", 0)
+    x = torch.randn(3, 4 * 64).to(torch.bfloat16)
+    out = torch.empty(3, 4 * 24, dtype=torch.bfloat16)
+    layer._v_up_proj(x, out)
+    want = torch.einsum("bnl,nlv->bnv", x.double().view(3, 4, 64), before["W_UV"].double())
+    torch.testing.assert_close(out.double().view(3, 4, 24), want, rtol=2**-7, atol=2e-2)
+    assert calls() == (1, 4 * 3)  # one call: 4 heads of 3 rows
+    fp32 = _mla_layer(dtype=torch.float32)
+    assert not patches.absorbed_bmm_for(fp32, MLAAttention)
+    assert "_v_up_proj" not in vars(fp32)

@@ -49,6 +49,10 @@ int accel_bf16_linear_dp_rows();
 int accel_bf16_linear(const void* x, int64_t x_stride, int32_t x_dtype, const void* w,
                       int64_t w_stride, const float* bias, void* y, int64_t y_stride, int64_t m,
                       int64_t n, int64_t k);
+int accel_bf16_bmm(const void* x, int64_t x_batch_stride, int64_t x_stride, int32_t x_dtype,
+                   const void* w, int64_t w_batch_stride, int64_t w_stride, void* y,
+                   int64_t y_batch_stride, int64_t y_stride, int64_t batch, int64_t m, int64_t n,
+                   int64_t k);
 
 // int4_gemv.cpp
 int accel_int4pack_gemv_available();

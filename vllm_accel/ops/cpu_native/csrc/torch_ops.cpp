@@ -46,7 +46,7 @@ struct KernelCalls {
 };
 KernelCalls bf16_linear_calls, int4pack_linear_calls, int8_linear_calls, attention_step_calls,
     rms_norm_calls, silu_and_mul_calls, rotary_calls, decoder_layer_calls, moe_experts_calls,
-    lora_linear_calls;
+    lora_linear_calls, bf16_bmm_calls;
 
 // The block size (outputs) of torch's int4 layout where accel_int4pack_gemv reads it, 0
 // where it does not: torch picks its layout by the CPU capability it runs with, so
@@ -66,6 +66,37 @@ int dtype_code(at::ScalarType type) {
     case at::kHalf: return 2;
     default: return -1;
   }
+}
+
+// vllm_accel::cpu_bf16_bmm: torch.bmm(x, weight.transpose(1, 2), out=out) for a bf16
+// weight [B, N, K] whose rows of K are contiguous and x, out of one dtype with
+// contiguous rows (any batch and row strides: vLLM writes into a transposed view):
+// vLLM's MLA absorbed-weight products, every head in one call. Other inputs go to
+// torch's bmm.
+void cpu_bf16_bmm(const at::Tensor& x, const at::Tensor& weight, at::Tensor& out) {
+  static const bool built = accel_bf16_linear_available() != 0;
+  const int code = dtype_code(x.scalar_type());
+  const bool shapes = x.dim() == 3 && weight.dim() == 3 && out.dim() == 3 &&
+                      x.size(0) == weight.size(0) && x.size(2) == weight.size(2) &&
+                      out.size(0) == x.size(0) && out.size(1) == x.size(1) &&
+                      out.size(2) == weight.size(1);
+  TORCH_CHECK(shapes, "cpu_bf16_bmm: x ", x.sizes(), ", weight ", weight.sizes(), ", out ",
+              out.sizes(), " are not [B, M, K], [B, N, K], [B, M, N]");
+  const bool ours = built && code >= 0 && weight.scalar_type() == at::kBFloat16 &&
+                    out.scalar_type() == x.scalar_type() && x.device().is_cpu() &&
+                    weight.device().is_cpu() && out.device().is_cpu() && x.stride(2) == 1 &&
+                    weight.stride(2) == 1 && out.stride(2) == 1 && x.size(2) > 0;
+  if (!ours) {
+    at::_ops::bmm_out::call(x, weight.transpose(1, 2).to(x.scalar_type()), out);
+    return;
+  }
+  if (out.numel() == 0) return;
+  const int rc = accel_bf16_bmm(x.data_ptr(), x.stride(0), x.stride(1), code, weight.data_ptr(),
+                                weight.stride(0), weight.stride(1), out.data_ptr(), out.stride(0),
+                                out.stride(1), x.size(0), x.size(1), weight.size(1), x.size(2));
+  TORCH_CHECK(rc == 0, "accel_bf16_bmm failed (", rc, ") for x ", x.sizes(), " ",
+              x.scalar_type(), ", weight ", weight.sizes());
+  bf16_bmm_calls.add(x.size(0) * x.size(1));
 }
 
 // vllm_accel::bf16_linear: F.linear(x, weight, bias) for a bf16 weight [N, K], in
@@ -935,6 +966,7 @@ int64_t accel_torch_ops_kernel_calls(const char* op, int64_t* rows) {
                          : name == "cpu_rotary_embedding" ? &rotary_calls
                          : name == "cpu_decoder_layer" ? &decoder_layer_calls
                          : name == "cpu_moe_experts" ? &moe_experts_calls
+                         : name == "cpu_bf16_bmm" ? &bf16_bmm_calls
                          : name == "cpu_lora_linear" ? &lora_linear_calls
                                                   : nullptr;
   if (counter == nullptr) return -1;
@@ -956,6 +988,7 @@ TORCH_LIBRARY_FRAGMENT(vllm_accel, m) {
         "Tensor? sinks=None) -> Tensor");
   m.def("cpu_mla_decode(Tensor q_nope, Tensor q_pe, Tensor kv_cache, Tensor block_table, "
         "Tensor seq_lens, float scale) -> Tensor");
+  m.def("cpu_bf16_bmm(Tensor x, Tensor weight, Tensor(a!) out) -> ()");
   m.def("cpu_lora_linear(Tensor(a!) y, Tensor x, Tensor[] lora_a, Tensor[] lora_b_t, "
         "Tensor slots_of, float scale, int[] out_sizes) -> bool");
   m.def("cpu_cache_write(Tensor key, Tensor value, Tensor(a!) kv_cache, Tensor slot_mapping, "
@@ -994,6 +1027,7 @@ TORCH_LIBRARY_IMPL(vllm_accel, CPU, m) {
   m.impl("int8_gemm", &int8_gemm);
   m.impl("cpu_paged_attention", &cpu_paged_attention);
   m.impl("cpu_mla_decode", &cpu_mla_decode);
+  m.impl("cpu_bf16_bmm", &cpu_bf16_bmm);
   m.impl("cpu_cache_write", &cpu_cache_write);
   m.impl("cpu_lora_linear", &cpu_lora_linear);
   m.impl("cpu_attention_step", &cpu_attention_step);
