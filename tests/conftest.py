@@ -237,6 +237,61 @@ def run_engine(spec: dict, tmp_path: Path, env: dict | None = None, timeout: int
     return json.loads(line[len(marker):]), log
 
 
+def run_engines(specs: dict[str, dict], tmp_path: Path, env: dict | None = None,
+                timeout_each: int = 300) -> dict[str, tuple[dict | None, str]]:
+    """Run several engines one after another in one engine_run.py process (same
+    environment; each engine shut down before the next): ``{key: (results or None
+    where that engine failed, its own log)}``. What separate ``run_engine`` calls give,
+    less each later engine's interpreter start and imports."""
+    spec_file = tmp_path / f"engines-{os.getpid()}-{len(list(tmp_path.iterdir()))}.json"
+    spec_file.write_text(json.dumps({"engines": specs}))
+    run_env = {**os.environ, **ENGINE_ENV, **(env or {})}
+    core = _engine_core(next(iter(specs.values())), run_env)
+    proc = subprocess.run(
+        [sys.executable, str(TESTS / "engine_run.py"), str(spec_file)],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        timeout=timeout_each * len(specs), env=run_env,
+        preexec_fn=None if core is None else lambda: os.sched_setaffinity(0, {core}),
+    )
+    out: dict[str, tuple[dict | None, str]] = {}
+    key, lines = None, []
+    for line in proc.stdout.splitlines() + ["ENGINE_BEGIN "]:
+        if line.startswith("ENGINE_BEGIN "):
+            if key is not None:
+                results = next((json.loads(line_.split(" ", 2)[2]) for line_ in lines
+                                if line_.startswith(f"ENGINE_RESULT {key} ")), None)
+                out[key] = (results, "\n".join(lines))
+            key, lines = line.split(" ", 1)[1], []
+        else:
+            lines.append(line)
+    tail = proc.stdout[-6000:]
+    for key in specs:  # engines the process never reached (it died): its end
+        out.setdefault(key, (None, f"the engine process ended (rc {proc.returncode}) before "
+                                   f"this engine ran:\n{tail}"))
+    return out
+
+
+class SharedEngines:
+    """A test module's engines, ``{key: (spec, env)}``: the first test that asks for
+    one runs every engine of that environment (simulator, virtual GCU, ...) in one
+    process (``run_engines``); each test then checks its own engine's results and log."""
+
+    def __init__(self, engines: dict[str, tuple[dict, dict | None]], tmp_path: Path):
+        self.engines, self.tmp_path = engines, tmp_path
+        self.outcomes: dict[str, tuple[dict | None, str]] = {}
+
+    def __call__(self, key: str) -> tuple[dict, str]:
+        """(results, log) of engine ``key``; fails the test where that engine failed."""
+        if key not in self.outcomes:
+            env = self.engines[key][1]
+            group = {k: spec for k, (spec, e) in self.engines.items()
+                     if e == env and k not in self.outcomes}
+            self.outcomes.update(run_engines(group, self.tmp_path, env=env))
+        results, log = self.outcomes[key]
+        assert results is not None, log[-6000:]
+        return results, log
+
+
 def build_tiny_model(path: Path, arch: str = "llama", num_heads: int = 4,
                      num_kv_heads: int = 2, head_dim: int = 16, hidden_size: int | None = None,
                      layers: int = 2, vocab: int = 512, seed: int = 0,

@@ -9,7 +9,8 @@ embedding models (BERT, XLM-RoBERTa) through vLLM's pooling runner: their embedd
 vs HF's CLS hidden state.
 
 Teacher-forced: each greedy token is HF float64's top-1 given the tokens before it,
-its log-prob within 2e-3 nats of HF's.
+its log-prob within 2e-3 nats of HF's. The simulator's engines run one after another
+in one process, the virtual GCU's in another (``conftest.SharedEngines``).
 """
 
 import random
@@ -20,7 +21,7 @@ import torch
 
 from attention_models import (ENCODERS, FAMILIES, WINDOW, build_tiny, build_tiny_encoder,
                               hf_cls_embeddings)
-from conftest import VIRTUAL_GCU_ENV, run_engine
+from conftest import VIRTUAL_GCU_ENV, SharedEngines
 from moe_models import assert_matches_hf
 
 SIM = {}
@@ -111,21 +112,28 @@ LATENT_CACHES = {"int8": (_per_token_int8, "per token in int8 with per-token sca
                  "fp8": (_e4m3, "per token in fp8 (e4m3, the layer's k_scale)", 2e-2)}
 
 
+#: DeepSeek-V2 with a quantized latent cache: name: (kv cache dtype, path env, compiled)
+MLA_CACHE_CASES = {"int8-sim-eager": ("int8", SIM, False), "int8-virtual": ("int8", VIRTUAL, False),
+                   "fp8-sim-compiled": ("fp8", SIM, True), "fp8-virtual": ("fp8", VIRTUAL, False)}
+
+
+def _mla_cache_spec(models, kv, compiled):
+    spec = _spec(models["deepseek_v2"], _prompts("mla-" + kv), compiled)
+    spec["llm"]["kv_cache_dtype"] = kv
+    return spec
+
+
 @pytest.mark.engine
-@pytest.mark.parametrize("kv,env,compiled", [("int8", SIM, False), ("int8", VIRTUAL, False),
-                                              ("fp8", SIM, True), ("fp8", VIRTUAL, False)],
-                         ids=["int8-sim-eager", "int8-virtual", "fp8-sim-compiled",
-                              "fp8-virtual"])
-def test_mla_quantized_latent_cache_keeps_hf_tokens(kv, env, compiled, models, tmp_path):
+@pytest.mark.parametrize("case", list(MLA_CACHE_CASES))
+def test_mla_quantized_latent_cache_keeps_hf_tokens(case, models, engines):
     """DeepSeek-V2 with --kv-cache-dtype int8 (c and k_pe as int8 codes with per-token
     scales) or fp8 (e4m3). The oracle is HF float64 with its latents rounded the same
     way (int8: symmetric per token, max|x| / 127, round to nearest; fp8: to e4m3): each
     greedy token its top-1, its log-prob within 2e-3 nats (fp8: 2e-2)."""
+    kv = MLA_CACHE_CASES[case][0]
     rounding, logged, nats = LATENT_CACHES[kv]
     prompts = _prompts("mla-" + kv)
-    spec = _spec(models["deepseek_v2"], prompts, compiled)
-    spec["llm"]["kv_cache_dtype"] = kv
-    results, log = run_engine(spec, tmp_path, env=env)
+    results, log = engines("mla-" + case)
     assert logged in log
     outputs = [o for batch in results["batch_outputs"] for o in batch]
     assert_matches_hf(models["deepseek_v2"], prompts, outputs, nats=nats,
@@ -134,10 +142,10 @@ def test_mla_quantized_latent_cache_keeps_hf_tokens(kv, env, compiled, models, t
 
 @pytest.mark.engine
 @pytest.mark.parametrize("case", list(CASES))
-def test_family_matches_hf(case, models, tmp_path):
+def test_family_matches_hf(case, models, engines):
     family, env, compiled = CASES[case]
     prompts = _prompts(case)
-    results, log = run_engine(_spec(models[family], prompts, compiled), tmp_path, env=env)
+    results, log = engines(case)
     assert ("Warming up model for the compilation" in log) == (compiled and env is SIM)
     if env is VIRTUAL:
         assert "device gcu via virtual" in log
@@ -167,19 +175,40 @@ def encoders(tmp_path_factory):
             for i, family in enumerate(ENCODERS)}
 
 
+def _encoder_prompts(case):
+    rng = random.Random(case)
+    return [[0] + [rng.randrange(3, 512) for _ in range(n)] + [2] for n in (5, 60, 1, 130)]
+
+
+def _encoder_spec(encoders, case):
+    family, _, compiled = ENCODER_CASES[case]
+    return {"llm": {"model": str(encoders[family]), "runner": "pooling", "dtype": "float32",
+                    "enforce_eager": not compiled, "max_model_len": 256, "seed": 0},
+            "embed": _encoder_prompts(case), "sampling": {}}
+
+
+@pytest.fixture(scope="module")
+def engines(models, encoders, tmp_path_factory):
+    """Every engine of this module: one process runs the simulator's, another the
+    virtual GCU's, when a test first needs one."""
+    specs = {case: (_spec(models[family], _prompts(case), compiled), env)
+             for case, (family, env, compiled) in CASES.items()}
+    specs |= {"mla-" + case: (_mla_cache_spec(models, kv, compiled), env)
+              for case, (kv, env, compiled) in MLA_CACHE_CASES.items()}
+    specs |= {"encoder-" + case: (_encoder_spec(encoders, case), env)
+              for case, (_, env, _) in ENCODER_CASES.items()}
+    return SharedEngines(specs, tmp_path_factory.mktemp("engines"))
+
+
 @pytest.mark.engine
 @pytest.mark.parametrize("case", list(ENCODER_CASES))
-def test_encoder_embeddings_match_hf(case, encoders, tmp_path):
+def test_encoder_embeddings_match_hf(case, encoders, engines):
     """Bidirectional attention within each sequence (``varlen_attention``), several
     sequences of different lengths in one batch: each embedding within 1e-5 of HF
     float64's (cosine >= 0.99999)."""
     family, env, compiled = ENCODER_CASES[case]
-    rng = random.Random(case)
-    prompts = [[0] + [rng.randrange(3, 512) for _ in range(n)] + [2] for n in (5, 60, 1, 130)]
-    spec = {"llm": {"model": str(encoders[family]), "runner": "pooling", "dtype": "float32",
-                    "enforce_eager": not compiled, "max_model_len": 256, "seed": 0},
-            "embed": prompts, "sampling": {}}
-    results, log = run_engine(spec, tmp_path, env=env)
+    prompts = _encoder_prompts(case)
+    results, log = engines("encoder-" + case)
     assert "encoder_only" not in log or "does not support" not in log
     if env is VIRTUAL:
         assert "device gcu via virtual" in log

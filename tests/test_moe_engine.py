@@ -8,7 +8,7 @@ import re
 
 import pytest
 
-from conftest import VIRTUAL_GCU_ENV, assert_bf16_tokens_near_hf, run_engine
+from conftest import VIRTUAL_GCU_ENV, SharedEngines, assert_bf16_tokens_near_hf, run_engine
 from moe_models import assert_matches_hf, build_tiny_moe
 
 SIM = {}
@@ -51,21 +51,40 @@ def _spec(model, prompts, dtype, compiled, **llm):
     }
 
 
+def _case_spec(models, case):
+    family, env, compiled, dtype = CASES[case]
+    spec = _spec(models[family], _prompts(case), dtype, compiled)
+    if env is TRITON:
+        spec["llm"]["max_num_batched_tokens"] = 32  # chunked prefill: pairs past 2 blocks
+    if env is SIM:
+        spec["worker_kernel_calls"] = ["cpu_moe_experts"]
+    return spec
+
+
+def _int8_kv_spec(models):
+    return _spec(models["mixtral"], _prompts("int8", lengths=(12, 50)), "float32", False,
+                 kv_cache_dtype="int8")
+
+
+@pytest.fixture(scope="module")
+def engines(models, tmp_path_factory):
+    """The single-process engines: those of one environment one after another in one
+    process, when a test first needs one."""
+    specs = {case: (_case_spec(models, case), CASES[case][1]) for case in CASES}
+    specs["int8-kv"] = (_int8_kv_spec(models), SIM)
+    return SharedEngines(specs, tmp_path_factory.mktemp("engines"))
+
+
 @pytest.mark.engine
 @pytest.mark.parametrize("case", list(CASES))
-def test_moe_model_matches_hf(case, models, tmp_path):
+def test_moe_model_matches_hf(case, models, engines):
     """Greedy tokens are HF float64's top-1 (teacher-forced) with its log-probs, through
     the plugin's MoE method: on the simulator its C++ experts op (counted), on the card
     path the torch_fast experts inside vLLM's moe_forward op; forced, the Triton
     fused-MoE kernel (interpreted)."""
     family, env, compiled, dtype = CASES[case]
     prompts = _prompts(case)
-    spec = _spec(models[family], prompts, dtype, compiled)
-    if env is TRITON:
-        spec["llm"]["max_num_batched_tokens"] = 32  # chunked prefill: pairs past 2 blocks
-    if env is SIM:
-        spec["worker_kernel_calls"] = ["cpu_moe_experts"]
-    results, log = run_engine(spec, tmp_path, env=env)
+    results, log = engines(case)
     assert ("Warming up model for the compilation" in log) == (compiled and env is SIM)
     assert ("runs eagerly (no torch.compile" in log) == (compiled and env is VIRTUAL)
     assert "AccelFusedMoEMethod" in log
@@ -103,12 +122,11 @@ def test_expert_parallel_tp2_matches_hf(path, models, tmp_path):
 
 
 @pytest.mark.engine
-def test_int8_kv_with_moe_keeps_hf_tokens(models, tmp_path):
+def test_int8_kv_with_moe_keeps_hf_tokens(models, engines):
     """An INT8 KV cache under the MoE layers: each greedy token HF float64's top-1, its
     log-prob within the INT8 cache's noise (0.1 nats) of HF's."""
     prompts = _prompts("int8", lengths=(12, 50))
-    spec = _spec(models["mixtral"], prompts, "float32", False, kv_cache_dtype="int8")
-    results, log = run_engine(spec, tmp_path, env=SIM)
+    results, log = engines("int8-kv")
     assert "paged_decode_int8" in log  # the INT8 kernels ran
     _, err = assert_matches_hf(models["mixtral"], prompts, results["outputs"], nats=0.1)
     print(f"INT8 KV with MoE: HF's top-1 throughout, log-prob error up to {err:.3f} nats")

@@ -12,7 +12,7 @@ import functools
 
 import pytest
 
-from conftest import VIRTUAL_GCU_ENV, run_engine
+from conftest import VIRTUAL_GCU_ENV, SharedEngines
 from vlm_models import (PLACEHOLDERS, build_tiny_blip2, build_tiny_internvl, build_tiny_llava,
                         build_tiny_qwen_vl, hf_logprobs, image_of, random_image)
 
@@ -55,20 +55,32 @@ def vlm_dir(tmp_path_factory, default_model):
 PAIRS = [(f, c) for f in BUILDERS for c in CASES if (f, c) != ("blip2", "sim-compiled")]
 
 
-@pytest.mark.engine
-@pytest.mark.parametrize("family,case", PAIRS, ids=[f"{f}-{c}" for f, c in PAIRS])
-def test_images_match_hf(family, case, vlm_dir, tmp_path):
-    env, compiled = CASES[case]
-    model_dir = vlm_dir(family)
-    cases = prompts(family)
-    spec = {"llm": {"model": str(model_dir), "dtype": "float32",
+def _spec(model_dir, family: str, compiled: bool) -> dict:
+    return {"llm": {"model": str(model_dir), "dtype": "float32",
                     "enforce_eager": not compiled, "max_model_len": 512, "max_num_seqs": 4,
                     "enable_prefix_caching": True, "seed": 0,
                     "limit_mm_per_prompt": {"image": 2 if family != "blip2" else 1}},
-            "mm_prompts": [{"prompt": p, "images": images} for p, images in cases],
+            "mm_prompts": [{"prompt": p, "images": images} for p, images in prompts(family)],
             "sampling": {"temperature": 0.0, "max_tokens": 8, "ignore_eos": True,
                          "logprobs": 1}}
-    results, log = run_engine(spec, tmp_path, env=env)
+
+
+@pytest.fixture(scope="module")
+def engines(vlm_dir, tmp_path_factory):
+    """Every pair's engine: the simulator's one after another in one process, the
+    virtual GCU's in another, when a test first needs one."""
+    return SharedEngines({f"{family}-{case}": (_spec(vlm_dir(family), family, CASES[case][1]),
+                                               CASES[case][0]) for family, case in PAIRS},
+                         tmp_path_factory.mktemp("engines"))
+
+
+@pytest.mark.engine
+@pytest.mark.parametrize("family,case", PAIRS, ids=[f"{f}-{c}" for f, c in PAIRS])
+def test_images_match_hf(family, case, vlm_dir, engines):
+    env, compiled = CASES[case]
+    model_dir = vlm_dir(family)
+    cases = prompts(family)
+    results, log = engines(f"{family}-{case}")
     assert ("Warming up model for the compilation" in log) == (compiled and not env)
     if env:
         assert "device gcu via virtual" in log
