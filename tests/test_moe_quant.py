@@ -10,7 +10,7 @@ import random
 import pytest
 import torch
 
-from conftest import VIRTUAL_GCU_ENV, run_engine
+from conftest import VIRTUAL_GCU_ENV, SharedEngines, run_engine
 from moe_models import assert_matches_hf, build_tiny_moe
 from quantizer import (quantize_checkpoint, quantize_checkpoint_awq, quantize_checkpoint_ct,
                        quantize_weight)
@@ -228,20 +228,24 @@ GPTQ_ENGINES = {
 }
 
 
+def _gptq_checkpoint(root, case) -> None:
+    family, bits, gs, sym, act_order, *_ = GPTQ_ENGINES[case]
+    # (Qwen3-MoE's intermediate size 64: int4 groups of 32, torch's int4 layout's least)
+    overrides = {"moe_intermediate_size": 64} if family == "qwen3_moe" else {}
+    src = build_tiny_moe(root / "float", family, seed=7, **overrides)
+    quantize_checkpoint(src, root / "q", bits=bits, group_size=gs, sym=sym,
+                        desc_act=act_order, dequant_dst=root / "dq")
+
+
 @pytest.mark.engine
 @pytest.mark.parametrize("case", list(GPTQ_ENGINES))
-def test_gptq_moe_checkpoint_matches_hf_on_the_dequantized_weights(case, tmp_path):
+def test_gptq_moe_checkpoint_matches_hf_on_the_dequantized_weights(case, engines):
     """A GPTQ checkpoint with every expert quantized (as GPTQModel writes MoE models:
     tensors per expert): HF float64 on its dequantized weights is the oracle; our
     int4/int8 kernels run on exactly those weights, so tokens are HF's top-1."""
     family, bits, gs, sym, act_order, env, compiled, layout = GPTQ_ENGINES[case]
-    # (Qwen3-MoE's intermediate size 64: int4 groups of 32, torch's int4 layout's least)
-    overrides = {"moe_intermediate_size": 64} if family == "qwen3_moe" else {}
-    src = build_tiny_moe(tmp_path / "float", family, seed=7, **overrides)
-    quantize_checkpoint(src, tmp_path / "q", bits=bits, group_size=gs, sym=sym,
-                        desc_act=act_order, dequant_dst=tmp_path / "dq")
     prompts = _prompts(case)
-    results, log = run_engine(_spec(tmp_path / "q", prompts, compiled), tmp_path, env=env)
+    results, log = engines("gptq-" + case)
     assert "gcu_gptq MoE experts" in log and layout in log
     assert "quantization=gcu_gptq" in log
     calls, _ = results["worker_kernel_calls"][0]["cpu_moe_experts"]
@@ -250,7 +254,8 @@ def test_gptq_moe_checkpoint_matches_hf_on_the_dequantized_weights(case, tmp_pat
         assert "device gcu via virtual" in log
     if env is TRITON:
         assert "Triton fused MoE: 8 experts' 4-bit weights (group 32, asym) stacked" in log
-    assert_matches_hf(tmp_path / "dq", prompts, results["outputs"], nats=5e-3)
+    assert_matches_hf(engines.checkpoint("gptq-" + case) / "dq", prompts, results["outputs"],
+                      nats=5e-3)
 
 
 def _awq(src, dst, dq):
@@ -280,19 +285,23 @@ WEIGHT_ONLY_ENGINES = {
 }
 
 
+def _weight_only_checkpoint(root, case) -> None:
+    family, write, *_ = WEIGHT_ONLY_ENGINES[case]
+    overrides = {"moe_intermediate_size": 64} if family == "qwen3_moe" else {}
+    src = build_tiny_moe(root / "float", family, seed=9, **overrides)
+    write(src, root / "q", root / "dq")
+
+
 @pytest.mark.engine
 @pytest.mark.parametrize("case", list(WEIGHT_ONLY_ENGINES))
-def test_weight_only_moe_checkpoint_matches_hf_on_the_dequantized_weights(case, tmp_path):
+def test_weight_only_moe_checkpoint_matches_hf_on_the_dequantized_weights(case, engines):
     """AutoAWQ GEMM (4-bit with zero points, output-packed) and compressed-tensors
     pack-quantized (W4A16 group 32 asym, W8A16 per channel) checkpoints with every
     expert quantized, tensors per expert: HF float64 on the dequantized weights is the
     oracle, tokens its top-1."""
     family, write, logged, env, compiled, layout = WEIGHT_ONLY_ENGINES[case]
-    overrides = {"moe_intermediate_size": 64} if family == "qwen3_moe" else {}
-    src = build_tiny_moe(tmp_path / "float", family, seed=9, **overrides)
-    write(src, tmp_path / "q", tmp_path / "dq")
     prompts = _prompts(case)
-    results, log = run_engine(_spec(tmp_path / "q", prompts, compiled), tmp_path, env=env)
+    results, log = engines("weight-only-" + case)
     assert logged in log and layout in log, log[-3000:]
     calls, _ = results["worker_kernel_calls"][0]["cpu_moe_experts"]
     assert (calls > 0) == (layout == "stacked")
@@ -300,7 +309,8 @@ def test_weight_only_moe_checkpoint_matches_hf_on_the_dequantized_weights(case, 
         assert "device gcu via virtual" in log
     if env is TRITON:
         assert "Triton fused MoE: 8 experts' 4-bit weights (group 32, asym) stacked" in log
-    assert_matches_hf(tmp_path / "dq", prompts, results["outputs"], nats=5e-3)
+    assert_matches_hf(engines.checkpoint("weight-only-" + case) / "dq", prompts,
+                      results["outputs"], nats=5e-3)
 
 
 @pytest.mark.engine
@@ -352,23 +362,56 @@ W8A8_ENGINES = {"sim-compiled": ({}, True, "stacked"),
                 "virtual-eager": (VIRTUAL, False, "per expert")}
 
 
+def _w8a8_checkpoint(root, case) -> dict:
+    src = build_tiny_moe(root / "float", "qwen3_moe", seed=11)
+    return quantize_checkpoint_int8(src, root / "q", dequant_dst=root / "dq")
+
+
 @pytest.mark.engine
 @pytest.mark.parametrize("case", list(W8A8_ENGINES))
-def test_w8a8_moe_checkpoint_matches_hf_with_fake_quant(case, tmp_path):
+def test_w8a8_moe_checkpoint_matches_hf_with_fake_quant(case, engines):
     """A compressed-tensors W8A8 Qwen3-MoE checkpoint (int8 per-channel weights and
     dynamic per-token activations in attention and every expert): HF float64 on the
     dequantized weights, each quantized linear's input fake-quantized per token."""
     env, compiled, layout = W8A8_ENGINES[case]
-    src = build_tiny_moe(tmp_path / "float", "qwen3_moe", seed=11)
-    layers = quantize_checkpoint_int8(src, tmp_path / "q", dequant_dst=tmp_path / "dq")
+    root = engines.checkpoint("w8a8-" + case)
+    layers = engines.written["w8a8-" + case]  # the quantized layers, for HF's hooks
     assert any(".experts." in name for name in layers)
     prompts = _prompts(case)
-    results, log = run_engine(_spec(tmp_path / "q", prompts, compiled), tmp_path, env=env)
+    results, log = engines("w8a8-" + case)
     assert "compressed-tensors W8A8 int8 MoE experts" in log and layout in log
     calls, _ = results["worker_kernel_calls"][0]["cpu_moe_experts"]
     assert (calls > 0) == (layout == "stacked")
     # int8 codes of activations computed in float32 here and float64 in HF round
     # differently where a value sits at a code's edge: measured 0.015-0.021 nats
     # (AMD EPYC Zen 5), against 0.10-0.13 without HF's fake-quant
-    assert_matches_hf(tmp_path / "dq", prompts, results["outputs"], nats=0.05,
+    assert_matches_hf(root / "dq", prompts, results["outputs"], nats=0.05,
                       prepare=_w8a8_fake_quant(layers))
+
+
+class _QuantizedEngines(SharedEngines):
+    """The module's checkpoints (written once, each in its own folder) and their
+    engines, those of one environment one after another in one process."""
+
+    def __init__(self, tmp_path_factory):
+        writers = ({"gptq-" + c: (_gptq_checkpoint, c, GPTQ_ENGINES[c][5], GPTQ_ENGINES[c][6])
+                    for c in GPTQ_ENGINES}
+                   | {"weight-only-" + c: (_weight_only_checkpoint, c, WEIGHT_ONLY_ENGINES[c][3],
+                                           WEIGHT_ONLY_ENGINES[c][4]) for c in WEIGHT_ONLY_ENGINES}
+                   | {"w8a8-" + c: (_w8a8_checkpoint, c, W8A8_ENGINES[c][0], W8A8_ENGINES[c][1])
+                      for c in W8A8_ENGINES})
+        self.roots, self.written = {}, {}
+        engines = {}
+        for key, (write, case, env, compiled) in writers.items():
+            root = self.roots[key] = tmp_path_factory.mktemp(key)
+            self.written[key] = write(root, case)
+            engines[key] = (_spec(root / "q", _prompts(case), compiled), env)
+        super().__init__(engines, tmp_path_factory.mktemp("engines"))
+
+    def checkpoint(self, key):
+        return self.roots[key]
+
+
+@pytest.fixture(scope="module")
+def engines(tmp_path_factory):
+    return _QuantizedEngines(tmp_path_factory)
