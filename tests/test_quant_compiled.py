@@ -14,7 +14,7 @@ import re
 
 import pytest
 import torch
-from conftest import build_tiny_model, run_engine
+from conftest import SharedEngines, build_tiny_model
 from quantizer import quantize_checkpoint, quantize_checkpoint_awq, quantize_checkpoint_ct
 from quantizer_int8 import quantize_checkpoint_int8
 
@@ -207,46 +207,76 @@ FAMILIES = {
 }
 
 
+def _prompts(family):
+    rng = random.Random(family)
+    return [[rng.randrange(3, 512) for _ in range(n)] for n in (4, 9, 17, 33, 2, 60)]
+
+
+def _llm(model, family):
+    return {"model": str(model), "dtype": "float32", "kv_cache_dtype": "int8",
+            "skip_tokenizer_init": True, "max_model_len": 256, "seed": 0, **FAMILIES[family][1]}
+
+
+SAMPLING = {"temperature": 0.0, "max_tokens": 12, "ignore_eos": True, "detokenize": False,
+            "logprobs": 2}
+ENV = {"ACCEL_SIM_DEVICE_MEMORY_GB": "1"}
+#: W8A8 also restarts from vLLM's compile cache (its own): its activation quantizer
+#: asks the kernel registry per call, inside the traced code
+RESTARTED = "ct-w8a8-dynamic"
+
+
+def _fused(family) -> bool:
+    """4-bit without act-order and W8A8 with dynamic activations run each layer as one
+    op where the C++ ops build."""
+    return family in ("awq-w4-g32", "ct-w8a8-dynamic") and native.torch_ops() is not None
+
+
+@pytest.fixture(scope="module")
+def engines(tmp_path_factory):
+    """Each family's checkpoint (written once) and engines: the eager ones one after
+    another in one process, the compiled ones (inductor's code logged, no compile
+    cache) in another; the restarted family's compiled engine on its own cache."""
+    # (peaked logits: an INT8 KV cache turns eager/compiled rounding differences into
+    # code flips, ~1e-3 nats, which would reorder HF-init near-ties)
+    root = tmp_path_factory.mktemp("quant_compiled")
+    src = build_tiny_model(root / "float", num_heads=4, num_kv_heads=2, head_dim=32,
+                           hidden_size=128, head_std=0.4)
+    specs = {}
+    for family, (write, _, _) in FAMILIES.items():
+        model = src
+        if write is not None:
+            model = root / family
+            write(src, model)
+        llm = _llm(model, family)
+        counted = _fused(family) and family == "ct-w8a8-dynamic"  # (the op counts every call)
+        cache = ({"VLLM_CACHE_ROOT": str(root / "vllm-cache")} if family == RESTARTED
+                 else {"VLLM_DISABLE_COMPILE_CACHE": "1"})
+        specs["eager-" + family] = ({"llm": {**llm, "enforce_eager": True},
+                                     "prompts": _prompts(family), "sampling": SAMPLING}, ENV)
+        specs["compiled-" + family] = (
+            {"llm": llm, "prompts": _prompts(family), "sampling": SAMPLING,
+             **({"worker_kernel_calls": ["int8_linear_dynamic", "cpu_decoder_layer"]}
+                if counted else {})}, {**ENV, "TORCH_LOGS": "output_code", **cache})
+        if family == RESTARTED:
+            specs["restarted-" + family] = ({"llm": llm, "prompts": _prompts(family),
+                                             "sampling": SAMPLING}, {**ENV, **cache})
+    return SharedEngines(specs, tmp_path_factory.mktemp("engines"))
+
+
 @pytest.mark.engine
 @pytest.mark.parametrize("family", list(FAMILIES))
-def test_compiled_engine_gives_the_eager_tokens(family, tmp_path):
+def test_compiled_engine_gives_the_eager_tokens(family, engines):
     """vLLM's default mode (torch.compile, inductor) on a tiny 2-layer model whose 8
     linear layers are quantized, with an INT8 KV cache: the greedy tokens equal
     the eager engine's, and inductor's generated code calls torch's quantized
     GEMM once per quantized layer (or, for AWQ's 4-bit layers and W8A8 with dynamic
     activations, the one-op decoder layer that runs them: its four linears ran the
     quantized kernel inside it) and no float GEMM (no dequantized fallback)."""
-    write, extra, served = FAMILIES[family]
-    # (peaked logits: an INT8 KV cache turns eager/compiled rounding differences into
-    # code flips, ~1e-3 nats, which would reorder HF-init near-ties)
-    src = build_tiny_model(tmp_path / "float", num_heads=4, num_kv_heads=2, head_dim=32,
-                           hidden_size=128, head_std=0.4)
-    model = src
-    if write is not None:
-        model = tmp_path / "quantized"
-        write(src, model)
-    rng = random.Random(family)
-    prompts = [[rng.randrange(3, 512) for _ in range(n)] for n in (4, 9, 17, 33, 2, 60)]
-    llm = {"model": str(model), "dtype": "float32", "kv_cache_dtype": "int8",
-           "skip_tokenizer_init": True, "max_model_len": 256, "seed": 0, **extra}
-    sampling = {"temperature": 0.0, "max_tokens": 12, "ignore_eos": True, "detokenize": False,
-                "logprobs": 2}
-    env = {"ACCEL_SIM_DEVICE_MEMORY_GB": "1"}
-    eager, eager_log = run_engine({"llm": {**llm, "enforce_eager": True}, "prompts": prompts,
-                                   "sampling": sampling}, tmp_path, env=env)
-    # W8A8 also restarts from vLLM's compile cache (its own here): its activation
-    # quantizer asks the kernel registry per call, inside the traced code
-    cache = ({"VLLM_CACHE_ROOT": str(tmp_path / "vllm-cache")} if family == "ct-w8a8-dynamic"
-             else {"VLLM_DISABLE_COMPILE_CACHE": "1"})
-    # 4-bit without act-order and W8A8 with dynamic activations run each layer as one
-    # op where the C++ ops build
-    fused = family in ("awq-w4-g32", "ct-w8a8-dynamic") and native.torch_ops() is not None
-    counted = fused and family == "ct-w8a8-dynamic"  # (the op counts every call)
-    compiled, log = run_engine(
-        {"llm": llm, "prompts": prompts, "sampling": sampling,
-         **({"worker_kernel_calls": ["int8_linear_dynamic", "cpu_decoder_layer"]}
-            if counted else {})},
-        tmp_path, env={**env, "TORCH_LOGS": "output_code", **cache})
+    served = FAMILIES[family][2]
+    eager, eager_log = engines("eager-" + family)
+    fused = _fused(family)
+    counted = fused and family == "ct-w8a8-dynamic"
+    compiled, log = engines("compiled-" + family)
     for run_log in (eager_log, log):
         assert served in run_log and "int8_per_token_head" in run_log
     assert "Warming up model for the compilation" in log
@@ -263,8 +293,7 @@ def test_compiled_engine_gives_the_eager_tokens(family, tmp_path):
         assert layers >= 2 * 11 and counts["int8_linear_dynamic"][0] >= 4 * layers, counts
     tokens = [o["token_ids"] for o in compiled["outputs"]]
     assert_same_greedy_tokens(compiled["outputs"], eager["outputs"])
-    if "VLLM_CACHE_ROOT" in cache:
-        restarted, log = run_engine({"llm": llm, "prompts": prompts, "sampling": sampling},
-                                    tmp_path, env={**env, **cache})
+    if family == RESTARTED:  # (after the compiled engine, which saved the graph)
+        restarted, log = engines("restarted-" + family)
         assert "Directly load AOT compilation" in log, log[-4000:]
         assert [o["token_ids"] for o in restarted["outputs"]] == tokens

@@ -17,7 +17,8 @@ import textwrap
 
 import pytest
 import virtual_device_checks
-from conftest import FORBID_CUDA_ENV, TESTS, build_tiny_model, hf_greedy, run_engine
+from conftest import (FORBID_CUDA_ENV, TESTS, SharedEngines, build_tiny_model, hf_greedy,
+                      run_engine)
 from quantizer import quantize_checkpoint, quantize_checkpoint_awq
 from quantizer_int8 import quantize_checkpoint_int8
 
@@ -64,14 +65,18 @@ def tiny(tmp_path_factory):
     return model, prompts, hf_greedy(model, prompts, 16)
 
 
-def _generate(model, prompts, tmp_path, env, **llm):
-    return run_engine({
+def _spec(model, prompts, **llm):
+    return {
         "llm": {"model": str(model), "dtype": "float32", "skip_tokenizer_init": True,
                 "max_model_len": 256, "seed": 0, **llm},
         "prompts": prompts,
         "sampling": {"temperature": 0.0, "max_tokens": 16, "ignore_eos": True,
                      "detokenize": False},
-    }, tmp_path, env=env)
+    }
+
+
+def _generate(model, prompts, tmp_path, env, **llm):
+    return run_engine(_spec(model, prompts, **llm), tmp_path, env=env)
 
 
 @pytest.mark.engine
@@ -119,19 +124,35 @@ def _w8a8(src, dst):
     quantize_checkpoint_int8(src, dst)
 
 
+QUANTIZED = {"gptq-actorder": _gptq, "awq": _awq, "ct-w8a8": _w8a8}
+SIM_ENV = {"ACCEL_BACKEND": "sim", "ACCEL_SIM_DEVICE_MEMORY_GB": "1"}
+
+
+@pytest.fixture(scope="module")
+def quantized_engines(tiny, tmp_path_factory):
+    """Each quantized checkpoint (written once) on the virtual GCU and on the simulator
+    (eager), with an INT8 KV cache: the virtual GCU's engines one after another in one
+    process, the simulator's in another."""
+    model, prompts, _ = tiny
+    root = tmp_path_factory.mktemp("quantized")
+    specs = {}
+    for name, write in QUANTIZED.items():
+        write(model, root / name)
+        specs["virtual-" + name] = (_spec(root / name, prompts, kv_cache_dtype="int8"),
+                                    VIRTUAL_ENV)
+        specs["sim-" + name] = (_spec(root / name, prompts, kv_cache_dtype="int8",
+                                      enforce_eager=True), SIM_ENV)
+    return SharedEngines(specs, tmp_path_factory.mktemp("engines"))
+
+
 @pytest.mark.engine
-@pytest.mark.parametrize("write", [_gptq, _awq, _w8a8], ids=["gptq-actorder", "awq", "ct-w8a8"])
-def test_quantized_with_int8_kv_gives_the_simulator_tokens(write, tiny, tmp_path):
+@pytest.mark.parametrize("name", list(QUANTIZED))
+def test_quantized_with_int8_kv_gives_the_simulator_tokens(name, quantized_engines):
     """Our quant methods and the INT8 KV cache on device tensors: the same greedy
     tokens as the simulated GCU (fp32, same kernels' numerics)."""
-    model, prompts, _ = tiny
-    write(model, tmp_path / "quantized")
-    virtual, log = _generate(tmp_path / "quantized", prompts, tmp_path, VIRTUAL_ENV,
-                             kv_cache_dtype="int8")
+    virtual, log = quantized_engines("virtual-" + name)
     assert "int8_per_token_head" in log and "KV cache on gcu:0" in log
-    simulated, _ = _generate(tmp_path / "quantized", prompts, tmp_path,
-                             {"ACCEL_BACKEND": "sim", "ACCEL_SIM_DEVICE_MEMORY_GB": "1"},
-                             kv_cache_dtype="int8", enforce_eager=True)
+    simulated, _ = quantized_engines("sim-" + name)
     assert ([o["token_ids"] for o in virtual["outputs"]]
             == [o["token_ids"] for o in simulated["outputs"]])
 

@@ -24,8 +24,11 @@ def log_load_summaries() -> None:
     """Called by the model runners after ``load_model`` (outside any graph)."""
     from vllm_accel.quant import repack_cache
 
+    from vllm_accel.quant import stats
+
     for fn in _load_summaries:
         fn()
+    stats.reset_all()  # (a second model of this process counts its own layers)
     repack_cache.log_summary_once()
 
 

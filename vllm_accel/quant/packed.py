@@ -334,13 +334,16 @@ def install_resident(layer: torch.nn.Module, res: WIntResident) -> None:
 
 
 class ResidentStats(LayerTotals):
-    """Resident bytes of one weight-only method's layers in this process: one log
-    line per layer kind while loading, one summary once the model is loaded."""
+    """Resident bytes of one weight-only method's layers in the model being loaded: one
+    log line per layer kind while loading, one summary once the model is loaded."""
 
     def __init__(self, quant_name: str, method_name: str) -> None:
-        super().__init__()
         self.quant_name = quant_name
         self.method_name = method_name
+        super().__init__()
+
+    def reset(self) -> None:
+        super().reset()
         self.packed = 0
         self.kernels: dict[str, int] = {}  # "kernel[provider]" -> layers
 

@@ -1,9 +1,22 @@
-"""Load-time totals of one quantization method's layers in this process (pure
-Python): each scheme logs its first layer of every kind and a summary from them."""
+"""Load-time totals of one quantization method's layers in the model being loaded
+(pure Python): each scheme logs its first layer of every kind and a summary from
+them, and the totals start again for the next model of the process."""
+
+#: every totals object, for ``reset_all`` once a model's summaries are logged
+_ALL: list["LayerTotals"] = []
+
+
+def reset_all() -> None:
+    for totals in _ALL:
+        totals.reset()
 
 
 class LayerTotals:
     def __init__(self) -> None:
+        self.reset()
+        _ALL.append(self)
+
+    def reset(self) -> None:
         self.layers = self.resident = self.fp16 = 0
         self._kinds: set[str] = set()
 

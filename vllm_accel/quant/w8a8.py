@@ -362,7 +362,7 @@ class InstalledW8A8(torch.nn.Module):
 # vLLM linear method
 # ---------------------------------------------------------------------------
 
-# Resident bytes over all W8A8 layers of this process, logged after loading.
+# Resident bytes over the W8A8 layers of the model being loaded, logged after loading.
 _totals = LayerTotals()
 
 
