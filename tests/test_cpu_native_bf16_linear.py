@@ -118,6 +118,13 @@ def test_batched_op_matches_float64(batch, m, n, k, dtype, monkeypatch):
     x = torch.randn(m, batch, k, generator=gen).to(dtype).transpose(0, 1)
     w = torch.randn(batch, n, k, generator=gen).to(torch.bfloat16)
     out = torch.empty(m, batch, n, dtype=dtype).transpose(0, 1)
+    if native.torch_ops() is None:  # (no dispatcher library: MLA keeps torch's bmm)
+        from types import SimpleNamespace
+
+        from vllm_accel.ops.cpu_native import mla as native_mla
+        layer = SimpleNamespace(W_UK_T=w.transpose(1, 2), W_UV=w.transpose(1, 2))
+        assert not native_mla.takes_absorbed_weights(layer)
+        return
     calls = kernel_calls(monkeypatch, "cpu_bf16_bmm", "", 0)
     torch.ops.vllm_accel.cpu_bf16_bmm(x, w, out)
     ref = torch.bmm(x.double(), w.double().transpose(1, 2))

@@ -588,6 +588,7 @@ int accel_bf16_bmm(const void* x, int64_t x_batch_stride, int64_t x_stride, int3
                    const void* w, int64_t w_batch_stride, int64_t w_stride, void* y,
                    int64_t y_batch_stride, int64_t y_stride, int64_t batch, int64_t m, int64_t n,
                    int64_t k) {
+#ifdef ACCEL_BF16_LINEAR
   if (x_dtype != accel::kFloat32 && x_dtype != accel::kBFloat16 && x_dtype != accel::kFloat16)
     return -1;
   const int64_t elem = x_dtype == accel::kFloat32 ? 4 : 2;
@@ -604,6 +605,12 @@ int accel_bf16_bmm(const void* x, int64_t x_batch_stride, int64_t x_stride, int3
     rc = r < rc ? r : rc;
   }
   return rc;
+#else
+  (void)x, (void)x_batch_stride, (void)x_stride, (void)x_dtype, (void)w, (void)w_batch_stride,
+      (void)w_stride, (void)y, (void)y_batch_stride, (void)y_stride, (void)batch, (void)m,
+      (void)n, (void)k;
+  return -5;
+#endif
 }
 
 }  // extern "C"
