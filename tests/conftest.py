@@ -219,17 +219,24 @@ def _engine_core(spec: dict, env: dict) -> int | None:
     return _xdist_worker_core()
 
 
+def _engine_process(spec_file_content: dict, core_spec: dict, tmp_path: Path,
+                    env: dict | None, timeout: int, **streams) -> subprocess.CompletedProcess:
+    """tests/engine_run.py on ``spec_file_content`` in the engine environment, pinned to
+    the core ``core_spec``'s engine gets (``_engine_core``)."""
+    spec_file = tmp_path / f"spec-{os.getpid()}-{len(list(tmp_path.iterdir()))}.json"
+    spec_file.write_text(json.dumps(spec_file_content))
+    run_env = {**os.environ, **ENGINE_ENV, **(env or {})}
+    core = _engine_core(core_spec, run_env)
+    return subprocess.run(
+        [sys.executable, str(TESTS / "engine_run.py"), str(spec_file)], text=True,
+        timeout=timeout, env=run_env,
+        preexec_fn=None if core is None else lambda: os.sched_setaffinity(0, {core}),
+        **streams)
+
+
 def run_engine(spec: dict, tmp_path: Path, env: dict | None = None, timeout: int = 600):
     """Run tests/engine_run.py with ``spec``; returns (results, combined log)."""
-    spec_file = tmp_path / f"spec-{os.getpid()}-{len(list(tmp_path.iterdir()))}.json"
-    spec_file.write_text(json.dumps(spec))
-    run_env = {**os.environ, **ENGINE_ENV, **(env or {})}
-    core = _engine_core(spec, run_env)
-    proc = subprocess.run(
-        [sys.executable, str(TESTS / "engine_run.py"), str(spec_file)],
-        capture_output=True, text=True, timeout=timeout, env=run_env,
-        preexec_fn=None if core is None else lambda: os.sched_setaffinity(0, {core}),
-    )
+    proc = _engine_process(spec, spec, tmp_path, env, timeout, capture_output=True)
     log = proc.stdout + proc.stderr
     assert proc.returncode == 0, log[-6000:]
     marker = "ENGINE_RESULT "
@@ -243,16 +250,9 @@ def run_engines(specs: dict[str, dict], tmp_path: Path, env: dict | None = None,
     environment; each engine shut down before the next): ``{key: (results or None
     where that engine failed, its own log)}``. What separate ``run_engine`` calls give,
     less each later engine's interpreter start and imports."""
-    spec_file = tmp_path / f"engines-{os.getpid()}-{len(list(tmp_path.iterdir()))}.json"
-    spec_file.write_text(json.dumps({"engines": specs}))
-    run_env = {**os.environ, **ENGINE_ENV, **(env or {})}
-    core = _engine_core(next(iter(specs.values())), run_env)
-    proc = subprocess.run(
-        [sys.executable, str(TESTS / "engine_run.py"), str(spec_file)],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        timeout=timeout_each * len(specs), env=run_env,
-        preexec_fn=None if core is None else lambda: os.sched_setaffinity(0, {core}),
-    )
+    proc = _engine_process({"engines": specs}, next(iter(specs.values())), tmp_path, env,
+                           timeout_each * len(specs), stdout=subprocess.PIPE,
+                           stderr=subprocess.STDOUT)
     out: dict[str, tuple[dict | None, str]] = {}
     key, lines = None, []
     for line in proc.stdout.splitlines() + ["ENGINE_BEGIN "]:
