@@ -12,7 +12,7 @@ top-ranked token must be the reference's at the stated share of positions.
 
 import pytest
 
-from conftest import run_engine
+from conftest import SharedEngines, run_engine
 from test_e2e_int8_kv import NEW_TOKENS, QUESTIONS  # the same 8 chat prompts x 32 tokens
 #: share of the 256 teacher-forced positions where the fp8-KV engine's top token
 #: is the fp32 reference's. Measured (AMD EPYC Zen 5): 0.945 (fp8 = e4m3, 3
@@ -44,17 +44,31 @@ def reference(default_model, tmp_path_factory):
     return prompts, [o["token_ids"] for o in results["outputs"]], answer, paris[0]
 
 
-# "fp8" (= e4m3) in vLLM's default compiled mode; the others eager.
+#: (KV cache dtype, eager): "fp8" (= e4m3) in vLLM's default compiled mode; the others eager
+CASES = [("fp8", False), ("fp8_e5m2", True), ("bfloat16", True), ("float16", True)]
+
+
+@pytest.fixture(scope="module")
+def scorers(default_model, reference, tmp_path_factory):
+    """One engine per KV dtype, scoring the reference's tokens (prompt log-probs), one
+    after another in one process."""
+    prompts, generated, answer, _ = reference
+    specs = {}
+    for kv_cache_dtype, eager in CASES:
+        spec = _spec(default_model, [p + g for p, g in zip(prompts, generated)]
+                     + [prompts[0] + answer], kv_cache_dtype=kv_cache_dtype,
+                     enforce_eager=eager)
+        spec["sampling"].update(max_tokens=1, prompt_logprobs=1)
+        specs[kv_cache_dtype] = (spec, None)
+    return SharedEngines(specs, tmp_path_factory.mktemp("scorers"))
+
+
 @pytest.mark.engine
-@pytest.mark.parametrize("kv_cache_dtype,eager", [("fp8", False), ("fp8_e5m2", True),
-                                                  ("bfloat16", True), ("float16", True)])
-def test_kv_cache_dtype_predicts_the_fp32_tokens(kv_cache_dtype, eager, default_model,
-                                                 reference, tmp_path):
+@pytest.mark.parametrize("kv_cache_dtype,eager", CASES)
+def test_kv_cache_dtype_predicts_the_fp32_tokens(kv_cache_dtype, eager, reference, scorers):
     prompts, generated, answer, paris = reference
-    spec = _spec(default_model, [p + g for p, g in zip(prompts, generated)]
-                 + [prompts[0] + answer], kv_cache_dtype=kv_cache_dtype, enforce_eager=eager)
-    spec["sampling"].update(max_tokens=1, prompt_logprobs=1)
-    scored, log = run_engine(spec, tmp_path)
+    scored, log = scorers(kv_cache_dtype)
+    assert ("Warming up model for the compilation" in log) == (not eager)
     if kv_cache_dtype.startswith("fp8"):
         assert "paged_prefill_fp8" in log  # the fp8 kernels ran
     agree = sum(top == token

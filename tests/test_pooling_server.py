@@ -90,7 +90,8 @@ def test_encoder_embeddings_endpoint(checkpoints, tmp_path):
     from openai import OpenAI
 
     hf, tok = _hf(checkpoints["bert"], "BertModel")
-    proc, url = _serve(checkpoints["bert"], tmp_path)
+    # eager: the endpoint is what this tests; test_attention_models compiles BERT
+    proc, url = _serve(checkpoints["bert"], tmp_path, "--enforce-eager")
     try:
         client = OpenAI(base_url=f"{url}/v1", api_key="unused")
         model = client.models.list().data[0].id

@@ -148,7 +148,7 @@ def test_node_0_without_its_peer_fails_within_the_timeout(tmp_path):
     node0 = spawn_server([str(model), "--device", "gcu", "--tensor-parallel-size", "2",
                           "--nnodes", "2", "--node-rank", "0", "--master-addr", "127.0.0.1",
                           "--master-port", str(free_port()), "--distributed-timeout-seconds",
-                          "15", "--enforce-eager", "--skip-tokenizer-init",
+                          "5", "--enforce-eager", "--skip-tokenizer-init",
                           "--kv-cache-memory-bytes", str(64 << 20), "--port", str(free_port())],
                          tmp_path / "node0.log")
     try:

@@ -1,6 +1,7 @@
 """Speculative decoding through the plugin: n-gram prompt lookup, a draft model, an
 EAGLE head and DeepSeek's multi-token prediction (MTP) layer, on the simulator (compiled
-and eager) and the virtual GCU. Greedy tokens with speculation
+and eager) and the virtual GCU (each environment's engines one after another in one process).
+Greedy tokens with speculation
 are plain greedy decoding's: each is HF float64's top-1 given the tokens before it (the
 plugin's plain greedy is held to the same oracle throughout the suite), and the drafts
 were really proposed and accepted (vLLM's spec-decode counters)."""
@@ -11,7 +12,7 @@ import shutil
 import pytest
 import torch
 
-from conftest import VIRTUAL_GCU_ENV, build_tiny_model, run_engine
+from conftest import VIRTUAL_GCU_ENV, SharedEngines, build_tiny_model
 from moe_models import assert_matches_hf
 
 VIRTUAL = {**VIRTUAL_GCU_ENV, "ACCEL_SIM_DEVICE_MEMORY_GB": "1"}
@@ -26,7 +27,7 @@ def models(tmp_path_factory):
     # draft is accepted and a wrong draft path shows as a rejected or wrong token
     draft = root / "draft"
     shutil.copytree(target, draft)
-    return target, draft, _eagle_head(root / "eagle")
+    return target, draft, _eagle_head(root / "eagle"), _deepseek_with_mtp(root / "deepseek_mtp")
 
 
 def _eagle_head(path):
@@ -72,23 +73,61 @@ CASES = {
 }
 
 
-@pytest.mark.engine
-@pytest.mark.parametrize("case", list(CASES))
-def test_speculative_greedy_is_plain_greedy(case, models, tmp_path):
-    speculative, env, compiled = CASES[case]
-    target, draft, eagle = models
+def _case_spec(case, models) -> dict:
+    speculative, _, compiled = CASES[case]
+    target, draft, eagle, _ = models
     if speculative["method"] in ("draft_model", "eagle"):
         speculative = {**speculative,
                        "model": str(draft if speculative["method"] == "draft_model" else eagle)}
-    prompts = _prompts(case)
-    spec = {"llm": {"model": str(target), "dtype": "float32", "enforce_eager": not compiled,
+    return {"llm": {"model": str(target), "dtype": "float32", "enforce_eager": not compiled,
                     "skip_tokenizer_init": True, "max_model_len": 256, "max_num_seqs": 4,
                     "speculative_config": speculative, "disable_log_stats": False,
                     "seed": 0},
-            "prompts": prompts,
+            "prompts": _prompts(case),
             "sampling": {"temperature": 0.0, "max_tokens": 16, "ignore_eos": True,
                          "detokenize": False, "logprobs": 1}}
-    results, log = run_engine(spec, tmp_path, env=env)
+
+
+#: MTP engines: env, compiled
+MTP_CASES = {"mtp-sim-default": ({}, True), "mtp-virtual": (VIRTUAL, False)}
+MTP_PROMPTS = [[random.Random(1).randrange(3, 512) for _ in range(n)] for n in (5, 17, 33)]
+
+
+def _mtp_spec(case, models) -> dict:
+    return {"llm": {"model": str(models[3]), "dtype": "float32",
+                    "enforce_eager": not MTP_CASES[case][1], "skip_tokenizer_init": True,
+                    "max_model_len": 256, "max_num_seqs": 4,
+                    "speculative_config": {"method": "mtp", "num_speculative_tokens": 1},
+                    "disable_log_stats": False, "seed": 0},
+            "prompts": MTP_PROMPTS,
+            "sampling": {"temperature": 0.0, "max_tokens": 12, "ignore_eos": True,
+                         "detokenize": False, "logprobs": 1}}
+
+
+@pytest.fixture(scope="module")
+def engines(models, tmp_path_factory):
+    """Each environment's engines one after another in one process. vLLM's Prometheus
+    logger unregisters the previous engine's collectors, so each engine's spec-decode
+    counters are its own: the draft-model engines run after the EAGLE and MTP ones,
+    whose random heads' rejected drafts would break their accepted == drafted otherwise."""
+    specs = {case: (_case_spec(case, models), CASES[case][1]) for case in CASES}
+    specs.update({case: (_mtp_spec(case, models), MTP_CASES[case][0]) for case in MTP_CASES})
+    # The n-gram engines last: their proposer imports numba, whose llvmlite library
+    # object answers any attribute, and vLLM's scan of sys.modules when a later CPU
+    # engine registers its Triton-kernel overrides then fails on it (vLLM 0.32;
+    # a script that starts two engines after an n-gram one fails the same way).
+    ordered = sorted(specs, key=lambda case: (case.startswith("ngram"),
+                                              case.startswith("draft")))
+    return SharedEngines({case: specs[case] for case in ordered},
+                         tmp_path_factory.mktemp("engines"))
+
+
+@pytest.mark.engine
+@pytest.mark.parametrize("case", list(CASES))
+def test_speculative_greedy_is_plain_greedy(case, models, engines):
+    speculative, env, compiled = CASES[case]
+    target = models[0]
+    results, log = engines(case)
     assert ("Warming up model for the compilation" in log) == (compiled and not env)
     if env:
         assert "device gcu via virtual" in log
@@ -100,7 +139,7 @@ def test_speculative_greedy_is_plain_greedy(case, models, tmp_path):
         assert accepted == drafted, counters
     if speculative["method"] == "eagle":  # (vLLM's EAGLE proposer loaded our head)
         assert "Detected EAGLE model without its own lm_head" in log
-    assert_matches_hf(target, prompts, results["outputs"])
+    assert_matches_hf(target, _prompts(case), results["outputs"])
 
 
 def _deepseek_with_mtp(path):
@@ -135,28 +174,17 @@ def _deepseek_with_mtp(path):
 
 
 @pytest.mark.engine
-@pytest.mark.parametrize("env,compiled", [({}, True), (VIRTUAL, False)],
-                         ids=["sim-default", "virtual"])
-def test_mtp_greedy_is_plain_greedy(env, compiled, tmp_path):
+@pytest.mark.parametrize("case", list(MTP_CASES))
+def test_mtp_greedy_is_plain_greedy(case, models, engines):
     """``--speculative-config '{"method": "mtp"}'`` on a DeepSeek-V3 checkpoint with an MTP
     layer: vLLM's DeepSeekMTP proposer (MLA with a query LoRA and MoE on the plugin's
     kernels) drafts, and greedy tokens stay HF float64's top-1, compiled on the
     simulator."""
-    model = _deepseek_with_mtp(tmp_path / "deepseek_mtp")
-    rng = random.Random(1)
-    prompts = [[rng.randrange(3, 512) for _ in range(n)] for n in (5, 17, 33)]
-    spec = {"llm": {"model": str(model), "dtype": "float32", "enforce_eager": not compiled,
-                    "skip_tokenizer_init": True, "max_model_len": 256, "max_num_seqs": 4,
-                    "speculative_config": {"method": "mtp", "num_speculative_tokens": 1},
-                    "disable_log_stats": False, "seed": 0},
-            "prompts": prompts,
-            "sampling": {"temperature": 0.0, "max_tokens": 12, "ignore_eos": True,
-                         "detokenize": False, "logprobs": 1}}
-    results, log = run_engine(spec, tmp_path, env=env)
+    results, log = engines(case)
     assert "Detected MTP model" in log
-    assert ("Warming up model for the compilation" in log) == compiled
+    assert ("Warming up model for the compilation" in log) == MTP_CASES[case][1]
     assert results["spec_decode"].get("vllm:spec_decode_num_draft_tokens", 0) > 0
-    assert_matches_hf(model, prompts, results["outputs"])
+    assert_matches_hf(models[3], MTP_PROMPTS, results["outputs"])
 
 
 @pytest.mark.server
@@ -169,7 +197,7 @@ def test_serve_ngram_speculation_over_the_openai_api(models, tmp_path):
 
     from conftest import hf_greedy, start_server, stop_server
 
-    target, _, _ = models
+    target = models[0]
     prompts = _prompts("serve")
     expected = hf_greedy(target, prompts, 16)
     speculative = ('{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4, '
