@@ -1,8 +1,7 @@
 """Speculative decoding through the plugin: n-gram prompt lookup, a draft model, an
 EAGLE head and DeepSeek's multi-token prediction (MTP) layer, on the simulator (compiled
-and eager) and the virtual GCU (each environment's engines one after another in one process).
-Greedy tokens with speculation
-are plain greedy decoding's: each is HF float64's top-1 given the tokens before it (the
+and eager) and the virtual GCU, each environment's engines one after another in one
+process. Greedy tokens with speculation are plain greedy decoding's: each is HF float64's top-1 given the tokens before it (the
 plugin's plain greedy is held to the same oracle throughout the suite), and the drafts
 were really proposed and accepted (vLLM's spec-decode counters)."""
 
@@ -27,7 +26,8 @@ def models(tmp_path_factory):
     # draft is accepted and a wrong draft path shows as a rejected or wrong token
     draft = root / "draft"
     shutil.copytree(target, draft)
-    return target, draft, _eagle_head(root / "eagle"), _deepseek_with_mtp(root / "deepseek_mtp")
+    return {"target": target, "draft": draft, "eagle": _eagle_head(root / "eagle"),
+            "mtp": _deepseek_with_mtp(root / "deepseek_mtp")}
 
 
 def _eagle_head(path):
@@ -73,35 +73,33 @@ CASES = {
 }
 
 
-def _case_spec(case, models) -> dict:
-    speculative, _, compiled = CASES[case]
-    target, draft, eagle, _ = models
-    if speculative["method"] in ("draft_model", "eagle"):
-        speculative = {**speculative,
-                       "model": str(draft if speculative["method"] == "draft_model" else eagle)}
-    return {"llm": {"model": str(target), "dtype": "float32", "enforce_eager": not compiled,
+def _spec(model, speculative, compiled, prompts, max_tokens) -> dict:
+    return {"llm": {"model": str(model), "dtype": "float32", "enforce_eager": not compiled,
                     "skip_tokenizer_init": True, "max_model_len": 256, "max_num_seqs": 4,
                     "speculative_config": speculative, "disable_log_stats": False,
                     "seed": 0},
-            "prompts": _prompts(case),
-            "sampling": {"temperature": 0.0, "max_tokens": 16, "ignore_eos": True,
+            "prompts": prompts,
+            "sampling": {"temperature": 0.0, "max_tokens": max_tokens, "ignore_eos": True,
                          "detokenize": False, "logprobs": 1}}
+
+
+def _case_spec(case, models) -> dict:
+    speculative, _, compiled = CASES[case]
+    if speculative["method"] in ("draft_model", "eagle"):
+        proposer = "draft" if speculative["method"] == "draft_model" else "eagle"
+        speculative = {**speculative, "model": str(models[proposer])}
+    return _spec(models["target"], speculative, compiled, _prompts(case), 16)
 
 
 #: MTP engines: env, compiled
 MTP_CASES = {"mtp-sim-default": ({}, True), "mtp-virtual": (VIRTUAL, False)}
-MTP_PROMPTS = [[random.Random(1).randrange(3, 512) for _ in range(n)] for n in (5, 17, 33)]
+_MTP_RNG = random.Random(1)
+MTP_PROMPTS = [[_MTP_RNG.randrange(3, 512) for _ in range(n)] for n in (5, 17, 33)]
 
 
 def _mtp_spec(case, models) -> dict:
-    return {"llm": {"model": str(models[3]), "dtype": "float32",
-                    "enforce_eager": not MTP_CASES[case][1], "skip_tokenizer_init": True,
-                    "max_model_len": 256, "max_num_seqs": 4,
-                    "speculative_config": {"method": "mtp", "num_speculative_tokens": 1},
-                    "disable_log_stats": False, "seed": 0},
-            "prompts": MTP_PROMPTS,
-            "sampling": {"temperature": 0.0, "max_tokens": 12, "ignore_eos": True,
-                         "detokenize": False, "logprobs": 1}}
+    return _spec(models["mtp"], {"method": "mtp", "num_speculative_tokens": 1},
+                 MTP_CASES[case][1], MTP_PROMPTS, 12)
 
 
 @pytest.fixture(scope="module")
@@ -126,7 +124,6 @@ def engines(models, tmp_path_factory):
 @pytest.mark.parametrize("case", list(CASES))
 def test_speculative_greedy_is_plain_greedy(case, models, engines):
     speculative, env, compiled = CASES[case]
-    target = models[0]
     results, log = engines(case)
     assert ("Warming up model for the compilation" in log) == (compiled and not env)
     if env:
@@ -139,7 +136,7 @@ def test_speculative_greedy_is_plain_greedy(case, models, engines):
         assert accepted == drafted, counters
     if speculative["method"] == "eagle":  # (vLLM's EAGLE proposer loaded our head)
         assert "Detected EAGLE model without its own lm_head" in log
-    assert_matches_hf(target, _prompts(case), results["outputs"])
+    assert_matches_hf(models["target"], _prompts(case), results["outputs"])
 
 
 def _deepseek_with_mtp(path):
@@ -184,7 +181,7 @@ def test_mtp_greedy_is_plain_greedy(case, models, engines):
     assert "Detected MTP model" in log
     assert ("Warming up model for the compilation" in log) == MTP_CASES[case][1]
     assert results["spec_decode"].get("vllm:spec_decode_num_draft_tokens", 0) > 0
-    assert_matches_hf(models[3], MTP_PROMPTS, results["outputs"])
+    assert_matches_hf(models["mtp"], MTP_PROMPTS, results["outputs"])
 
 
 @pytest.mark.server
@@ -197,7 +194,7 @@ def test_serve_ngram_speculation_over_the_openai_api(models, tmp_path):
 
     from conftest import hf_greedy, start_server, stop_server
 
-    target = models[0]
+    target = models["target"]
     prompts = _prompts("serve")
     expected = hf_greedy(target, prompts, 16)
     speculative = ('{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4, '
