@@ -23,7 +23,13 @@ torch reference of the same op on the same GPU:
   same two matmuls and softmax in torch;
 * fused MoE experts, Qwen3-30B-A3B's layer (128 experts, top-8, hidden 2048,
   intermediate 768, bf16) at batch 1, 16, 64; reference: the ``torch_fast`` experts
-  (tokens sorted by expert, two matmuls per expert, one host sync).
+  (tokens sorted by expert, two matmuls per expert, one host sync); also replayed from
+  a CUDA graph (the routing's alignment is a dozen small torch ops whose launches
+  dominate at batch 1 when run eagerly);
+* the same layer with W4A16 experts (4-bit, group 128), against its bf16 experts;
+* sliding-window decode (window 1024, batch 16) at contexts 1k, 4k and 16k: the time
+  per step should stay at the 1k time; reference: the same kernel over the whole
+  context.
 
 Bytes counted are the ones the op must move: the KV cache pages (MLA: latent rows)
 read (+ query and output), the packed weight + scales + activations + output, the
@@ -73,6 +79,26 @@ def stream_time(fns) -> float:
 
 def copies(nbytes: int) -> int:
     return max(1, min(64, -(-ROTATE_BYTES // nbytes)))
+
+
+def graph_time(fn):
+    """ms per call replayed from a CUDA graph (no host launch gaps), or None where the
+    op cannot be captured."""
+    try:
+        return do_bench_cudagraph(fn, rep=100)
+    except Exception as exc:  # noqa: BLE001 -- reported, the eager time stands
+        print(f"  (not capturable in a CUDA graph: {type(exc).__name__}: {exc})")
+        return None
+
+
+def with_graph_time(r, fn, nbytes, bandwidth):
+    """Add the graph-replayed time (what a server replaying decode graphs sees)."""
+    ms = graph_time(fn)
+    r["graph_us"] = None if ms is None else round(ms * 1e3, 2)
+    if ms is not None:
+        r["graph_pct_of_copy_bw"] = round(100 * nbytes / (ms * 1e-3) / bandwidth, 1)
+        print(f"  graph-replayed {r['graph_us']:.1f} us, {r['graph_pct_of_copy_bw']}%")
+    return r
 
 
 def row(name, ms, nbytes, bandwidth, ref_ms=None, ref_name=None):
@@ -152,6 +178,39 @@ def bench_decode(bandwidth):
     return rows
 
 
+def bench_window(bandwidth, window=1024, batch=16, contexts=(1024, 4096, 16384)):
+    """Sliding-window decode: the kernel reads only the window's pages, so the time
+    per step stays at the 1k time however long the context (the pages before the
+    window are in the block table here, as vLLM's null block would be)."""
+    rows, first_us = [], None
+    scale = 128**-0.5
+    for context in contexts:
+        query, cache, bt, seq_lens, _ = decode_case(batch=batch, context=context)
+        out = paged_attention.paged_decode(query, cache, bt, seq_lens, scale,
+                                           sliding_window=window)
+        keep = window // cache.shape[2]  # the window is whole blocks here
+        ref = gather_sdpa(query, cache, bt[:, -keep:].contiguous(),
+                          torch.full_like(seq_lens, window), scale)
+        err = (out.float() - ref.float()).abs().max().item()
+        assert err < 5e-2, f"window decode ctx {context} mismatch {err}"
+        ms = do_bench(lambda: paged_attention.paged_decode(query, cache, bt, seq_lens, scale,
+                                                           sliding_window=window))
+        full_ms = do_bench(lambda: paged_attention.paged_decode(query, cache, bt, seq_lens,
+                                                                scale))
+        nbytes = batch * window * 8 * 2 * 128 * 2 + 2 * query.numel() * 2
+        r = row(f"window {window} decode b{batch} ctx{context} 32q/8kv d128", ms, nbytes,
+                bandwidth, full_ms, "same kernel, whole context")
+        with_graph_time(r, lambda: paged_attention.paged_decode(
+            query, cache, bt, seq_lens, scale, sliding_window=window), nbytes, bandwidth)
+        first_us = first_us or (r["us"], r["graph_us"])
+        r["vs_window_context_time"] = round(r["us"] / first_us[0], 2)
+        if r["graph_us"] and first_us[1]:
+            r["graph_vs_window_context_time"] = round(r["graph_us"] / first_us[1], 2)
+        r["max_abs_error_vs_reference"] = err
+        rows.append(r)
+    return rows
+
+
 # ---------------------------------------------------------------------------
 # MLA decode
 # ---------------------------------------------------------------------------
@@ -204,6 +263,14 @@ def bench_mla(bandwidth):
 # ---------------------------------------------------------------------------
 
 
+def routed_batch(batch, hidden, experts, top_k, g):
+    """Activations and a softmax top-k routing (renormalized) of random logits."""
+    x = torch.randn(batch, hidden, dtype=torch.bfloat16, device=DEV, generator=g)
+    logits = torch.randn(batch, experts, device=DEV, generator=g)
+    weights, ids = torch.softmax(logits, -1).topk(top_k, dim=-1)
+    return x, weights / weights.sum(-1, keepdim=True), ids.to(torch.int32)
+
+
 def bench_moe(bandwidth, experts=128, top_k=8, hidden=2048, inter=768, batches=(1, 16, 64)):
     g = torch.Generator(device=DEV).manual_seed(0)
     w13 = torch.randn(experts, 2 * inter, hidden, dtype=torch.bfloat16, device=DEV,
@@ -212,10 +279,7 @@ def bench_moe(bandwidth, experts=128, top_k=8, hidden=2048, inter=768, batches=(
                      generator=g) * inter ** -0.5
     rows = []
     for batch in batches:
-        x = torch.randn(batch, hidden, dtype=torch.bfloat16, device=DEV, generator=g)
-        logits = torch.randn(batch, experts, device=DEV, generator=g)
-        weights, ids = torch.softmax(logits, -1).topk(top_k, dim=-1)
-        weights, ids = (weights / weights.sum(-1, keepdim=True)), ids.to(torch.int32)
+        x, weights, ids = routed_batch(batch, hidden, experts, top_k, g)
         out = moe.moe_experts(x, w13, w2, weights, ids)
         ref = torch_moe.moe_experts(x, w13, w2, weights, ids)
         err = ((out.float() - ref.float()).abs().max() / ref.float().abs().max()).item()
@@ -227,6 +291,61 @@ def bench_moe(bandwidth, experts=128, top_k=8, hidden=2048, inter=768, batches=(
         r = row(f"moe_experts bf16 batch {batch}: {touched} of {experts} experts touched, "
                 f"top-{top_k}, {hidden}x{inter}", ms, nbytes, bandwidth, ref_ms,
                 "torch_fast grouped matmuls")
+        with_graph_time(r, lambda: moe.moe_experts(x, w13, w2, weights, ids), nbytes, bandwidth)
+        r["experts_touched"] = touched
+        r["max_rel_error_vs_reference"] = err
+        rows.append(r)
+    return rows
+
+
+class PackedExperts(torch.nn.Module):
+    """One expert projection in the quant layer's generic weight-only layout (4-bit
+    codes, two per byte, symmetric, fp16 scales per group of 128 inputs)."""
+
+    def __init__(self, n, k, g, group_size=128):
+        super().__init__()
+        self.provider, self.bits, self.group_size, self.out_features = None, 4, group_size, n
+        self.perm = self.g_idx = self.zeros = None
+        self.qweight = torch.nn.Parameter(torch.randint(0, 256, (n, k // 2), dtype=torch.uint8,
+                                                        device=DEV, generator=g),
+                                          requires_grad=False)
+        self.scales = torch.nn.Parameter(
+            (torch.rand(n, k // group_size, device=DEV, generator=g) * 0.02 + 0.005).half(),
+            requires_grad=False)
+
+    def dense(self):
+        lo, hi = self.qweight & 15, self.qweight >> 4
+        codes = torch.stack([lo, hi], -1).flatten(-2).float() - 8
+        return (codes * self.scales.float().repeat_interleave(self.group_size, 1)).bfloat16()
+
+
+def bench_moe_w4a16(bandwidth, experts=128, top_k=8, hidden=2048, inter=768,
+                    batches=(1, 16, 64)):
+    """W4A16 experts (4-bit, group 128) fused, vs the same layer's bf16 experts."""
+    g = torch.Generator(device=DEV).manual_seed(1)
+    w13 = torch.nn.ModuleList(PackedExperts(2 * inter, hidden, g) for _ in range(experts))
+    w2 = torch.nn.ModuleList(PackedExperts(hidden, inter, g) for _ in range(experts))
+    d13 = torch.stack([m.dense() for m in w13])
+    d2 = torch.stack([m.dense() for m in w2])
+    rows = []
+    for batch in batches:
+        x, weights, ids = routed_batch(batch, hidden, experts, top_k, g)
+        out = moe.moe_quant_experts(x, w13, w2, weights, ids)
+        ref = moe.moe_experts(x, d13, d2, weights, ids)
+        err = ((out.float() - ref.float()).abs().max() / ref.float().abs().max()).item()
+        assert err < 2e-2, f"moe w4a16 experts mismatch {err}"
+        touched = int(torch.unique(ids).numel())
+        per_expert = 3 * hidden * inter // 2 + 3 * hidden * inter // 128 * 2
+        nbytes = touched * per_expert + 2 * x.numel() * 2
+        ms = do_bench(lambda: moe.moe_quant_experts(x, w13, w2, weights, ids))
+        ref_ms = do_bench(lambda: moe.moe_experts(x, d13, d2, weights, ids))
+        r = row(f"moe_experts W4A16 g128 batch {batch}: {touched} of {experts} experts, "
+                f"top-{top_k}, {hidden}x{inter}", ms, nbytes, bandwidth, ref_ms,
+                "the fused bf16 experts")
+        with_graph_time(r, lambda: moe.moe_quant_experts(x, w13, w2, weights, ids), nbytes,
+                        bandwidth)
+        r["bf16_graph_us"] = graph_time(lambda: moe.moe_experts(x, d13, d2, weights, ids))
+        r["bf16_graph_us"] = r["bf16_graph_us"] and round(r["bf16_graph_us"] * 1e3, 2)
         r["experts_touched"] = touched
         r["max_rel_error_vs_reference"] = err
         rows.append(r)
@@ -309,7 +428,8 @@ def bench_w8a8(bandwidth):
 
 
 BENCHES = {"paged_decode": bench_decode, "w4a16": bench_w4a16, "w8a8": bench_w8a8,
-           "mla_decode": bench_mla, "moe_experts": bench_moe}
+           "mla_decode": bench_mla, "moe_experts": bench_moe, "moe_w4a16": bench_moe_w4a16,
+           "window_decode": bench_window}
 
 
 def main() -> None:

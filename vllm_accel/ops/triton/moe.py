@@ -59,7 +59,10 @@ def align_pairs(topk_ids: torch.Tensor, expert_map: torch.Tensor | None, num_loc
     slots = local_slots(topk_ids, expert_map).reshape(-1)
     pairs = slots.numel()
     key = torch.where(slots < 0, num_local, slots)  # experts held elsewhere sort last
-    counts = torch.bincount(key, minlength=num_local + 1)[:num_local]
+    # (not bincount: on a GPU it reads the largest id back to the host, which a
+    # graph capture refuses and an eager call waits for)
+    counts = torch.zeros(num_local + 1, dtype=torch.int64, device=device)
+    counts = counts.scatter_add_(0, key, torch.ones_like(key))[:num_local]
     padded = (counts + block_m - 1) // block_m * block_m
     run_end = torch.cumsum(padded, 0)
     run_start = run_end - padded
@@ -250,7 +253,7 @@ def _fused(x, w13: _Weights, w2: _Weights, topk_weights, topk_ids, inter, hidden
         return out.view(m, hidden).to(x.dtype)
     x = x.contiguous()
     weights = topk_weights.reshape(-1).to(torch.float32).contiguous()
-    pair_of_row, block_expert = align_pairs(topk_ids, expert_map, num_local)
+    pair_of_row, block_expert = align_pairs(topk_ids, expert_map, num_local, BLOCK_M)
     act = torch.empty(pair_of_row.numel(), inter, dtype=x.dtype, device=x.device)
     ieee = x.dtype == torch.float32 or interpreted(_gate_up_kernel)
     blocks = block_expert.numel()
