@@ -130,10 +130,12 @@ def test_features(features, mix, dtype):
 
 @pytest.mark.parametrize("features", ["sinks,window", "alibi"])
 def test_features_across_decode_partitions(features):
-    """A window and sinks (or ALiBi) over contexts longer than a partition: programs
-    wholly before the window add nothing, the merge adds the sink."""
+    """A window and sinks (or ALiBi) over contexts longer than a partition: the
+    partitions start at the window's (the last request's window begins in its second
+    partition), the merge adds the sink."""
     bs, d, dtype = 64, 64, torch.float32
-    reqs = [(1, paged_attention.PARTITION * 2 + 37), (1, 5), (1, paged_attention.PARTITION)]
+    reqs = [(1, paged_attention.PARTITION * 2 + 37), (1, 5), (1, paged_attention.PARTITION),
+            (1, paged_attention.PARTITION * 3 + 37)]
     f = _features(features, bs, 4 * HKV)
     if "sliding_window" in f:
         f["sliding_window"] = paged_attention.PARTITION + 100

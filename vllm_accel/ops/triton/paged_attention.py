@@ -178,10 +178,12 @@ def _decode_kernel(q_ptr, cache_ptr, bt_ptr, seq_lens_ptr, out_ptr, part_ptr, st
     l_i = tl.zeros([M], tl.float32)
     acc = tl.zeros([M, D_PAD], tl.float32)
     # keys [first, seq_len): the window's (blocks before it may be freed), then this
-    # partition's share of them
+    # partition's share of them; the partitions start at the window's partition, so
+    # a long context launches only those the window spans
     first = tl.maximum(seq_len - window, 0)
-    start = tl.maximum(part * PART, first)
-    end = tl.minimum(seq_len, part * PART + PART)
+    base = first // PART * PART + part * PART
+    start = tl.maximum(base, first)
+    end = tl.minimum(seq_len, base + PART)
     limit = tl.full([M, 1], 1, tl.int32) * (seq_len - 1)
     slopes = tl.load(slopes_ptr + heads, mask=row_ok, other=0.0) if ALIBI else 0.0
     head_off = kvh.to(tl.int64) * stride_head
@@ -338,7 +340,9 @@ def paged_decode(query: torch.Tensor, kv_cache: torch.Tensor, block_table: torch
     max_keys = block_table.shape[1] * kv_cache.shape[2]
     qk_int8 = int8 and query.dtype != torch.float32
     partition = PARTITION_INT8 if qk_int8 else PARTITION
-    num_parts = triton.cdiv(max_keys, partition)
+    # a window spans at most window + partition - 1 keys of whole partitions
+    spanned = min(max_keys, args["window"] + partition - 1)
+    num_parts = triton.cdiv(spanned, partition)
     d_pad = max(16, triton.next_power_of_2(d))
     m = max(16, triton.next_power_of_2(group))
     if num_parts > 1:
