@@ -54,7 +54,7 @@ CASES = {
     "bf16": dict(dtype=torch.bfloat16),
     "fp16-gelu-bias-weight-on-input": dict(dtype=torch.float16, activation="gelu_tanh",
                                            bias=True, on_input=True),
-    "fp32": dict(dtype=torch.float32),
+    "fp32-expert-map": dict(dtype=torch.float32, expert_map=True),
     "int4-asym-g32-bf16": dict(dtype=torch.bfloat16, bits=4, group_size=32, asym=True),
     "int8-sym-g16-fp32": dict(dtype=torch.float32, bits=8, group_size=16, asym=False),
 }
@@ -79,9 +79,11 @@ def test_moe_kernels_compile_for_the_gpu(case, target, monkeypatch):
             x, w13, w2, weights, ids, activation=spec.get("activation", "silu"),
             apply_router_weight_on_input=spec.get("on_input", False),
             w13_bias=torch.randn(e, 2 * i).to(dtype) if bias else None,
-            w2_bias=torch.randn(e, h).to(dtype) if bias else None)
+            w2_bias=torch.randn(e, h).to(dtype) if bias else None,
+            expert_map=torch.arange(e, dtype=torch.int32) if spec.get("expert_map") else None)
     launches = _launches(monkeypatch, call)
-    assert [fn.fn.__name__ for fn, _, _ in launches] == ["_gate_up_kernel", "_down_kernel"]
+    assert [fn.fn.__name__ for fn, _, _ in launches] == ["_align_kernel", "_gate_up_kernel",
+                                                          "_down_kernel"]
     for fn, args, kwargs in launches:
         if "IEEE" in kwargs:
             kwargs["IEEE"] = dtype == torch.float32  # what a GPU launch passes

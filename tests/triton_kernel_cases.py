@@ -483,6 +483,30 @@ def test_moe_align_pairs_pads_each_expert_and_skips_the_others():
     assert blocks.tolist() == sorted(blocks.tolist(), key=lambda v: (v < 0, v))
 
 
+@pytest.mark.parametrize("m,top_k,experts,held,block_m", [
+    (1, 8, 128, 128, 16), (23, 3, 6, 4, 4), (45, 4, 16, 16, 16), (7, 2, 64, 20, 32),
+    (512, 8, 128, 128, 16)])
+def test_moe_align_pairs_in_one_program_matches_the_torch_ops(m, top_k, experts, held,
+                                                              block_m):
+    """The one-program alignment (decode batches up to ALIGN_MAX_PAIRS pairs) gives the
+    torch ops' rows and block experts exactly: the same stable order by expert, with
+    and without an expert map (experts held elsewhere dropped)."""
+    g = torch.Generator().manual_seed(m)
+    ids = torch.randint(0, experts, (m, top_k), generator=g, dtype=torch.int32)
+    cases = [(None, experts)]
+    if held < experts:
+        slots = torch.full((experts,), -1, dtype=torch.int32)
+        slots[torch.randperm(experts, generator=g)[:held]] = torch.arange(held, dtype=torch.int32)
+        cases.append((slots, held))
+    assert m * top_k <= moe.ALIGN_MAX_PAIRS
+    for expert_map, local in cases:
+        args = (*on_device(ids), None if expert_map is None else on_device(expert_map)[0], local)
+        rows, blocks = moe.align_pairs(*args, block_m=block_m)
+        want_rows, want_blocks = moe.align_pairs_torch(*args, block_m=block_m)
+        assert torch.equal(blocks.cpu(), want_blocks.cpu())
+        assert torch.equal(rows.cpu(), want_rows.cpu())
+
+
 class _ResidentLinear(torch.nn.Module):
     """A stand-in for the weight-only module of ``quant/packed.py`` (InstalledWInt) in
     its generic layout: codes (4-bit nibbles, even column low, or bytes), scales and
