@@ -202,13 +202,16 @@ def _exit_now(llm=None) -> None:
     the interpreter's teardown: two full garbage collections and the teardown of
     vLLM's and torch's modules, ~3 s of an 11 s tiny-engine run on 2 cores. An engine
     with processes of its own (a multiprocess EngineCore, several ranks) is shut down
-    first, so that none outlives this one. ``run_each`` shuts each of its engines down
-    and the ``engine_until_exit`` specs exit as a script does, so both paths stay
-    tested."""
+    first, so that none outlives this one; with Ray the process exits as a script does
+    (Ray's exit hook stops the local instance it started). ``run_each`` shuts each of
+    its engines down and the ``engine_until_exit`` specs exit as a script does, so both
+    paths stay tested."""
     if llm is not None:
         from vllm.v1.engine.core_client import InprocClient
 
         parallel = llm.llm_engine.vllm_config.parallel_config
+        if parallel.use_ray:
+            return
         if not isinstance(llm.llm_engine.engine_core, InprocClient) or parallel.world_size > 1:
             llm.llm_engine.engine_core.shutdown()
     sys.stdout.flush()
