@@ -522,9 +522,11 @@ class _ResidentLinear(torch.nn.Module):
         self.scales = torch.nn.Parameter(scales, requires_grad=False)
         self.zeros = None if zeros is None else torch.nn.Parameter(zeros, requires_grad=False)
         self.perm = self.g_idx = None
+        k = codes.shape[1]  # the last group may be partial
         z = float(2 ** (bits - 1)) if zeros is None else zeros.double().repeat_interleave(
-            group_size, 1)
-        self.dense = (codes.double() - z) * scales.double().repeat_interleave(group_size, 1)
+            group_size, 1)[:, :k]
+        self.dense = (codes.double() - z) * scales.double().repeat_interleave(
+            group_size, 1)[:, :k]
 
     def forward(self, x, bias=None):
         y = x.double() @ self.dense.T
@@ -535,8 +537,9 @@ def _resident_experts(e, n, k, bits, group_size, asym, g):
     mods = []
     for _ in range(e):
         codes = torch.randint(0, 2 ** bits, (n, k), generator=g, dtype=torch.int16)
-        scales = (torch.rand(n, k // group_size, generator=g) * 0.02 + 0.005).half()
-        zeros = (torch.randint(0, 2 ** bits, (n, k // group_size), generator=g).half()
+        groups = -(-k // group_size)
+        scales = (torch.rand(n, groups, generator=g) * 0.02 + 0.005).half()
+        zeros = (torch.randint(0, 2 ** bits, (n, groups), generator=g).half()
                  if asym else None)
         mods.append(_ResidentLinear(codes, scales, zeros, bits, group_size))
     return torch.nn.ModuleList(mods)
@@ -545,12 +548,15 @@ def _resident_experts(e, n, k, bits, group_size, asym, g):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16],
                          ids=lambda d: str(d).split(".")[-1])
 @pytest.mark.parametrize("bits,group_size,asym", [(4, 32, True), (4, 64, False),
-                                                  (8, 16, False)])
+                                                  (4, 128, True), (8, 16, False),
+                                                  (8, 64, True)])
 def test_moe_quant_experts(bits, group_size, asym, dtype):
-    """Weight-only experts (4-bit asym g32, 4-bit sym g64, 8-bit sym g16) fused, each
-    tile dequantized as loaded, vs the float64 matmuls of the dequantized weights; the
+    """Weight-only experts fused, vs the float64 matmuls of the dequantized weights:
+    groups smaller than a reduction step (4-bit asym g32, 8-bit sym g16: each weight
+    dequantized as loaded) and groups of whole steps (4-bit sym g64 and 8-bit asym g64,
+    4-bit asym g128 wider than the inputs: the scale applied to each step's sum). The
     stack is built once and the modules then hold views of it."""
-    m, e, h, i, k = 23, 6, 64, 64, 2
+    m, e, h, i, k = 23, 6, 192, 128, 2  # 3 and 2 reduction steps
     g = torch.Generator().manual_seed(bits + group_size)
     w13 = _resident_experts(e, 2 * i, h, bits, group_size, asym, g)
     w2 = _resident_experts(e, h, i, bits, group_size, asym, g)

@@ -21,7 +21,10 @@ Llama 4) by scaling the gate/up products before their biases, which is the same 
 Quantized experts (``moe_quant_experts``: GPTQ, AWQ, compressed-tensors W4A16/W8A16)
 run the same kernels on the weight-only resident layout of the dense linears
 (``quant/packed.py``: codes ``[N, K/2]`` nibbles, even column low, or ``[N, K]`` bytes;
-scales and zero points ``[N, G]``), each tile dequantized as it is loaded. The experts'
+scales and zero points ``[N, G]``). Each 4-bit byte is loaded once, its nibbles
+multiplied with the even and odd input columns; where a reduction step lies in one group,
+the products run on the integer codes and the group's scale is applied to their sum,
+else each weight is dequantized as it is loaded (``_expert_step``). The experts'
 tensors are stacked ``[E, ...]`` once, on the first call, and each expert's module then
 holds views of the stack, so memory does not grow; act-order permutations and
 prepared layouts go to the next provider.
@@ -163,28 +166,90 @@ def _activate(g, ACTIVATION: tl.constexpr):
 
 
 @triton.jit
-def _weight_tile(w_ptr, s_ptr, z_ptr, rows, k, mask, stride_wn, stride_sn, group_size,
-                 BITS: tl.constexpr, HAS_ZEROS: tl.constexpr):
-    """``W[rows, k]`` as a ``[BLOCK_K, BLOCK_N]`` tile (``rows`` ``[1, N]``, ``k``
-    ``[K, 1]``): the weight itself (``BITS`` 0), or codes dequantized in float32."""
-    # (one return: the compiler builds what follows an early return too, so the
-    # quantized path's 1 << (BITS - 1) would not compile for BITS 0)
-    if BITS == 0:
-        tile = tl.load(w_ptr + rows * stride_wn + k, mask=mask, other=0.0)
+def _dequant(code, s_base, z_base, n, k, mask, stride_sn, group_size, BITS: tl.constexpr,
+             HAS_ZEROS: tl.constexpr):
+    """Codes ``[K, N]`` (float32) dequantized weight by weight: groups smaller than a
+    reduction step, or not aligned to one."""
+    g = k // group_size
+    scale = tl.load(s_base + n * stride_sn + g, mask=mask, other=0.0).to(tl.float32)
+    if HAS_ZEROS:
+        zero = tl.load(z_base + n * stride_sn + g, mask=mask, other=0.0).to(tl.float32)
     else:
-        if BITS == 4:
-            byte = tl.load(w_ptr + rows * stride_wn + k // 2, mask=mask, other=0)
-            code = ((byte >> ((k % 2) * 4).to(tl.uint8)) & 0xF).to(tl.float32)
+        zero = 1 << (BITS - 1)
+    return (code - zero) * scale
+
+
+@triton.jit
+def _scaled_step(acc, part, s_base, n, n_ok, group, stride_sn):
+    """``acc + part * scale``: a reduction step of one group, its products made on the
+    integer codes, scaled once per output column."""
+    scale = tl.load(s_base + n * stride_sn + group, mask=n_ok, other=0.0).to(tl.float32)
+    return acc + part * scale
+
+
+@triton.jit
+def _group_zero(z_base, n, n_ok, group, stride_sn, BITS: tl.constexpr,
+                HAS_ZEROS: tl.constexpr):
+    if HAS_ZEROS:
+        zero = tl.load(z_base + n * stride_sn + group, mask=n_ok, other=0.0).to(tl.float32)
+    else:
+        zero = tl.full(n.shape, 1 << (BITS - 1), tl.float32)
+    return zero
+
+
+@triton.jit
+def _expert_step(acc, a_rows, a_ok, w_base, s_base, z_base, n, n_ok, k0, width, stride_wn,
+                 stride_sn, group_size, BITS: tl.constexpr, HAS_ZEROS: tl.constexpr,
+                 GROUP_STEPS: tl.constexpr, IEEE: tl.constexpr, BLOCK_K: tl.constexpr):
+    """``acc + A[:, k0:k0+BLOCK_K] @ W[n, k0:k0+BLOCK_K].T``, ``a_rows`` pointing to the
+    ``[M, 1]`` rows of A and ``n`` the ``[1, N]`` rows of W (the weight itself for
+    ``BITS`` 0, else its codes).
+
+    A 4-bit byte holds columns 2j (low nibble) and 2j+1: each byte is loaded once, and
+    A's even and odd columns meet its two nibbles in two products of half the depth.
+    Where a step lies in one group (``GROUP_STEPS``), the products run on the codes less
+    the zero point, integers that bf16/fp16 hold exactly, and the group's scale
+    multiplies their float32 sum once per column: the inner loop loads no scale per
+    weight."""
+    if BITS == 4:
+        j = k0 // 2 + tl.arange(0, BLOCK_K // 2)
+        even_ok = 2 * j < width
+        odd_ok = 2 * j + 1 < width
+        byte = tl.load(w_base + n * stride_wn + j[:, None], mask=n_ok & even_ok[:, None],
+                       other=0)
+        lo = (byte & 0xF).to(tl.float32)
+        hi = (byte >> 4).to(tl.float32)
+        a_even = tl.load(a_rows + 2 * j[None, :], mask=a_ok & even_ok[None, :], other=0.0)
+        a_odd = tl.load(a_rows + 2 * j[None, :] + 1, mask=a_ok & odd_ok[None, :], other=0.0)
+        if GROUP_STEPS:
+            group = k0 // group_size
+            zero = _group_zero(z_base, n, n_ok, group, stride_sn, BITS, HAS_ZEROS)
+            part = _dot(tl.zeros(acc.shape, tl.float32), a_even, lo - zero, IEEE)
+            out = _scaled_step(acc, _dot(part, a_odd, hi - zero, IEEE), s_base, n, n_ok,
+                               group, stride_sn)
         else:
-            code = tl.load(w_ptr + rows * stride_wn + k, mask=mask, other=0).to(tl.float32)
-        g = k // group_size
-        scale = tl.load(s_ptr + rows * stride_sn + g, mask=mask, other=0.0).to(tl.float32)
-        if HAS_ZEROS:
-            zero = tl.load(z_ptr + rows * stride_sn + g, mask=mask, other=0.0).to(tl.float32)
+            w_even = _dequant(lo, s_base, z_base, n, 2 * j[:, None], n_ok & even_ok[:, None],
+                              stride_sn, group_size, BITS, HAS_ZEROS)
+            w_odd = _dequant(hi, s_base, z_base, n, 2 * j[:, None] + 1,
+                             n_ok & odd_ok[:, None], stride_sn, group_size, BITS, HAS_ZEROS)
+            out = _dot(_dot(acc, a_even, w_even, IEEE), a_odd, w_odd, IEEE)
+    else:
+        k = k0 + tl.arange(0, BLOCK_K)
+        k_ok = k < width
+        a = tl.load(a_rows + k[None, :], mask=a_ok & k_ok[None, :], other=0.0)
+        w = tl.load(w_base + n * stride_wn + k[:, None], mask=n_ok & k_ok[:, None], other=0)
+        if BITS == 0:
+            out = _dot(acc, a, w, IEEE)
+        elif GROUP_STEPS:
+            group = k0 // group_size
+            zero = _group_zero(z_base, n, n_ok, group, stride_sn, BITS, HAS_ZEROS)
+            part = _dot(tl.zeros(acc.shape, tl.float32), a, w.to(tl.float32) - zero, IEEE)
+            out = _scaled_step(acc, part, s_base, n, n_ok, group, stride_sn)
         else:
-            zero = 1 << (BITS - 1)
-        tile = (code - zero) * scale
-    return tile
+            out = _dot(acc, a, _dequant(w.to(tl.float32), s_base, z_base, n, k[:, None],
+                                        n_ok & k_ok[:, None], stride_sn, group_size, BITS,
+                                        HAS_ZEROS), IEEE)
+    return out
 
 
 @triton.jit
@@ -217,8 +282,8 @@ def _gate_up_kernel(x_ptr, w_ptr, s_ptr, z_ptr, bias_ptr, weights_ptr, pair_ptr,
                     stride_we, stride_wn, stride_se, stride_sn, group_size, stride_be,
                     stride_am, HAS_BIAS: tl.constexpr, WEIGHT_ON_INPUT: tl.constexpr,
                     ACTIVATION: tl.constexpr, IEEE: tl.constexpr, BITS: tl.constexpr,
-                    HAS_ZEROS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                    BLOCK_K: tl.constexpr):
+                    HAS_ZEROS: tl.constexpr, GROUP_STEPS: tl.constexpr,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     block = tl.program_id(0)
     expert = tl.load(block_expert_ptr + block)
     if expert < 0:
@@ -227,22 +292,18 @@ def _gate_up_kernel(x_ptr, w_ptr, s_ptr, z_ptr, bias_ptr, weights_ptr, pair_ptr,
     token = tl.where(row_ok, pair // top_k, 0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < inter
-    offs_k = tl.arange(0, BLOCK_K)
     w_base, s_base, z_base = _expert_tensors(expert, w_ptr, s_ptr, z_ptr, stride_we, stride_se)
+    x_rows = x_ptr + token[:, None] * stride_xm
+    n, n_ok = cols[None, :], col_ok[None, :]
     gate = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
     up = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
     for k0 in range(0, hidden, BLOCK_K):
-        k = k0 + offs_k
-        k_ok = k < hidden
-        a = tl.load(x_ptr + token[:, None] * stride_xm + k[None, :],
-                    mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-        w_ok = col_ok[None, :] & k_ok[:, None]
-        wg = _weight_tile(w_base, s_base, z_base, cols[None, :], k[:, None], w_ok, stride_wn,
-                          stride_sn, group_size, BITS, HAS_ZEROS)
-        wu = _weight_tile(w_base, s_base, z_base, cols[None, :] + inter, k[:, None], w_ok,
-                          stride_wn, stride_sn, group_size, BITS, HAS_ZEROS)
-        gate = _dot(gate, a, wg, IEEE)
-        up = _dot(up, a, wu, IEEE)
+        gate = _expert_step(gate, x_rows, row_ok[:, None], w_base, s_base, z_base, n, n_ok,
+                            k0, hidden, stride_wn, stride_sn, group_size, BITS, HAS_ZEROS,
+                            GROUP_STEPS, IEEE, BLOCK_K)
+        up = _expert_step(up, x_rows, row_ok[:, None], w_base, s_base, z_base, n + inter, n_ok,
+                          k0, hidden, stride_wn, stride_sn, group_size, BITS, HAS_ZEROS,
+                          GROUP_STEPS, IEEE, BLOCK_K)
     if WEIGHT_ON_INPUT:
         w = tl.load(weights_ptr + pair, mask=row_ok, other=0.0)
         gate *= w[:, None]
@@ -261,8 +322,8 @@ def _down_kernel(act_ptr, w_ptr, s_ptr, z_ptr, bias_ptr, weights_ptr, pair_ptr,
                  block_expert_ptr, out_ptr, pairs, hidden, inter, stride_am, stride_we,
                  stride_wn, stride_se, stride_sn, group_size, stride_be, stride_om,
                  HAS_BIAS: tl.constexpr, WEIGHT_ON_INPUT: tl.constexpr, IEEE: tl.constexpr,
-                 BITS: tl.constexpr, HAS_ZEROS: tl.constexpr, BLOCK_M: tl.constexpr,
-                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                 BITS: tl.constexpr, HAS_ZEROS: tl.constexpr, GROUP_STEPS: tl.constexpr,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     block = tl.program_id(0)
     expert = tl.load(block_expert_ptr + block)
     if expert < 0:
@@ -270,18 +331,13 @@ def _down_kernel(act_ptr, w_ptr, s_ptr, z_ptr, bias_ptr, weights_ptr, pair_ptr,
     rows, pair, row_ok = _block_pairs(pair_ptr, block, pairs, BLOCK_M)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < hidden
-    offs_k = tl.arange(0, BLOCK_K)
     w_base, s_base, z_base = _expert_tensors(expert, w_ptr, s_ptr, z_ptr, stride_we, stride_se)
+    act_rows = act_ptr + rows.to(tl.int64)[:, None] * stride_am
     acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
     for k0 in range(0, inter, BLOCK_K):
-        k = k0 + offs_k
-        k_ok = k < inter
-        a = tl.load(act_ptr + rows.to(tl.int64)[:, None] * stride_am + k[None, :],
-                    mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-        w = _weight_tile(w_base, s_base, z_base, cols[None, :], k[:, None],
-                         col_ok[None, :] & k_ok[:, None], stride_wn, stride_sn, group_size,
-                         BITS, HAS_ZEROS)
-        acc = _dot(acc, a, w, IEEE)
+        acc = _expert_step(acc, act_rows, row_ok[:, None], w_base, s_base, z_base,
+                           cols[None, :], col_ok[None, :], k0, inter, stride_wn, stride_sn,
+                           group_size, BITS, HAS_ZEROS, GROUP_STEPS, IEEE, BLOCK_K)
     if HAS_BIAS:
         acc += tl.load(bias_ptr + expert.to(tl.int64) * stride_be + cols, mask=col_ok,
                        other=0.0).to(tl.float32)[None, :]
@@ -306,6 +362,10 @@ class _Weights:
         zeros = self.zeros if self.zeros is not None else self.scales
         return (self.weight, self.scales, zeros, self.weight.stride(0), self.weight.stride(1),
                 self.scales.stride(0), self.scales.stride(1), self.group_size)
+
+    def group_steps(self, width: int) -> bool:
+        """Whether every reduction step over ``width`` inputs lies in one group."""
+        return self.bits > 0 and (self.group_size % BLOCK_K == 0 or self.group_size >= width)
 
 
 def _fused(x, w13: _Weights, w2: _Weights, topk_weights, topk_ids, inter, hidden, *,
@@ -333,14 +393,15 @@ def _fused(x, w13: _Weights, w2: _Weights, topk_weights, topk_ids, inter, hidden
         hidden, inter, x.stride(0), we13, wn13, se13, sn13, g13, b13.stride(0), act.stride(0),
         HAS_BIAS=w13_bias is not None, WEIGHT_ON_INPUT=apply_router_weight_on_input,
         ACTIVATION=_ACTIVATION_CODES[activation], IEEE=ieee, BITS=w13.bits,
-        HAS_ZEROS=w13.zeros is not None, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
-        num_warps=NUM_WARPS)
+        HAS_ZEROS=w13.zeros is not None, GROUP_STEPS=w13.group_steps(hidden), BLOCK_M=BLOCK_M,
+        BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, num_warps=NUM_WARPS)
     _down_kernel[(blocks, triton.cdiv(hidden, BLOCK_N))](
         act, w2_ptr, s2, z2, b2, weights, pair_of_row, block_expert, out, pairs, hidden, inter,
         act.stride(0), we2, wn2, se2, sn2, g2, b2.stride(0), out.stride(0),
         HAS_BIAS=w2_bias is not None, WEIGHT_ON_INPUT=apply_router_weight_on_input,
-        IEEE=ieee, BITS=w2.bits, HAS_ZEROS=w2.zeros is not None, BLOCK_M=BLOCK_M,
-        BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, num_warps=NUM_WARPS)
+        IEEE=ieee, BITS=w2.bits, HAS_ZEROS=w2.zeros is not None,
+        GROUP_STEPS=w2.group_steps(inter), BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
+        num_warps=NUM_WARPS)
     return out.view(m, top_k, hidden).sum(dim=1).to(x.dtype)
 
 
