@@ -545,17 +545,19 @@ def _resident_experts(e, n, k, bits, group_size, asym, g):
     return torch.nn.ModuleList(mods)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16],
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16],
                          ids=lambda d: str(d).split(".")[-1])
 @pytest.mark.parametrize("bits,group_size,asym", [(4, 32, True), (4, 64, False),
-                                                  (4, 128, True), (8, 16, False),
-                                                  (8, 64, True)])
+                                                  (4, 128, True), (4, 256, False),
+                                                  (8, 16, False), (8, 128, True)])
 def test_moe_quant_experts(bits, group_size, asym, dtype):
-    """Weight-only experts fused, vs the float64 matmuls of the dequantized weights:
-    groups smaller than a reduction step (4-bit asym g32, 8-bit sym g16: each weight
-    dequantized as loaded) and groups of whole steps (4-bit sym g64 and 8-bit asym g64,
-    4-bit asym g128 wider than the inputs: the scale applied to each step's sum). The
-    stack is built once and the modules then hold views of it."""
+    """Weight-only experts fused, vs the float64 matmuls of the dequantized weights, in
+    float32, bf16 and fp16: groups smaller than a reduction step (4-bit asym g32, 8-bit
+    sym g16: each weight dequantized as loaded) and groups that hold whole steps (4-bit
+    asym g128 with a partial last group, 8-bit asym g128, 4-bit sym g256 wider than the
+    inputs: products on the codes offset to exact bf16/fp16 integers, the zero point and
+    scale applied to each step's sum; 4-bit sym g64 is either, by ``BLOCK_K``). The stack
+    is built once and the modules then hold views of it."""
     m, e, h, i, k = 23, 6, 192, 128, 2  # 3 and 2 reduction steps
     g = torch.Generator().manual_seed(bits + group_size)
     w13 = _resident_experts(e, 2 * i, h, bits, group_size, asym, g)

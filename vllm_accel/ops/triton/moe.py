@@ -180,58 +180,71 @@ def _dequant(code, s_base, z_base, n, k, mask, stride_sn, group_size, BITS: tl.c
 
 
 @triton.jit
-def _scaled_step(acc, part, s_base, n, n_ok, group, stride_sn):
-    """``acc + part * scale``: a reduction step of one group, its products made on the
-    integer codes, scaled once per output column."""
-    scale = tl.load(s_base + n * stride_sn + group, mask=n_ok, other=0.0).to(tl.float32)
-    return acc + part * scale
+def _biased_codes(code, CODE_BIAS: tl.constexpr):
+    """Integer codes as ``CODE_BIAS + code`` in the activations' dtype without a
+    conversion instruction: the code ORed into the mantissa of 128 (bf16: spacing 1 from
+    128 to 256) or 1024 (fp16: spacing 1 up to 2048); plain float32 codes for
+    ``CODE_BIAS`` 0."""
+    if CODE_BIAS == 128:
+        out = (code.to(tl.uint16) | 0x4300).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+    elif CODE_BIAS == 1024:
+        out = (code.to(tl.uint16) | 0x6400).to(tl.uint16).to(tl.float16, bitcast=True)
+    else:
+        out = code.to(tl.float32)
+    return out
 
 
 @triton.jit
-def _group_zero(z_base, n, n_ok, group, stride_sn, BITS: tl.constexpr,
-                HAS_ZEROS: tl.constexpr):
+def _group_step(acc, part, a_sum, s_base, z_base, n, n_ok, group, stride_sn,
+                BITS: tl.constexpr, HAS_ZEROS: tl.constexpr, CODE_BIAS: tl.constexpr):
+    """``acc`` plus a reduction step of one group: ``part`` is ``A @ (CODE_BIAS + codes)``
+    and ``a_sum`` A's row sums over the step, so the step's product is
+    ``(part - a_sum * (CODE_BIAS + zero)) * scale``, scaled once per output column."""
     if HAS_ZEROS:
         zero = tl.load(z_base + n * stride_sn + group, mask=n_ok, other=0.0).to(tl.float32)
     else:
         zero = tl.full(n.shape, 1 << (BITS - 1), tl.float32)
-    return zero
+    scale = tl.load(s_base + n * stride_sn + group, mask=n_ok, other=0.0).to(tl.float32)
+    return acc + (part - a_sum[:, None] * (zero + CODE_BIAS)) * scale
 
 
 @triton.jit
 def _expert_step(acc, a_rows, a_ok, w_base, s_base, z_base, n, n_ok, k0, width, stride_wn,
                  stride_sn, group_size, BITS: tl.constexpr, HAS_ZEROS: tl.constexpr,
-                 GROUP_STEPS: tl.constexpr, IEEE: tl.constexpr, BLOCK_K: tl.constexpr):
+                 GROUP_STEPS: tl.constexpr, CODE_BIAS: tl.constexpr, IEEE: tl.constexpr,
+                 BLOCK_K: tl.constexpr):
     """``acc + A[:, k0:k0+BLOCK_K] @ W[n, k0:k0+BLOCK_K].T``, ``a_rows`` pointing to the
     ``[M, 1]`` rows of A and ``n`` the ``[1, N]`` rows of W (the weight itself for
     ``BITS`` 0, else its codes).
 
     A 4-bit byte holds columns 2j (low nibble) and 2j+1: each byte is loaded once, and
     A's even and odd columns meet its two nibbles in two products of half the depth.
-    Where a step lies in one group (``GROUP_STEPS``), the products run on the codes less
-    the zero point, integers that bf16/fp16 hold exactly, and the group's scale
-    multiplies their float32 sum once per column: the inner loop loads no scale per
-    weight."""
+    Where a step lies in one group (``GROUP_STEPS``), the products run on the codes
+    themselves, offset by ``CODE_BIAS`` (``_biased_codes``: no conversion instruction,
+    whose throughput bounds a dequantizing loop on GPUs), and the zero point and scale
+    apply once per column to their float32 sum (``_group_step``). Otherwise each weight is
+    dequantized as it is loaded."""
     if BITS == 4:
         j = k0 // 2 + tl.arange(0, BLOCK_K // 2)
         even_ok = 2 * j < width
         odd_ok = 2 * j + 1 < width
         byte = tl.load(w_base + n * stride_wn + j[:, None], mask=n_ok & even_ok[:, None],
                        other=0)
-        lo = (byte & 0xF).to(tl.float32)
-        hi = (byte >> 4).to(tl.float32)
         a_even = tl.load(a_rows + 2 * j[None, :], mask=a_ok & even_ok[None, :], other=0.0)
         a_odd = tl.load(a_rows + 2 * j[None, :] + 1, mask=a_ok & odd_ok[None, :], other=0.0)
         if GROUP_STEPS:
-            group = k0 // group_size
-            zero = _group_zero(z_base, n, n_ok, group, stride_sn, BITS, HAS_ZEROS)
-            part = _dot(tl.zeros(acc.shape, tl.float32), a_even, lo - zero, IEEE)
-            out = _scaled_step(acc, _dot(part, a_odd, hi - zero, IEEE), s_base, n, n_ok,
-                               group, stride_sn)
+            part = _dot(tl.zeros(acc.shape, tl.float32), a_even,
+                        _biased_codes(byte & 0xF, CODE_BIAS), IEEE)
+            part = _dot(part, a_odd, _biased_codes(byte >> 4, CODE_BIAS), IEEE)
+            a_sum = tl.sum(a_even.to(tl.float32), 1) + tl.sum(a_odd.to(tl.float32), 1)
+            out = _group_step(acc, part, a_sum, s_base, z_base, n, n_ok, k0 // group_size,
+                              stride_sn, BITS, HAS_ZEROS, CODE_BIAS)
         else:
-            w_even = _dequant(lo, s_base, z_base, n, 2 * j[:, None], n_ok & even_ok[:, None],
-                              stride_sn, group_size, BITS, HAS_ZEROS)
-            w_odd = _dequant(hi, s_base, z_base, n, 2 * j[:, None] + 1,
-                             n_ok & odd_ok[:, None], stride_sn, group_size, BITS, HAS_ZEROS)
+            w_even = _dequant((byte & 0xF).to(tl.float32), s_base, z_base, n, 2 * j[:, None],
+                              n_ok & even_ok[:, None], stride_sn, group_size, BITS, HAS_ZEROS)
+            w_odd = _dequant((byte >> 4).to(tl.float32), s_base, z_base, n,
+                             2 * j[:, None] + 1, n_ok & odd_ok[:, None], stride_sn,
+                             group_size, BITS, HAS_ZEROS)
             out = _dot(_dot(acc, a_even, w_even, IEEE), a_odd, w_odd, IEEE)
     else:
         k = k0 + tl.arange(0, BLOCK_K)
@@ -241,10 +254,10 @@ def _expert_step(acc, a_rows, a_ok, w_base, s_base, z_base, n, n_ok, k0, width, 
         if BITS == 0:
             out = _dot(acc, a, w, IEEE)
         elif GROUP_STEPS:
-            group = k0 // group_size
-            zero = _group_zero(z_base, n, n_ok, group, stride_sn, BITS, HAS_ZEROS)
-            part = _dot(tl.zeros(acc.shape, tl.float32), a, w.to(tl.float32) - zero, IEEE)
-            out = _scaled_step(acc, part, s_base, n, n_ok, group, stride_sn)
+            part = _dot(tl.zeros(acc.shape, tl.float32), a, _biased_codes(w, CODE_BIAS),
+                        IEEE)
+            out = _group_step(acc, part, tl.sum(a.to(tl.float32), 1), s_base, z_base, n,
+                              n_ok, k0 // group_size, stride_sn, BITS, HAS_ZEROS, CODE_BIAS)
         else:
             out = _dot(acc, a, _dequant(w.to(tl.float32), s_base, z_base, n, k[:, None],
                                         n_ok & k_ok[:, None], stride_sn, group_size, BITS,
@@ -283,7 +296,8 @@ def _gate_up_kernel(x_ptr, w_ptr, s_ptr, z_ptr, bias_ptr, weights_ptr, pair_ptr,
                     stride_am, HAS_BIAS: tl.constexpr, WEIGHT_ON_INPUT: tl.constexpr,
                     ACTIVATION: tl.constexpr, IEEE: tl.constexpr, BITS: tl.constexpr,
                     HAS_ZEROS: tl.constexpr, GROUP_STEPS: tl.constexpr,
-                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                    CODE_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                    BLOCK_K: tl.constexpr):
     block = tl.program_id(0)
     expert = tl.load(block_expert_ptr + block)
     if expert < 0:
@@ -300,10 +314,10 @@ def _gate_up_kernel(x_ptr, w_ptr, s_ptr, z_ptr, bias_ptr, weights_ptr, pair_ptr,
     for k0 in range(0, hidden, BLOCK_K):
         gate = _expert_step(gate, x_rows, row_ok[:, None], w_base, s_base, z_base, n, n_ok,
                             k0, hidden, stride_wn, stride_sn, group_size, BITS, HAS_ZEROS,
-                            GROUP_STEPS, IEEE, BLOCK_K)
+                            GROUP_STEPS, CODE_BIAS, IEEE, BLOCK_K)
         up = _expert_step(up, x_rows, row_ok[:, None], w_base, s_base, z_base, n + inter, n_ok,
                           k0, hidden, stride_wn, stride_sn, group_size, BITS, HAS_ZEROS,
-                          GROUP_STEPS, IEEE, BLOCK_K)
+                          GROUP_STEPS, CODE_BIAS, IEEE, BLOCK_K)
     if WEIGHT_ON_INPUT:
         w = tl.load(weights_ptr + pair, mask=row_ok, other=0.0)
         gate *= w[:, None]
@@ -323,7 +337,8 @@ def _down_kernel(act_ptr, w_ptr, s_ptr, z_ptr, bias_ptr, weights_ptr, pair_ptr,
                  stride_wn, stride_se, stride_sn, group_size, stride_be, stride_om,
                  HAS_BIAS: tl.constexpr, WEIGHT_ON_INPUT: tl.constexpr, IEEE: tl.constexpr,
                  BITS: tl.constexpr, HAS_ZEROS: tl.constexpr, GROUP_STEPS: tl.constexpr,
-                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                 CODE_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                 BLOCK_K: tl.constexpr):
     block = tl.program_id(0)
     expert = tl.load(block_expert_ptr + block)
     if expert < 0:
@@ -337,7 +352,8 @@ def _down_kernel(act_ptr, w_ptr, s_ptr, z_ptr, bias_ptr, weights_ptr, pair_ptr,
     for k0 in range(0, inter, BLOCK_K):
         acc = _expert_step(acc, act_rows, row_ok[:, None], w_base, s_base, z_base,
                            cols[None, :], col_ok[None, :], k0, inter, stride_wn, stride_sn,
-                           group_size, BITS, HAS_ZEROS, GROUP_STEPS, IEEE, BLOCK_K)
+                           group_size, BITS, HAS_ZEROS, GROUP_STEPS, CODE_BIAS, IEEE,
+                           BLOCK_K)
     if HAS_BIAS:
         acc += tl.load(bias_ptr + expert.to(tl.int64) * stride_be + cols, mask=col_ok,
                        other=0.0).to(tl.float32)[None, :]
@@ -367,6 +383,15 @@ class _Weights:
         """Whether every reduction step over ``width`` inputs lies in one group."""
         return self.bits > 0 and (self.group_size % BLOCK_K == 0 or self.group_size >= width)
 
+    def code_bias(self, dtype: torch.dtype) -> int:
+        """The offset at which the codes are exact integers in ``dtype``'s mantissa
+        (``_biased_codes``), or 0: converted to float32."""
+        if dtype == torch.bfloat16 and self.bits == 4:
+            return 128
+        if dtype == torch.float16 and self.bits in (4, 8):
+            return 1024
+        return 0
+
 
 def _fused(x, w13: _Weights, w2: _Weights, topk_weights, topk_ids, inter, hidden, *,
            expert_map, activation, apply_router_weight_on_input, w13_bias, w2_bias):
@@ -393,14 +418,16 @@ def _fused(x, w13: _Weights, w2: _Weights, topk_weights, topk_ids, inter, hidden
         hidden, inter, x.stride(0), we13, wn13, se13, sn13, g13, b13.stride(0), act.stride(0),
         HAS_BIAS=w13_bias is not None, WEIGHT_ON_INPUT=apply_router_weight_on_input,
         ACTIVATION=_ACTIVATION_CODES[activation], IEEE=ieee, BITS=w13.bits,
-        HAS_ZEROS=w13.zeros is not None, GROUP_STEPS=w13.group_steps(hidden), BLOCK_M=BLOCK_M,
+        HAS_ZEROS=w13.zeros is not None, GROUP_STEPS=w13.group_steps(hidden),
+        CODE_BIAS=w13.code_bias(x.dtype), BLOCK_M=BLOCK_M,
         BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, num_warps=NUM_WARPS)
     _down_kernel[(blocks, triton.cdiv(hidden, BLOCK_N))](
         act, w2_ptr, s2, z2, b2, weights, pair_of_row, block_expert, out, pairs, hidden, inter,
         act.stride(0), we2, wn2, se2, sn2, g2, b2.stride(0), out.stride(0),
         HAS_BIAS=w2_bias is not None, WEIGHT_ON_INPUT=apply_router_weight_on_input,
         IEEE=ieee, BITS=w2.bits, HAS_ZEROS=w2.zeros is not None,
-        GROUP_STEPS=w2.group_steps(inter), BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
+        GROUP_STEPS=w2.group_steps(inter), CODE_BIAS=w2.code_bias(act.dtype),
+        BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
         num_warps=NUM_WARPS)
     return out.view(m, top_k, hidden).sum(dim=1).to(x.dtype)
 
