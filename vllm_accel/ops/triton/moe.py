@@ -46,9 +46,10 @@ logger = logging.getLogger("vllm." + __name__)
 
 #: pairs per block (tl.dot needs at least 16 rows)
 BLOCK_M = 16
-#: output columns per program, and the reduction step
+#: output columns per program, and the reduction step (128 rather than 64: W4A16
+#: experts 70 instead of 114 us at batch 1, bf16 ones 40 instead of 44; H100)
 BLOCK_N = 64
-BLOCK_K = 64
+BLOCK_K = 128
 NUM_WARPS = 4
 
 _ACTIVATION_CODES = {name: code for code, name in enumerate(GATED_ACTIVATIONS)}
