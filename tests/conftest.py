@@ -3,6 +3,7 @@
 import functools
 import json
 import os
+import random
 import socket
 import subprocess
 import sys
@@ -325,6 +326,45 @@ def build_tiny_model(path: Path, arch: str = "llama", num_heads: int = 4,
                 p.normal_(1.0, norm_spread)
     model.save_pretrained(path, safe_serialization=True)
     return path
+
+
+def tiny_quant_source(root: Path, case: str) -> tuple[Path, list[list[int]]]:
+    """A quantization file's tiny float checkpoint for ``case`` (4 heads, 2 KV heads,
+    hidden 128) and six prompts of 2 to 60 random tokens seeded by the case's name."""
+    src = build_tiny_model(root / case / "float", num_heads=4, num_kv_heads=2, head_dim=32,
+                           hidden_size=128)
+    rng = random.Random(case)
+    return src, [[rng.randrange(3, 512) for _ in range(n)] for n in (4, 9, 17, 33, 2, 60)]
+
+
+def greedy_spec(model: Path, prompts: list[list[int]], new_tokens: int, *,
+                max_model_len: int, tokenizer: bool = False, logprobs: bool = True,
+                **llm) -> dict:
+    """An eager float32 engine's spec: greedy ``new_tokens`` per prompt (with the
+    chosen tokens' log-probs); ``tokenizer`` False: token ids only."""
+    sampling = {"temperature": 0.0, "max_tokens": new_tokens, "ignore_eos": True}
+    if not tokenizer:
+        llm["skip_tokenizer_init"] = True
+        sampling["detokenize"] = False
+    if logprobs:
+        sampling["logprobs"] = 1
+    return {"llm": {"model": str(model), "dtype": "float32", "enforce_eager": True,
+                    "max_model_len": max_model_len, "seed": 0, **llm},
+            "prompts": prompts, "sampling": sampling}
+
+
+def add_default_model_engine(specs: dict, cases: dict, default_model: Path, quantized: Path,
+                             dequant: Path, texts: list[str], env: dict | None) -> None:
+    """Adds the default model's quantized checkpoint to a quantization file's shared
+    engines as ``"default"``: ``texts`` tokenized, 32 greedy tokens with log-probs;
+    ``cases["default"]`` is (its dequantized oracle checkpoint, the prompts)."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(default_model)
+    prompts = [tok(text)["input_ids"] for text in texts]
+    cases["default"] = (dequant, prompts)
+    specs["default"] = (greedy_spec(quantized, prompts, 32, max_model_len=512, tokenizer=True),
+                        env)
 
 
 @pytest.fixture(scope="session")

@@ -17,6 +17,7 @@ import math
 import pytest
 import torch
 # tests/ has no __init__: pytest's default (prepend) import mode puts it on sys.path.
+from covering import case_id, covering
 from paged_cases import (GQA, HKV, INT8_ERR, TOL, assert_within_int8_bound, batch_mix, build,
                          int8_cache, kernel_args, make_case, read_slots, reference,
                          request_slots, write_shuffled)
@@ -49,13 +50,12 @@ DTYPES = [torch.float32, torch.bfloat16]
 LAYOUTS = ["LBHNC", "LHBNC"]
 
 
-@pytest.mark.parametrize("layout", LAYOUTS)
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("d", HEAD_SIZES)
-@pytest.mark.parametrize("ratio", GQA)
-@pytest.mark.parametrize("bs", BLOCK_SIZES)
-@pytest.mark.parametrize("mix", MIXES)
+@pytest.mark.parametrize("mix,bs,ratio,d,dtype,layout",
+                         covering(3, mix=MIXES, bs=BLOCK_SIZES, ratio=GQA, d=HEAD_SIZES,
+                                  dtype=DTYPES, layout=LAYOUTS), ids=case_id)
 def test_int8_attention_vs_unquantized(mix, bs, ratio, d, dtype, layout):
+    """Any three parameters' values meet in some case (a 3-wise covering array: 48 of
+    the 384 combinations per provider)."""
     reqs = batch_mix(mix, bs)
     qs, ks, vs, block_table, cache, _ = build(reqs, bs, ratio, d, dtype, layout,
                                               seed=bs * ratio + d)

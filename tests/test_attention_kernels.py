@@ -9,6 +9,7 @@ physical layouts vLLM may hand the backend: block-major (LBHNC) and head-major
 (LHBNC, what the backend asks for), the latter as a strided view.
 """
 
+import itertools
 import math
 
 import pytest
@@ -20,6 +21,7 @@ from vllm_accel.ops.reference import cache_write as writers
 from vllm_accel.ops.torch_fast import attention as torch_fast
 from vllm_accel.ops.registry import get_kernel
 
+from covering import case_id, covering
 from paged_cases import GQA, HKV, TOL, batch_mix, make_case, read_kv, reference
 
 
@@ -54,15 +56,32 @@ def test_cache_write_roundtrip(bs, d, dtype, layout):
     assert torch.isnan(kv_cache.reshape(-1, HKV, 2, bs, d).permute(0, 3, 1, 2, 4)[~written]).all()
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("d", [64, 128])
-@pytest.mark.parametrize("ratio", GQA)
-@pytest.mark.parametrize("bs", [16, 32, 64, 128])
-@pytest.mark.parametrize("mix", ["decode", "prefill", "prefill_ctx", "mixed"])
-def test_paged_prefill(mix, bs, ratio, d, dtype):
+MIXES = ["decode", "prefill", "prefill_ctx", "mixed"]
+BLOCK_SIZES = [16, 32, 64, 128]
+HEAD_SIZES = [64, 128]
+DTYPES = [torch.float32, torch.bfloat16]
+LAYOUTS = ["LBHNC", "LHBNC"]
+
+
+def test_covering_rows_hold_every_combination_of_three():
+    """The reader cases below are a 3-wise covering array of their parameters (48 of
+    the 384 combinations per provider for prefill): any three parameters' values meet
+    in some case."""
+    dims = dict(mix=MIXES, bs=BLOCK_SIZES, ratio=GQA, d=HEAD_SIZES, dtype=DTYPES,
+                layout=LAYOUTS)
+    rows = covering(3, **dims)
+    assert len(rows) < math.prod(map(len, dims.values())) // 4
+    for g in itertools.combinations(range(len(dims)), 3):
+        want = set(itertools.product(*(list(dims.values())[i] for i in g)))
+        assert {tuple(row[i] for i in g) for row in rows} == want, g
+
+
+@pytest.mark.parametrize("mix,bs,ratio,d,dtype,layout",
+                         covering(3, mix=MIXES, bs=BLOCK_SIZES, ratio=GQA, d=HEAD_SIZES,
+                                  dtype=DTYPES, layout=LAYOUTS), ids=case_id)
+def test_paged_prefill(mix, bs, ratio, d, dtype, layout):
     reqs = batch_mix(mix, bs)
     h = ratio * HKV
-    layout = "LBHNC" if (bs + ratio) % 2 else "LHBNC"
     qs, ks, vs, block_table, kv_cache = make_case(reqs, bs, h, HKV, d, dtype,
                                                   seed=bs * ratio + d, layout=layout)
     scale = d**-0.5
@@ -74,14 +93,12 @@ def test_paged_prefill(mix, bs, ratio, d, dtype):
     torch.testing.assert_close(out.double(), expected, **TOL[dtype])
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("d", [64, 128])
-@pytest.mark.parametrize("ratio", GQA)
-@pytest.mark.parametrize("bs", [16, 32, 64, 128])
-def test_paged_decode(bs, ratio, d, dtype):
+@pytest.mark.parametrize("bs,ratio,d,dtype,layout",
+                         covering(3, bs=BLOCK_SIZES, ratio=GQA, d=HEAD_SIZES, dtype=DTYPES,
+                                  layout=LAYOUTS), ids=case_id)
+def test_paged_decode(bs, ratio, d, dtype, layout):
     reqs = batch_mix("decode", bs)
     h = ratio * HKV
-    layout = "LBHNC" if (bs + ratio) % 2 else "LHBNC"
     qs, ks, vs, block_table, kv_cache = make_case(reqs, bs, h, HKV, d, dtype,
                                                   seed=bs + ratio * d, layout=layout)
     scale = d**-0.5

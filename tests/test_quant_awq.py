@@ -19,7 +19,8 @@ import random
 import pytest
 import torch
 
-from conftest import build_tiny_model, hf_greedy, run_engine
+from conftest import (SharedEngines, add_default_model_engine, build_tiny_model, greedy_spec,
+                      hf_greedy, run_engine, tiny_quant_source)
 from quantizer import pack_awq, quantize_awq, quantize_checkpoint_awq, unpack_awq, unpack_int32
 from test_quant_gptq import _load, check_close, tp1  # noqa: F401  (fixture)
 
@@ -237,25 +238,36 @@ ENGINE_CASES = {
 }
 
 
+@pytest.fixture(scope="module")
+def engines(tmp_path_factory, default_model):
+    """Each tiny case's checkpoint and the default model's (AWQ 4-bit group 64), and
+    their engines, which run one after another in one process with one repack cache:
+    ``(SharedEngines, {name: (dequantized checkpoint, prompts)})``."""
+    root = tmp_path_factory.mktemp("awq")
+    env = {"ACCEL_REPACK_CACHE": str(root / "repack")}
+    specs, cases = {}, {}
+    for case, (group_size, skip, user_quant) in ENGINE_CASES.items():
+        src, prompts = tiny_quant_source(root, case)
+        quantize_checkpoint_awq(src, root / case / "awq", group_size=group_size,
+                                modules_to_not_convert=skip, dequant_dst=root / case / "dq")
+        cases[case] = (root / case / "dq", prompts)
+        specs[case] = (greedy_spec(root / case / "awq", prompts, 16, max_model_len=256,
+                                   **({"quantization": user_quant} if user_quant else {})),
+                       env)
+    quantize_checkpoint_awq(default_model, root / "default" / "awq", group_size=64,
+                            dequant_dst=root / "default" / "dq")
+    add_default_model_engine(specs, cases, default_model, root / "default" / "awq",
+                             root / "default" / "dq", DEFAULT_PROMPTS, env)
+    return SharedEngines(specs, root), cases
+
+
 @pytest.mark.engine
 @pytest.mark.parametrize("case", list(ENGINE_CASES))
-def test_engine_awq_matches_hf_on_dequantized(case, tmp_path):
-    group_size, skip, user_quant = ENGINE_CASES[case]
-    src = build_tiny_model(tmp_path / "float", num_heads=4, num_kv_heads=2, head_dim=32,
-                           hidden_size=128)
-    quantize_checkpoint_awq(src, tmp_path / "awq", group_size=group_size,
-                            modules_to_not_convert=skip, dequant_dst=tmp_path / "dequant")
-    rng = random.Random(case)
-    prompts = [[rng.randrange(3, 512) for _ in range(n)] for n in (4, 9, 17, 33, 2, 60)]
-    llm = {"model": str(tmp_path / "awq"), "dtype": "float32", "enforce_eager": True,
-           "skip_tokenizer_init": True, "max_model_len": 256, "seed": 0}
-    if user_quant:
-        llm["quantization"] = user_quant
-    results, log = run_engine({
-        "llm": llm, "prompts": prompts,
-        "sampling": {"temperature": 0.0, "max_tokens": 16, "ignore_eos": True,
-                     "detokenize": False, "logprobs": 1},
-    }, tmp_path, env={"ACCEL_REPACK_CACHE": str(tmp_path / "repack")})
+def test_engine_awq_matches_hf_on_dequantized(case, engines):
+    shared, cases = engines
+    skip = ENGINE_CASES[case][1]
+    dequant, prompts = cases[case]
+    results, log = shared(case)
     assert results["platform"] == "AccelPlatform"
     assert "quantization=gcu_awq" in log
     assert "AccelAWQLinearMethod serves" in log and "wint_prepared_linear[cpu_native]" in log
@@ -263,38 +275,32 @@ def test_engine_awq_matches_hf_on_dequantized(case, tmp_path):
     # layer 1's MLP stayed float: 2 layers x (qkv, o) + layer 0 x (gate_up, down)
     n_quant = 6 if skip else 8
     assert f"serves {n_quant} gcu_awq layers" in log
-    expected = hf_greedy(tmp_path / "dequant", prompts, 16)
+    expected = hf_greedy(dequant, prompts, 16)
     got = [o["token_ids"] for o in results["outputs"]]
     agree, n = _agreement(got, expected)
-    gap = logprob_gap(tmp_path / "dequant", prompts, results)
+    gap = logprob_gap(dequant, prompts, results)
     print(f"awq {case}: {agree:.1%} of {n} positions agree; max logprob gap {gap:.2e}")
     assert agree >= 0.9, (got, expected)
     assert gap <= LOGPROB_BOUND
 
 
 @pytest.mark.engine
-def test_engine_awq_default_model(default_model, tmp_path):
+def test_engine_awq_default_model(engines, default_model):
     """SmolLM2-135M, AWQ 4-bit group 64 (576 and 1536 are multiples of 64):
     8 prompts x 32 greedy tokens vs HF on the dequantized weights (>= 90%)."""
     from transformers import AutoTokenizer
 
-    quantize_checkpoint_awq(default_model, tmp_path / "awq", group_size=64,
-                            dequant_dst=tmp_path / "dequant")
-    tok = AutoTokenizer.from_pretrained(default_model)
-    prompts = [tok(p)["input_ids"] for p in DEFAULT_PROMPTS]
-    results, log = run_engine({
-        "llm": {"model": str(tmp_path / "awq"), "dtype": "float32", "enforce_eager": True,
-                "max_model_len": 512, "seed": 0},
-        "prompts": prompts,
-        "sampling": {"temperature": 0.0, "max_tokens": 32, "ignore_eos": True, "logprobs": 1},
-    }, tmp_path, env={"ACCEL_REPACK_CACHE": str(tmp_path / "repack")})
+    shared, cases = engines
+    dequant, prompts = cases["default"]
+    results, log = shared("default")
     assert "quantization=gcu_awq" in log and "serves 120 gcu_awq layers" in log
-    expected = hf_greedy(tmp_path / "dequant", prompts, 32)
+    expected = hf_greedy(dequant, prompts, 32)
     got = [o["token_ids"] for o in results["outputs"]]
     agree, n = _agreement(got, expected)
-    gap = logprob_gap(tmp_path / "dequant", prompts, results)
+    gap = logprob_gap(dequant, prompts, results)
     print(f"awq default model: {agree:.1%} of {n} positions agree; exact sequences "
           f"{sum(g == e for g, e in zip(got, expected))}/{len(got)}; max logprob gap {gap:.2e}")
+    tok = AutoTokenizer.from_pretrained(default_model)
     assert agree >= 0.9, [tok.decode(g) for g in got]
     assert gap <= LOGPROB_BOUND
 

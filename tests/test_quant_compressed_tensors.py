@@ -18,7 +18,8 @@ import random
 import pytest
 import torch
 
-from conftest import build_tiny_model, hf_greedy, run_engine
+from conftest import (SharedEngines, add_default_model_engine, build_tiny_model, greedy_spec,
+                      hf_greedy, run_engine, tiny_quant_source)
 from quantizer import ct_quantization_config, quantize_checkpoint_ct, quantize_ct
 from test_quant_awq import LOGPROB_BOUND, logprob_gap
 from test_quant_gptq import _load, check_close, tp1  # noqa: F401  (fixture)
@@ -253,62 +254,68 @@ ENGINE_CASES = {
 }
 
 
+@pytest.fixture(scope="module")
+def engines(tmp_path_factory, default_model):
+    """Each tiny case's checkpoint and the default model's (W4A16 group 64 asym), and
+    their engines, which run one after another in one process with one repack cache:
+    ``(SharedEngines, {name: (dequantized checkpoint, prompts)})``."""
+    from test_quant_awq import DEFAULT_PROMPTS
+
+    root = tmp_path_factory.mktemp("ct")
+    env = {"ACCEL_REPACK_CACHE": str(root / "repack")}
+    specs, cases = {}, {}
+    for case, (bits, group_size, symmetric, ignore) in ENGINE_CASES.items():
+        src, prompts = tiny_quant_source(root, case)
+        quantize_checkpoint_ct(src, root / case / "ct", bits=bits, group_size=group_size,
+                               symmetric=symmetric, ignore=ignore,
+                               dequant_dst=root / case / "dq")
+        cases[case] = (root / case / "dq", prompts)
+        specs[case] = (greedy_spec(root / case / "ct", prompts, 16, max_model_len=256), env)
+    quantize_checkpoint_ct(default_model, root / "default" / "ct", bits=4, group_size=64,
+                           symmetric=False, dequant_dst=root / "default" / "dq")
+    add_default_model_engine(specs, cases, default_model, root / "default" / "ct",
+                             root / "default" / "dq", DEFAULT_PROMPTS, env)
+    return SharedEngines(specs, root), cases
+
+
 @pytest.mark.engine
 @pytest.mark.parametrize("case", list(ENGINE_CASES))
-def test_engine_ct_matches_hf_on_dequantized(case, tmp_path):
-    bits, group_size, symmetric, ignore = ENGINE_CASES[case]
-    src = build_tiny_model(tmp_path / "float", num_heads=4, num_kv_heads=2, head_dim=32,
-                           hidden_size=128)
-    quantize_checkpoint_ct(src, tmp_path / "ct", bits=bits, group_size=group_size,
-                           symmetric=symmetric, ignore=ignore, dequant_dst=tmp_path / "dequant")
-    rng = random.Random(case)
-    prompts = [[rng.randrange(3, 512) for _ in range(n)] for n in (4, 9, 17, 33, 2, 60)]
-    results, log = run_engine({
-        "llm": {"model": str(tmp_path / "ct"), "dtype": "float32", "enforce_eager": True,
-                "skip_tokenizer_init": True, "max_model_len": 256, "seed": 0},
-        "prompts": prompts,
-        "sampling": {"temperature": 0.0, "max_tokens": 16, "ignore_eos": True,
-                     "detokenize": False, "logprobs": 1},
-    }, tmp_path, env={"ACCEL_REPACK_CACHE": str(tmp_path / "repack")})
+def test_engine_ct_matches_hf_on_dequantized(case, engines):
+    shared, cases = engines
+    ignore = ENGINE_CASES[case][3]
+    dequant, prompts = cases[case]
+    results, log = shared(case)
     assert results["platform"] == "AccelPlatform"
     assert "quantization=gcu_compressed_tensors" in log
     assert "AccelCTWNA16LinearMethod serves" in log and "wint_prepared_linear[cpu_native]" in log
     n_quant = 6 if ignore else 8
     assert f"serves {n_quant} gcu_compressed_tensors layers" in log
-    expected = hf_greedy(tmp_path / "dequant", prompts, 16)
+    expected = hf_greedy(dequant, prompts, 16)
     got = [o["token_ids"] for o in results["outputs"]]
     agree, n = _agreement(got, expected)
-    gap = logprob_gap(tmp_path / "dequant", prompts, results)
+    gap = logprob_gap(dequant, prompts, results)
     print(f"ct {case}: {agree:.1%} of {n} positions agree; max logprob gap {gap:.2e}")
     assert agree >= 0.9, (got, expected)
     assert gap <= LOGPROB_BOUND
 
 
 @pytest.mark.engine
-def test_engine_ct_w4a16_default_model(default_model, tmp_path):
+def test_engine_ct_w4a16_default_model(engines, default_model):
     """SmolLM2-135M, W4A16 group 64 asym: 8 prompts x 32 greedy tokens vs HF on
     the dequantized weights (>= 90%)."""
     from transformers import AutoTokenizer
 
-    from test_quant_awq import DEFAULT_PROMPTS
-
-    quantize_checkpoint_ct(default_model, tmp_path / "ct", bits=4, group_size=64,
-                           symmetric=False, dequant_dst=tmp_path / "dequant")
-    tok = AutoTokenizer.from_pretrained(default_model)
-    prompts = [tok(p)["input_ids"] for p in DEFAULT_PROMPTS]
-    results, log = run_engine({
-        "llm": {"model": str(tmp_path / "ct"), "dtype": "float32", "enforce_eager": True,
-                "max_model_len": 512, "seed": 0},
-        "prompts": prompts,
-        "sampling": {"temperature": 0.0, "max_tokens": 32, "ignore_eos": True, "logprobs": 1},
-    }, tmp_path, env={"ACCEL_REPACK_CACHE": str(tmp_path / "repack")})
+    shared, cases = engines
+    dequant, prompts = cases["default"]
+    results, log = shared("default")
     assert "serves 120 gcu_compressed_tensors layers" in log
-    expected = hf_greedy(tmp_path / "dequant", prompts, 32)
+    expected = hf_greedy(dequant, prompts, 32)
     got = [o["token_ids"] for o in results["outputs"]]
     agree, n = _agreement(got, expected)
-    gap = logprob_gap(tmp_path / "dequant", prompts, results)
+    gap = logprob_gap(dequant, prompts, results)
     print(f"ct default model: {agree:.1%} of {n} positions agree; exact sequences "
           f"{sum(g == e for g, e in zip(got, expected))}/{len(got)}; max logprob gap {gap:.2e}")
+    tok = AutoTokenizer.from_pretrained(default_model)
     assert agree >= 0.9, [tok.decode(g) for g in got]
     assert gap <= LOGPROB_BOUND
 

@@ -13,12 +13,12 @@ Oracles:
 """
 
 import json
-import random
 
 import pytest
 import torch
 
-from conftest import build_tiny_model, hf_greedy, run_engine
+from conftest import (SharedEngines, add_default_model_engine, build_tiny_model, greedy_spec,
+                      hf_greedy, tiny_quant_source)
 from quantizer import pack_int32, quantize_checkpoint, quantize_weight, unpack_int32
 
 from vllm_accel.ops.registry import get_kernel, providers_of
@@ -386,30 +386,44 @@ RUNNING_KERNEL = {"torch_fast": "wint_prepared_linear[torch_fast] x",
                   "reference": "wint_linear[reference] x"}
 
 
+@pytest.fixture(scope="module")
+def engines(tmp_path_factory, default_model):
+    """Each tiny case's checkpoint and the default model's (4-bit group 64 asym
+    act-order, the most involved GPTQ variant), and their engines: those of one kernel
+    provider one after another in one process. ``(SharedEngines, {name: (dequantized
+    checkpoint, prompts)})``."""
+    from test_quant_awq import DEFAULT_PROMPTS
+
+    root = tmp_path_factory.mktemp("gptq")
+    specs, cases = {}, {}
+    for case, (qkw, user_quant, provider) in ENGINE_CASES.items():
+        src, prompts = tiny_quant_source(root, case)
+        quantize_checkpoint(src, root / case / "gptq", dequant_dst=root / case / "dq", **qkw)
+        cases[case] = (root / case / "dq", prompts)
+        specs[case] = (greedy_spec(root / case / "gptq", prompts, 16, max_model_len=256,
+                                   logprobs=False,
+                                   **({"quantization": user_quant} if user_quant else {})),
+                       {"ACCEL_KERNEL_PROVIDER": provider})
+    quantize_checkpoint(default_model, root / "default" / "gptq", bits=4, group_size=64,
+                        sym=False, desc_act=True, dequant_dst=root / "default" / "dq")
+    add_default_model_engine(specs, cases, default_model, root / "default" / "gptq",
+                             root / "default" / "dq", DEFAULT_PROMPTS, None)
+    return SharedEngines(specs, root), cases
+
+
 @pytest.mark.engine
 @pytest.mark.parametrize("case", list(ENGINE_CASES))
-def test_engine_gptq_matches_hf_on_dequantized(case, tmp_path):
-    qkw, user_quant, provider = ENGINE_CASES[case]
-    src = build_tiny_model(tmp_path / "float", num_heads=4, num_kv_heads=2, head_dim=32,
-                           hidden_size=128)
-    quantize_checkpoint(src, tmp_path / "gptq", dequant_dst=tmp_path / "dequant", **qkw)
-    rng = random.Random(case)
-    prompts = [[rng.randrange(3, 512) for _ in range(n)] for n in (4, 9, 17, 33, 2, 60)]
-    llm = {"model": str(tmp_path / "gptq"), "dtype": "float32", "enforce_eager": True,
-           "skip_tokenizer_init": True, "max_model_len": 256, "seed": 0}
-    if user_quant:
-        llm["quantization"] = user_quant
-    results, log = run_engine({
-        "llm": llm, "prompts": prompts,
-        "sampling": {"temperature": 0.0, "max_tokens": 16, "ignore_eos": True,
-                     "detokenize": False},
-    }, tmp_path, env={"ACCEL_KERNEL_PROVIDER": provider})
+def test_engine_gptq_matches_hf_on_dequantized(case, engines):
+    provider = ENGINE_CASES[case][2]
+    shared, cases = engines
+    dequant, prompts = cases[case]
+    results, log = shared(case)
     assert results["platform"] == "AccelPlatform"
     assert "quantization=gcu_gptq" in log
     running = next(line for line in log.splitlines() if "AccelGPTQLinearMethod serves" in line)
     assert RUNNING_KERNEL[provider] in running and "kernels" in running, running
     assert "gcu_gptq qkv_proj" in log and "gcu_gptq down_proj" in log
-    expected = hf_greedy(tmp_path / "dequant", prompts, 16)
+    expected = hf_greedy(dequant, prompts, 16)
     got = [o["token_ids"] for o in results["outputs"]]
     pairs = [(a, b) for g, e in zip(got, expected) for a, b in zip(g, e)]
     agree = sum(a == b for a, b in pairs) / len(pairs)
@@ -419,27 +433,21 @@ def test_engine_gptq_matches_hf_on_dequantized(case, tmp_path):
 
 
 @pytest.mark.engine
-def test_engine_gptq_default_model(default_model, tmp_path):
+def test_engine_gptq_default_model(engines, default_model):
     """SmolLM2-135M, GPTQ 4-bit group 64 asym act-order (the most involved GPTQ
     variant): 8 prompts x 32 greedy tokens vs HF on the dequantized weights."""
-    from test_quant_awq import DEFAULT_PROMPTS, LOGPROB_BOUND, _agreement, logprob_gap
+    from test_quant_awq import LOGPROB_BOUND, _agreement, logprob_gap
     from transformers import AutoTokenizer
 
-    quantize_checkpoint(default_model, tmp_path / "gptq", bits=4, group_size=64, sym=False,
-                        desc_act=True, dequant_dst=tmp_path / "dequant")
-    tok = AutoTokenizer.from_pretrained(default_model)
-    prompts = [tok(p)["input_ids"] for p in DEFAULT_PROMPTS]
-    results, log = run_engine({
-        "llm": {"model": str(tmp_path / "gptq"), "dtype": "float32", "enforce_eager": True,
-                "max_model_len": 512, "seed": 0},
-        "prompts": prompts,
-        "sampling": {"temperature": 0.0, "max_tokens": 32, "ignore_eos": True, "logprobs": 1},
-    }, tmp_path)
+    shared, cases = engines
+    dequant, prompts = cases["default"]
+    results, log = shared("default")
     assert "quantization=gcu_gptq" in log and "serves 120 gcu_gptq layers" in log
-    expected = hf_greedy(tmp_path / "dequant", prompts, 32)
+    expected = hf_greedy(dequant, prompts, 32)
     got = [o["token_ids"] for o in results["outputs"]]
     agree, n = _agreement(got, expected)
-    gap = logprob_gap(tmp_path / "dequant", prompts, results)
+    gap = logprob_gap(dequant, prompts, results)
     print(f"gptq default model: {agree:.1%} of {n} positions agree; max logprob gap {gap:.2e}")
+    tok = AutoTokenizer.from_pretrained(default_model)
     assert agree >= 0.9, [tok.decode(g) for g in got]
     assert gap <= LOGPROB_BOUND

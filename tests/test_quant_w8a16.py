@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import build_tiny_model, run_engine
+from conftest import SharedEngines, build_tiny_model
 
 from vllm_accel.ops.torch_fast import wint_gemm  # noqa: F401  (registers the torch_fast GEMM)
 from vllm_accel.quant import w8a16 as Q
@@ -270,20 +270,48 @@ def write_dequant(src: Path, dst: Path, dtype: torch.dtype) -> None:
     _copy_side_files(src, dst)
 
 
-def _run(model, prompts, new_tokens, tmp_path, dtype, extra=None):
-    llm = {"model": str(model), "dtype": dtype, "enforce_eager": True,
-           "skip_tokenizer_init": True, "max_model_len": 1024, "seed": 0,
-           "quantization": "w8a16", **(extra or {})}
-    results, log = run_engine({
-        "llm": llm, "prompts": prompts,
-        "sampling": {"temperature": 0.0, "max_tokens": new_tokens, "ignore_eos": True,
-                     "detokenize": False, "logprobs": 1},
-    }, tmp_path)
+def _spec(model, prompts, new_tokens, dtype):
+    return {"llm": {"model": str(model), "dtype": dtype, "enforce_eager": True,
+                    "skip_tokenizer_init": True, "max_model_len": 1024, "seed": 0,
+                    "quantization": "w8a16"},
+            "prompts": prompts,
+            "sampling": {"temperature": 0.0, "max_tokens": new_tokens, "ignore_eos": True,
+                         "detokenize": False, "logprobs": 1}}
+
+
+def _served(engine):
+    """The engine's (results, log), having checked that W8A16 served its linears."""
+    results, log = engine
     assert results["platform"] == "AccelPlatform"
     assert "quantization=w8a16" in log
     assert "AccelW8A16LinearMethod serves" in log
     assert "w8a16 qkv_proj" in log and "w8a16 down_proj" in log
     return results, log
+
+
+@pytest.fixture(scope="module")
+def engines(tmp_path_factory, default_model):
+    """A tiny checkpoint per dtype and the default model, each with its dequantized
+    oracle copy, and their engines, which run one after another in one process:
+    ``(SharedEngines, {name: (dequantized checkpoint, prompts)})``."""
+    from transformers import AutoTokenizer
+
+    root = tmp_path_factory.mktemp("w8a16")
+    specs, cases = {}, {}
+    for dtype in ENGINE_DTYPES:
+        src = build_tiny_model(root / dtype / "float", num_heads=4, num_kv_heads=2,
+                               head_dim=32, hidden_size=128)
+        write_dequant(src, root / dtype / "dq", getattr(torch, dtype))
+        rng = random.Random(dtype)
+        prompts = [[rng.randrange(3, 512) for _ in range(n)] for n in (4, 9, 17, 33, 2, 60)]
+        cases[dtype] = (root / dtype / "dq", prompts)
+        specs[dtype] = (_spec(src, prompts, 16, dtype), None)
+    tok = AutoTokenizer.from_pretrained(default_model)
+    prompts = [tok(p)["input_ids"] for p in DEFAULT_PROMPTS]
+    write_dequant(Path(default_model), root / "default" / "dq", torch.float32)
+    cases["default"] = (root / "default" / "dq", prompts)
+    specs["default"] = (_spec(default_model, prompts, 32, "float32"), None)
+    return SharedEngines(specs, root), cases
 
 
 def _compare(name, results, dequant, prompts, new_tokens):
@@ -311,18 +339,18 @@ def _compare(name, results, dequant, prompts, new_tokens):
 LOGPROB_BOUND = {"float32": 1e-3, "bfloat16": 0.15}
 
 
+ENGINE_DTYPES = ("float32", "bfloat16")
+
+
 @pytest.mark.engine
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_engine_w8a16_matches_hf_on_dequantized(dtype, tmp_path):
-    src = build_tiny_model(tmp_path / "float", num_heads=4, num_kv_heads=2, head_dim=32,
-                           hidden_size=128)
-    write_dequant(src, tmp_path / "dq", getattr(torch, dtype))
-    rng = random.Random(dtype)
-    prompts = [[rng.randrange(3, 512) for _ in range(n)] for n in (4, 9, 17, 33, 2, 60)]
-    results, log = _run(src, prompts, 16, tmp_path, dtype)
+@pytest.mark.parametrize("dtype", ENGINE_DTYPES)
+def test_engine_w8a16_matches_hf_on_dequantized(dtype, engines):
+    shared, cases = engines
+    dequant, prompts = cases[dtype]
+    results, log = _served(shared(dtype))
     if dtype == "bfloat16":  # the fast int8 GEMM ran
         assert "resident" in log and "bfloat16 scales" in log
-    agree, lp_diff = _compare(f"tiny w8a16 {dtype}", results, tmp_path / "dq", prompts, 16)
+    agree, lp_diff = _compare(f"tiny w8a16 {dtype}", results, dequant, prompts, 16)
     assert agree >= 0.9
     assert lp_diff <= LOGPROB_BOUND[dtype]
 
@@ -340,18 +368,15 @@ DEFAULT_PROMPTS = [
 
 
 @pytest.mark.engine
-def test_engine_w8a16_default_model(default_model, tmp_path):
+def test_engine_w8a16_default_model(engines):
     """SmolLM2-135M with --quantization w8a16 (fp32 activations), 8 prompts x 32
     new tokens vs HF fp32 on the dequantized weights; resident bytes logged."""
-    from transformers import AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(default_model)
-    prompts = [tok(p)["input_ids"] for p in DEFAULT_PROMPTS]
-    write_dequant(Path(default_model), tmp_path / "dq", torch.float32)
-    results, log = _run(default_model, prompts, 32, tmp_path, "float32")
+    shared, cases = engines
+    dequant, prompts = cases["default"]
+    results, log = _served(shared("default"))
     m = re.search(r"resident quantized weights ([\d.]+) MiB \(checkpoint packing [\d.]+ MiB, "
                   r"fp16 ([\d.]+) MiB", log)
     assert m and float(m.group(1)) < 0.52 * float(m.group(2))  # int8 + scales vs fp16
-    agree, lp_diff = _compare("default-model w8a16 fp32", results, tmp_path / "dq", prompts, 32)
+    agree, lp_diff = _compare("default-model w8a16 fp32", results, dequant, prompts, 32)
     assert agree >= 0.9
     assert lp_diff <= 0.01

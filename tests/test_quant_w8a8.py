@@ -31,10 +31,9 @@ import random
 import pytest
 import torch
 
-from conftest import build_tiny_model, cpu_has, run_engine
+from conftest import SharedEngines, build_tiny_model, cpu_has
 from quantizer_int8 import (
     hf_oracle,
-    quantization_config,
     quantize_checkpoint_int8,
     quantize_weight_int8,
 )
@@ -605,15 +604,20 @@ def _agreement(got, expected):
     return sum(a == b for a, b in pairs) / len(pairs), len(pairs)
 
 
-def _engine_vs_oracle(name, model, dequant, layers, prompts, new_tokens, tmp_path,
-                      dynamic, symmetric, extra_llm=None):
-    llm = {"model": str(model), "dtype": "float32", "enforce_eager": True,
-           "skip_tokenizer_init": True, "max_model_len": 512, "seed": 0, **(extra_llm or {})}
-    results, log = run_engine({
-        "llm": llm, "prompts": prompts,
-        "sampling": {"temperature": 0.0, "max_tokens": new_tokens, "ignore_eos": True,
-                     "detokenize": False, "logprobs": 1},
-    }, tmp_path)
+def _engine_spec(model, prompts, new_tokens, extra_llm=None):
+    return {"llm": {"model": str(model), "dtype": "float32", "enforce_eager": True,
+                    "skip_tokenizer_init": True, "max_model_len": 512, "seed": 0,
+                    **(extra_llm or {})},
+            "prompts": prompts,
+            "sampling": {"temperature": 0.0, "max_tokens": new_tokens, "ignore_eos": True,
+                         "detokenize": False, "logprobs": 1}}
+
+
+def _engine_vs_oracle(name, engine, dequant, layers, prompts, new_tokens, dynamic,
+                      symmetric):
+    """Engine ``name``'s tokens and log-probs vs the fake-quant HF oracle on the
+    dequantized weights (and vs HF with fp32 activations)."""
+    results, log = engine
     assert results["platform"] == "AccelPlatform"
     assert "quantization=gcu_compressed_tensors" in log
     assert "AccelW8A8LinearMethod serves" in log
@@ -635,23 +639,48 @@ def _engine_vs_oracle(name, model, dequant, layers, prompts, new_tokens, tmp_pat
           f"{sum(g == e for g, e in zip(got, expected))}/{len(got)}; teacher-forced next-token "
           f"agreement {agree_tf:.1%} (act fake-quant), {agree_tf_plain:.1%} (fp32 "
           f"activations); |d logprob| mean {lp_mean:.2e} max {lp_max:.2e}")
-    return ({"free": agree, "tf": agree_tf, "tf_plain": agree_tf_plain}, (lp_mean, lp_max),
-            log)
+    return {"free": agree, "tf": agree_tf, "tf_plain": agree_tf_plain}, (lp_mean, lp_max)
+
+
+@pytest.fixture(scope="module")
+def engines(tmp_path_factory, default_model):
+    """The checkpoints (each tiny case's, and the default model's W8A8) and their
+    engines, which run one after another in one process: ``(SharedEngines, {name:
+    (dequantized checkpoint, quantized layers, prompts)})``."""
+    from transformers import AutoTokenizer
+
+    root = tmp_path_factory.mktemp("w8a8")
+    specs, cases = {}, {}
+    for case, qkw in ENGINE_CASES.items():
+        src = build_tiny_model(root / case / "float", num_heads=4, num_kv_heads=2,
+                               head_dim=32, hidden_size=128)
+        rng = random.Random(case)
+        calib = [[rng.randrange(3, 512) for _ in range(64)] for _ in range(4)]
+        layers = quantize_checkpoint_int8(src, root / case / "q", dequant_dst=root / case / "dq",
+                                          calib_prompts=calib, **qkw)
+        prompts = [[rng.randrange(3, 512) for _ in range(n)] for n in (4, 9, 17, 33, 2, 60)]
+        cases[case] = (root / case / "dq", layers, prompts)
+        specs[case] = (_engine_spec(root / case / "q", prompts, 16), None)
+    tok = AutoTokenizer.from_pretrained(default_model)
+    prompts = [tok(p)["input_ids"] for p in DEFAULT_PROMPTS]
+    calib = [tok(c)["input_ids"] for c in CALIBRATION_TEXTS]
+    layers = quantize_checkpoint_int8(default_model, root / "default" / "q", strategy="channel",
+                                      calib_prompts=calib, smoothing=0.8,
+                                      dequant_dst=root / "default" / "dq")
+    cases["default"] = (root / "default" / "dq", layers, prompts)
+    specs["default"] = (_engine_spec(root / "default" / "q", prompts, 32,
+                                     {"max_model_len": 1024}), None)
+    return SharedEngines(specs, root), cases
 
 
 @pytest.mark.engine
 @pytest.mark.parametrize("case", list(ENGINE_CASES))
-def test_engine_w8a8_matches_hf_on_dequantized(case, tmp_path):
+def test_engine_w8a8_matches_hf_on_dequantized(case, engines):
     qkw = ENGINE_CASES[case]
-    src = build_tiny_model(tmp_path / "float", num_heads=4, num_kv_heads=2, head_dim=32,
-                           hidden_size=128)
-    rng = random.Random(case)
-    calib = [[rng.randrange(3, 512) for _ in range(64)] for _ in range(4)]
-    layers = quantize_checkpoint_int8(src, tmp_path / "q", dequant_dst=tmp_path / "dq",
-                                      calib_prompts=calib, **qkw)
-    prompts = [[rng.randrange(3, 512) for _ in range(n)] for n in (4, 9, 17, 33, 2, 60)]
-    agree, lp_diff, log = _engine_vs_oracle(
-        case, tmp_path / "q", tmp_path / "dq", layers, prompts, 16, tmp_path,
+    shared, cases = engines
+    dequant, layers, prompts = cases[case]
+    agree, lp_diff = _engine_vs_oracle(
+        case, shared(case), dequant, layers, prompts, 16,
         dynamic=not qkw.get("static", False), symmetric=qkw.get("act_symmetric", True))
     assert agree["free"] >= 0.9 and agree["tf"] >= 0.9
     assert lp_diff[0] <= TINY_LOGPROB_BOUND[0] and lp_diff[1] <= TINY_LOGPROB_BOUND[1]
@@ -702,21 +731,14 @@ CALIBRATION_TEXTS = [
 
 
 @pytest.mark.engine
-def test_engine_w8a8_default_model(default_model, tmp_path):
+def test_engine_w8a8_default_model(engines):
     """SmolLM2-135M W8A8 as llmcompressor's W8A8 recipe makes it (SmoothQuant 0.8,
     per-channel int8 weights, dynamic per-token int8 activations), 8 prompts x 32
     new tokens vs HF on the dequantized (smoothed) weights."""
-    from transformers import AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(default_model)
-    prompts = [tok(p)["input_ids"] for p in DEFAULT_PROMPTS]
-    calib = [tok(c)["input_ids"] for c in CALIBRATION_TEXTS]
-    layers = quantize_checkpoint_int8(default_model, tmp_path / "q", strategy="channel",
-                                      calib_prompts=calib, smoothing=0.8,
-                                      dequant_dst=tmp_path / "dq")
-    agree, lp_diff, log = _engine_vs_oracle(
-        "default-model W8A8 dynamic", tmp_path / "q", tmp_path / "dq", layers, prompts, 32,
-        tmp_path, dynamic=True, symmetric=True, extra_llm={"max_model_len": 1024})
+    shared, cases = engines
+    dequant, layers, prompts = cases["default"]
+    agree, lp_diff = _engine_vs_oracle("default-model W8A8 dynamic", shared("default"), dequant,
+                                       layers, prompts, 32, dynamic=True, symmetric=True)
     # Free-running agreement is printed, not asserted (see DEFAULT_MODEL_NOTE). Teacher
     # forced: vs the fake-quant oracle and vs HF with fp32 activations (measured 97.7% and
     # 95.3%).
