@@ -167,16 +167,25 @@ def _activate(g, ACTIVATION: tl.constexpr):
 
 
 @triton.jit
-def _dequant(code, s_base, z_base, n, k, mask, stride_sn, group_size, BITS: tl.constexpr,
-             HAS_ZEROS: tl.constexpr):
-    """Codes ``[K, N]`` (float32) dequantized weight by weight: groups smaller than a
-    reduction step, or not aligned to one."""
-    g = k // group_size
+def _scale_zero(s_base, z_base, n, g, mask, stride_sn, BITS: tl.constexpr,
+                HAS_ZEROS: tl.constexpr):
+    """The scale and zero point of rows ``n`` in groups ``g`` (float32; the zero point
+    ``2**(BITS-1)`` where the format is symmetric)."""
     scale = tl.load(s_base + n * stride_sn + g, mask=mask, other=0.0).to(tl.float32)
     if HAS_ZEROS:
         zero = tl.load(z_base + n * stride_sn + g, mask=mask, other=0.0).to(tl.float32)
     else:
         zero = 1 << (BITS - 1)
+    return scale, zero
+
+
+@triton.jit
+def _dequant(code, s_base, z_base, n, k, mask, stride_sn, group_size, BITS: tl.constexpr,
+             HAS_ZEROS: tl.constexpr):
+    """Codes ``[K, N]`` (float32) dequantized weight by weight: groups smaller than a
+    reduction step, or not aligned to one."""
+    scale, zero = _scale_zero(s_base, z_base, n, k // group_size, mask, stride_sn, BITS,
+                              HAS_ZEROS)
     return (code - zero) * scale
 
 
@@ -201,11 +210,7 @@ def _group_step(acc, part, a_sum, s_base, z_base, n, n_ok, group, stride_sn,
     """``acc`` plus a reduction step of one group: ``part`` is ``A @ (CODE_BIAS + codes)``
     and ``a_sum`` A's row sums over the step, so the step's product is
     ``(part - a_sum * (CODE_BIAS + zero)) * scale``, scaled once per output column."""
-    if HAS_ZEROS:
-        zero = tl.load(z_base + n * stride_sn + group, mask=n_ok, other=0.0).to(tl.float32)
-    else:
-        zero = tl.full(n.shape, 1 << (BITS - 1), tl.float32)
-    scale = tl.load(s_base + n * stride_sn + group, mask=n_ok, other=0.0).to(tl.float32)
+    scale, zero = _scale_zero(s_base, z_base, n, group, n_ok, stride_sn, BITS, HAS_ZEROS)
     return acc + (part - a_sum[:, None] * (zero + CODE_BIAS)) * scale
 
 
@@ -420,16 +425,15 @@ def _fused(x, w13: _Weights, w2: _Weights, topk_weights, topk_ids, inter, hidden
         HAS_BIAS=w13_bias is not None, WEIGHT_ON_INPUT=apply_router_weight_on_input,
         ACTIVATION=_ACTIVATION_CODES[activation], IEEE=ieee, BITS=w13.bits,
         HAS_ZEROS=w13.zeros is not None, GROUP_STEPS=w13.group_steps(hidden),
-        CODE_BIAS=w13.code_bias(x.dtype), BLOCK_M=BLOCK_M,
-        BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, num_warps=NUM_WARPS)
+        CODE_BIAS=w13.code_bias(x.dtype), BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
+        num_warps=NUM_WARPS)
     _down_kernel[(blocks, triton.cdiv(hidden, BLOCK_N))](
         act, w2_ptr, s2, z2, b2, weights, pair_of_row, block_expert, out, pairs, hidden, inter,
         act.stride(0), we2, wn2, se2, sn2, g2, b2.stride(0), out.stride(0),
         HAS_BIAS=w2_bias is not None, WEIGHT_ON_INPUT=apply_router_weight_on_input,
         IEEE=ieee, BITS=w2.bits, HAS_ZEROS=w2.zeros is not None,
         GROUP_STEPS=w2.group_steps(inter), CODE_BIAS=w2.code_bias(act.dtype),
-        BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
-        num_warps=NUM_WARPS)
+        BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, num_warps=NUM_WARPS)
     return out.view(m, top_k, hidden).sum(dim=1).to(x.dtype)
 
 
