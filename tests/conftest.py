@@ -15,7 +15,9 @@ import pytest
 import torch
 
 TESTS = Path(__file__).parent
-# Small simulated GCU for engine tests: keeps KV allocation (host RAM) modest.
+# Small simulated GCU for engine tests (1 GiB): its KV cache is allocated, zeroed and
+# handed to vLLM's block pool at every engine start, ~1 s of a tiny engine's start
+# at 4 GiB on 2 cores (Intel Xeon with AMX, 2026-12-05).
 # EngineCore runs inside the engine_run process (vLLM's in-process client): on 2
 # cores that halves an engine test (one interpreter fewer importing torch and
 # vLLM while the others start). Tokens do not depend on it; the server tests,
@@ -25,7 +27,7 @@ TESTS = Path(__file__).parent
 # engines at once on 2 cores, where a worker's second thread would wait on cores
 # the other test holds); test_cpu_native_bf16_linear's compiled engine runs the
 # default, shared core.
-ENGINE_ENV = {"ACCEL_SIM_DEVICE_MEMORY_GB": "4", "VLLM_LOGGING_LEVEL": "INFO",
+ENGINE_ENV = {"ACCEL_SIM_DEVICE_MEMORY_GB": "1", "VLLM_LOGGING_LEVEL": "INFO",
               "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "ACCEL_SIM_SHARE_SCHEDULER_CORE": "off"}
 #: every public torch.cuda entry point raises for vLLM / vllm_accel callers
 #: (tests/forbid_cuda/sitecustomize.py): proves the card path makes no CUDA call
