@@ -8,7 +8,7 @@ import re
 
 import pytest
 
-from conftest import VIRTUAL_GCU_ENV, hf_greedy, run_engine
+from conftest import DEFAULT_MODEL_DEVICE_ENV, VIRTUAL_GCU_ENV, hf_greedy, run_engine
 
 RAW_PROMPTS = [
     "The capital of France is",
@@ -103,7 +103,8 @@ def test_default_model_matches_hf_answers_paris_and_keeps_constraints(default_mo
     results, log = run_engine({**_spec(default_model, workload[1], workload[0], enforce_eager=True),
                                "worker_huge_pages": True}, tmp_path,
                               # vLLM's default engine; pickle carries the probe function
-                              env={"VLLM_ENABLE_V1_MULTIPROCESSING": "1",
+                              env={**DEFAULT_MODEL_DEVICE_ENV,
+                                   "VLLM_ENABLE_V1_MULTIPROCESSING": "1",
                                    "VLLM_ALLOW_INSECURE_SERIALIZATION": "1"})
 
     assert results["platform"] == "AccelPlatform"
@@ -114,7 +115,8 @@ def test_default_model_matches_hf_answers_paris_and_keeps_constraints(default_mo
     assert "ACCEL_ATTN attention kernels: vllm_accel.ops.cpu_native.attention" in log
     assert "cpu_native.attention.attention_step runs the layer in one call" in log
     capacity = re.search(r"Device gcu:0 \(sim\) memory: capacity ([\d.]+) GiB", log)
-    assert capacity and float(capacity.group(1)) == pytest.approx(4.0)
+    assert capacity and float(capacity.group(1)) == pytest.approx(
+        float(DEFAULT_MODEL_DEVICE_ENV["ACCEL_SIM_DEVICE_MEMORY_GB"]))
     weights = re.search(r"weights ([\d.]+) GiB", log)
     assert weights and float(weights.group(1)) >= 0.25  # 135M params, >= 2 bytes each
     assert re.search(r"Device gcu:0 KV cache: \d+ blocks x 64 tokens", log)

@@ -12,7 +12,7 @@ top-ranked token must be the reference's at the stated share of positions.
 
 import pytest
 
-from conftest import SharedEngines, run_engine
+from conftest import DEFAULT_MODEL_DEVICE_ENV, SharedEngines, run_engine
 from test_e2e_int8_kv import NEW_TOKENS, QUESTIONS  # the same 8 chat prompts x 32 tokens
 #: share of the 256 teacher-forced positions where the fp8-KV engine's top token
 #: is the fp32 reference's. Measured (AMD EPYC Zen 5): 0.945 (fp8 = e4m3, 3
@@ -37,7 +37,7 @@ def reference(default_model, tmp_path_factory):
                                             return_dict=False)) for q in QUESTIONS]
     spec = _spec(default_model, prompts, enforce_eager=True)
     spec["sampling"]["max_tokens"] = NEW_TOKENS
-    results, _ = run_engine(spec, tmp_path_factory.mktemp("fp32"))
+    results, _ = run_engine(spec, tmp_path_factory.mktemp("fp32"), env=DEFAULT_MODEL_DEVICE_ENV)
     answer = tok("The capital of France is Paris.", add_special_tokens=False)["input_ids"]
     paris = tok(" Paris", add_special_tokens=False)["input_ids"]
     assert len(paris) == 1 and paris[0] in answer
@@ -59,7 +59,7 @@ def scorers(default_model, reference, tmp_path_factory):
                      + [prompts[0] + answer], kv_cache_dtype=kv_cache_dtype,
                      enforce_eager=eager)
         spec["sampling"].update(max_tokens=1, prompt_logprobs=1)
-        specs[kv_cache_dtype] = (spec, None)
+        specs[kv_cache_dtype] = (spec, DEFAULT_MODEL_DEVICE_ENV)
     return SharedEngines(specs, tmp_path_factory.mktemp("scorers"))
 
 

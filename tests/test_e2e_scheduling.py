@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from conftest import run_engine
+from conftest import DEFAULT_MODEL_DEVICE_ENV, run_engine
 
 NEW_TOKENS = 24
 
@@ -47,7 +47,7 @@ def _run(default_model, tmp_path, workload, env=None, **llm):
                 "max_model_len": 2048, "seed": 0, "disable_log_stats": False, **llm},
         "sampling": {"temperature": 0.0, "max_tokens": NEW_TOKENS, "ignore_eos": True},
         **workload,
-    }, tmp_path, env=env)[0]
+    }, tmp_path, env={**DEFAULT_MODEL_DEVICE_ENV, **(env or {})})[0]
 
 
 @pytest.fixture(scope="module")

@@ -22,10 +22,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import SharedEngines, build_tiny_model
+from conftest import DEFAULT_MODEL_DEVICE_ENV, SharedEngines, build_tiny_model
 
-from vllm_accel.ops.torch_fast import wint_gemm  # noqa: F401  (registers the torch_fast GEMM)
-from vllm_accel.quant import w8a16 as Q
+from vllm_accel.quant import w8a16 as Q  # first: the package imports its GEMMs in order
+from vllm_accel.ops.torch_fast import wint_gemm  # noqa: F401,I001  (registers the torch_fast GEMM)
 from vllm_accel.quant.packed import install_resident, resident_from_signed
 
 OUT_REL = {torch.float32: 0.0, torch.bfloat16: 2**-8, torch.float16: 2**-11}
@@ -305,12 +305,13 @@ def engines(tmp_path_factory, default_model):
         rng = random.Random(dtype)
         prompts = [[rng.randrange(3, 512) for _ in range(n)] for n in (4, 9, 17, 33, 2, 60)]
         cases[dtype] = (root / dtype / "dq", prompts)
-        specs[dtype] = (_spec(src, prompts, 16, dtype), None)
+        specs[dtype] = (_spec(src, prompts, 16, dtype), DEFAULT_MODEL_DEVICE_ENV)
     tok = AutoTokenizer.from_pretrained(default_model)
     prompts = [tok(p)["input_ids"] for p in DEFAULT_PROMPTS]
     write_dequant(Path(default_model), root / "default" / "dq", torch.float32)
     cases["default"] = (root / "default" / "dq", prompts)
-    specs["default"] = (_spec(default_model, prompts, 32, "float32"), None)
+    # one process for all (one environment): the default model's device size
+    specs["default"] = (_spec(default_model, prompts, 32, "float32"), DEFAULT_MODEL_DEVICE_ENV)
     return SharedEngines(specs, root), cases
 
 

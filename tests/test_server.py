@@ -15,12 +15,13 @@ import httpx
 import openai
 import pytest
 
-from conftest import TESTS, VIRTUAL_GCU_ENV, VLLM, start_server, stop_server
+from conftest import (DEFAULT_MODEL_DEVICE_ENV, TESTS, VIRTUAL_GCU_ENV, VLLM, start_server,
+                      stop_server)
 
 pytestmark = pytest.mark.server
 
 BACKEND_ENV = {
-    "sim": {},
+    "sim": DEFAULT_MODEL_DEVICE_ENV,
     "virtual": VIRTUAL_GCU_ENV,
 }
 
