@@ -24,8 +24,8 @@ import torch
 
 from conftest import DEFAULT_MODEL_DEVICE_ENV, SharedEngines, build_tiny_model
 
-from vllm_accel.quant import w8a16 as Q  # first: the package imports its GEMMs in order
-from vllm_accel.ops.torch_fast import wint_gemm  # noqa: F401,I001  (registers the torch_fast GEMM)
+from vllm_accel.ops.torch_fast import wint_gemm  # noqa: F401  (registers the torch_fast GEMM)
+from vllm_accel.quant import w8a16 as Q
 from vllm_accel.quant.packed import install_resident, resident_from_signed
 
 OUT_REL = {torch.float32: 0.0, torch.bfloat16: 2**-8, torch.float16: 2**-11}

@@ -119,3 +119,12 @@ def test_kv_cache_dtype_int8_alias_on_the_cli():
     assert parser.parse_args(["--model", "m", "--kv-cache-dtype", "bfloat16"]).kv_cache_dtype == "bfloat16"
     with pytest.raises(SystemExit):
         parser.parse_args(["--model", "m", "--kv-cache-dtype", "int3"])
+
+
+@pytest.mark.parametrize("module", ["vllm_accel.ops.torch_fast.wint_gemm",
+                                    "vllm_accel.ops.cpu_native.wint_gemv", "vllm_accel.quant"])
+def test_kernel_modules_import_first_in_a_fresh_process(module):
+    """A kernel provider imported before the quant package that registers it (as a test
+    or a script may): no circular import."""
+    proc = _python(f"import {module}")
+    assert proc.returncode == 0, proc.stderr[-3000:]

@@ -35,7 +35,6 @@ from __future__ import annotations
 import torch
 
 from vllm_accel.ops.registry import register_kernel
-from vllm_accel.quant.packed import codes_of
 
 PROVIDER = "torch_fast"
 #: group sizes torch's int4 CPU kernel accepts
@@ -84,6 +83,10 @@ def prepare(res, act_dtype: torch.dtype) -> dict[str, torch.Tensor] | None:
     if res.g_idx is not None or act_dtype not in (torch.float32, torch.bfloat16,
                                                   torch.float16):
         return None
+    # (here, not at import: vllm_accel.quant's package import registers this module's
+    # kernels, so importing it first would find this module half-initialized)
+    from vllm_accel.quant.packed import codes_of
+
     n, k = res.out_features, res.in_features
     codes = codes_of(res.qweight, res.bits, 0, k)  # uint8 [N, K]
     scales = res.scales.to(torch.float32)  # [N, G]
