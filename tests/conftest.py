@@ -29,8 +29,9 @@ TESTS = Path(__file__).parent
 # default, shared core.
 ENGINE_ENV = {"ACCEL_SIM_DEVICE_MEMORY_GB": "1", "VLLM_LOGGING_LEVEL": "INFO",
               "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "ACCEL_SIM_SHARE_SCHEDULER_CORE": "off"}
-#: the default model on the simulator: the worker counts 0.92 GiB for its weights
-#: (float32 or bf16), which leaves no KV cache on ENGINE_ENV's 1 GiB device
+#: the default model in float32 on the simulator (every test engine of it is float32):
+#: the worker counts 0.92 GiB for its weights, which leaves no KV cache on ENGINE_ENV's
+#: 1 GiB device
 DEFAULT_MODEL_DEVICE_ENV = {"ACCEL_SIM_DEVICE_MEMORY_GB": "2"}
 #: every public torch.cuda entry point raises for vLLM / vllm_accel callers
 #: (tests/forbid_cuda/sitecustomize.py): proves the card path makes no CUDA call
