@@ -30,8 +30,8 @@ TESTS = Path(__file__).parent
 ENGINE_ENV = {"ACCEL_SIM_DEVICE_MEMORY_GB": "1", "VLLM_LOGGING_LEVEL": "INFO",
               "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "ACCEL_SIM_SHARE_SCHEDULER_CORE": "off"}
 #: the default model in float32 on the simulator (every test engine of it is float32):
-#: the worker counts 0.92 GiB for its weights, which leaves no KV cache on ENGINE_ENV's
-#: 1 GiB device
+#: its 0.6 GiB of weights and 0.22 GiB activation reserve leave ENGINE_ENV's 1 GiB
+#: device under 0.1 GiB of KV cache
 DEFAULT_MODEL_DEVICE_ENV = {"ACCEL_SIM_DEVICE_MEMORY_GB": "2"}
 #: every public torch.cuda entry point raises for vLLM / vllm_accel callers
 #: (tests/forbid_cuda/sitecustomize.py): proves the card path makes no CUDA call

@@ -118,7 +118,11 @@ def test_default_model_matches_hf_answers_paris_and_keeps_constraints(default_mo
     assert capacity and float(capacity.group(1)) == pytest.approx(
         float(DEFAULT_MODEL_DEVICE_ENV["ACCEL_SIM_DEVICE_MEMORY_GB"]))
     weights = re.search(r"weights ([\d.]+) GiB", log)
-    assert weights and float(weights.group(1)) >= 0.25  # 135M params, >= 2 bytes each
+    # float32: 0.50 GiB of parameters (oneDNN's packed copies in place of the linears)
+    # plus one packed copy of the tied table for the LM head, 0.105 GiB: 0.61 GiB. Not
+    # a second copy for the input embedding (patches.py), nor the heap's freed pages
+    # (up to 0.3 GiB more before the runner returned them); 40 MiB of slack.
+    assert weights and 0.5 <= float(weights.group(1)) <= 0.65, weights and weights.group(0)
     assert re.search(r"Device gcu:0 KV cache: \d+ blocks x 64 tokens", log)
     # the parameters (fp32: oneDNN holds the linears; the tied embedding stays) sit in
     # one block (ACCEL_SIM_WEIGHT_ARENA) of 2 MiB pages (ACCEL_SIM_HUGE_PAGES), as the

@@ -405,6 +405,57 @@ def test_patch_gives_router_gates_torchs_linear(monkeypatch):
     assert plain.weight.numel() == 0  # vLLM's oneDNN path dropped it (remove_weight)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_input_embedding_is_packed_only_at_its_first_matmul(dtype, monkeypatch):
+    """An input embedding (VocabParallelEmbedding) the plugin's kernel does not take
+    gets no oneDNN copy of its table when weights load; a model that reuses it as
+    its LM head gets vLLM's kernel at the first matmul, with the right logits. An LM
+    head (ParallelLMHead) is packed at load, as vLLM does."""
+    from vllm import _custom_ops as ops
+    from vllm.model_executor.layers import utils
+    from vllm.model_executor.layers.vocab_parallel_embedding import (
+        ParallelLMHead,
+        VocabParallelEmbedding,
+    )
+
+    from vllm_accel.worker.sim_model_runner import _tables_packed_later
+
+    patches.apply_all("general")
+    monkeypatch.setenv("ACCEL_BF16_LINEAR", "off")  # bf16 too goes to vLLM's kernel
+    packed = []
+    create = ops.create_onednn_mm
+    monkeypatch.setattr(ops, "create_onednn_mm",
+                        lambda w, *a: packed.append(tuple(w.shape)) or create(w, *a))
+
+    def layer_of(cls):
+        layer = object.__new__(cls)
+        torch.nn.Module.__init__(layer)
+        # (over 1 MiB in bf16: oneDNN's kernel, not the small-GEMM one, on any CPU)
+        layer.weight = _PythonParameter(torch.randn(8200, 64).to(dtype), requires_grad=False)
+        return layer
+
+    embedding, lm_head = layer_of(VocabParallelEmbedding), layer_of(ParallelLMHead)
+    storage = embedding.weight.data_ptr()
+    utils.dispatch_cpu_unquantized_gemm(embedding, remove_weight=False)
+    assert packed == [] and embedding.weight.data_ptr() == storage
+    model = torch.nn.ModuleDict({"embed_tokens": embedding})
+    assert _tables_packed_later(model) == 8200 * 64 * embedding.weight.element_size()
+
+    x = torch.randn(3, 64).to(dtype)
+    expected = x.double() @ embedding.weight.double().T
+    first = embedding.cpu_linear
+    got = first(x, embedding.weight, None)
+    assert packed == [(64, 8200)] and embedding.cpu_linear is not first  # vLLM's now
+    for logits in (got, embedding.cpu_linear(x, embedding.weight, None)):
+        torch.testing.assert_close(logits.double(), expected, rtol=2**-7, atol=0.1)
+
+    utils.dispatch_cpu_unquantized_gemm(lm_head, remove_weight=False)
+    assert packed == [(64, 8200)] * 2
+    # a model with an LM head of its own never runs its input embedding's matmul
+    assert _tables_packed_later(torch.nn.ModuleList([layer_of(VocabParallelEmbedding),
+                                                      lm_head])) == 0
+
+
 def test_inductor_graphs_from_the_compile_cache_get_a_finalize_step():
     """vLLM's load path calls finalize_loading() on whatever torch deserialized; the
     wrapper inductor's graphs come back in must have it (and the patch keeps an

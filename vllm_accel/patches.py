@@ -248,9 +248,26 @@ def _serve_exit_status_on_engine_death() -> None:
     ServeSubcommand.cmd = staticmethod(_serve_cmd)
 
 
+def _pack_at_first_matmul(layer, dispatch: Callable) -> Callable:
+    """``cpu_linear`` for an input embedding: vLLM's dispatch (packing a copy of the
+    table for oneDNN) runs at the first matmul, which only a model reusing the
+    embedding as its LM head (Gemma) ever does. Marked, so the simulator's memory
+    account can count that copy up front."""
+
+    def cpu_linear(x, weight, bias):
+        if torch.compiler.is_compiling():  # no packing inside a trace
+            return torch.nn.functional.linear(x, weight, bias)
+        dispatch(layer, remove_weight=False)
+        return layer.cpu_linear(x, weight, bias)
+
+    cpu_linear.packs_at_first_matmul = True  # type: ignore[attr-defined]
+    return cpu_linear
+
+
 def _bf16_linear_dispatch() -> None:
     from vllm.model_executor.layers import utils
     from vllm.model_executor.layers.fused_moe.router.gate_linear import GateLinear
+    from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
 
     original = utils.dispatch_cpu_unquantized_gemm
     if getattr(original, "__accel_patched__", False):
@@ -267,6 +284,9 @@ def _bf16_linear_dispatch() -> None:
         if get_backend().torch_device_type != "cpu" or weight is None or weight.dim() != 2:
             return original(layer, remove_weight)
         ours = bf16_linear.takes_weight(weight) and bf16_linear.wanted()
+        if not ours and type(layer) is VocabParallelEmbedding:  # not a ParallelLMHead
+            layer.cpu_linear = _pack_at_first_matmul(layer, original)
+            return
         if not ours and not isinstance(layer, GateLinear):
             return original(layer, remove_weight)
         # (a router gate that is not ours: torch's linear, whose result is a new tensor)
@@ -658,7 +678,8 @@ PATCHES: tuple[Patch, ...] = (
         phase="cli",
     ),
     Patch(
-        name="bf16 linears on the simulator's kernel; router gates on torch's linear",
+        name="bf16 linears on the simulator's kernel; router gates on torch's linear; "
+        "input embeddings packed for a matmul only when one runs",
         why=(
             "vLLM 0.32's CPU linears (UnquantizedLinearMethod -> "
             "dispatch_cpu_unquantized_gemm) call oneDNN's bf16 matmul, which on a CPU "
@@ -675,7 +696,12 @@ PATCHES: tuple[Patch, ...] = (
             "out-variant), and in a compiled tiny DeepSeek-V3 torch 2.13's inductor "
             "scheduled the routing that reads the gate's buffer before the matmul that "
             "fills it (read uninitialised memory: weights 0.5/0.5 or NaN, wrong "
-            "tokens; seen in the generated code)."
+            "tokens; seen in the generated code). Input embeddings: "
+            "UnquantizedEmbeddingMethod runs the same dispatch for every "
+            "VocabParallelEmbedding, so a weight it does not route (float32, or bf16 "
+            "with ACCEL_BF16_LINEAR=off) gets a oneDNN copy of the table for a logits "
+            "matmul that a model with its own LM head never runs: 108 MiB of the "
+            "default model's 0.6 GiB in float32 (measured per dispatch call)."
         ),
         how=(
             "Wrap utils.dispatch_cpu_unquantized_gemm (UnquantizedLinearMethod imports it "
@@ -686,9 +712,13 @@ PATCHES: tuple[Patch, ...] = (
             "leaves its weights; vLLM's parameter classes run Python on every op); "
             "a MoE router gate (GateLinear) that kernel does not take gets torch's "
             "linear (a new tensor: nothing for the compiler to reorder; the gate is "
-            "hidden x experts, a negligible matmul); every other layer, backend or CPU "
-            "goes to vLLM's function unchanged. Applied from the general plugin, "
-            "before any model loads."
+            "hidden x experts, a negligible matmul); an input embedding "
+            "(VocabParallelEmbedding, not ParallelLMHead) that kernel does not take gets "
+            "a cpu_linear that runs vLLM's dispatch at its first matmul (a model using "
+            "the embedding as its LM head, e.g. Gemma, then gets vLLM's kernel; the "
+            "simulator counts that copy in its weights up front); every other layer, "
+            "backend or CPU goes to vLLM's function unchanged. Applied from the general "
+            "plugin, before any model loads."
         ),
         remove_when="vLLM gives platforms a way to pick the unquantized CPU GEMM (the "
         "kernel then registers there).",
