@@ -8,8 +8,8 @@ linears to it: test_patches.py.)"""
 
 import os
 import random
-import sys
 import re
+import sys
 from pathlib import Path
 
 import pytest
@@ -251,8 +251,8 @@ def test_compiled_engine_runs_the_kernel_and_matches_hf(tmp_path):
     engine's greedy tokens, teacher-forced through HF transformers on the same bf16
     weights (float32 math), are HF's top token or within 0.05 nats of it, with the
     engine's logprob of each within 0.05 of HF's. vLLM's multiprocess engine, as a
-    user runs it: on 2+ cores its worker runs a thread on EngineCore's core too
-    (ACCEL_SIM_SHARE_SCHEDULER_CORE=on), and EngineCore sleeps while it waits."""
+    user runs it: on 2+ cores the lone device's worker runs in EngineCore's process
+    with a thread on every core (ACCEL_SIM_SHARE_SCHEDULER_CORE=on)."""
     model = build_tiny_model(tmp_path / "tiny", num_heads=4, num_kv_heads=2, head_dim=32,
                              hidden_size=128, norm_spread=0.3)
     rng = random.Random(3)
@@ -271,8 +271,9 @@ def test_compiled_engine_runs_the_kernel_and_matches_hf(tmp_path):
     assert "Warming up model for the compilation" in log
     cores = len(os.sched_getaffinity(0))
     if cores > 1:
-        assert f"Worker threads: {cores}, one on EngineCore's core" in log
-        assert "EngineCore sleeps while it waits for the worker" in log
+        assert "the lone simulated gcu runs its worker in EngineCore's process" in log
+        assert "Rank 0 on cpu: worker" in log and "(Worker pid=" not in log
+        assert re.search(r"\(EngineCore pid=\d+\) .*Rank 0 on cpu: worker", log)
         assert [w["threads"] for w in results["worker_threads"]] == [cores]
     code = [line.split("[__output_code]", 1)[1] for line in log.splitlines()
             if "[__output_code]" in line]

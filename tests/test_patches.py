@@ -240,6 +240,39 @@ def _reply_wait(wrap: bool, delay_s: float) -> tuple[float, float]:
     return cpu, read - written[0]
 
 
+def test_lone_simulated_device_runs_its_worker_in_enginecores_process(monkeypatch):
+    """Where the lone device's worker takes EngineCore's core too, the config pass
+    turns CpuPlatform's worker process back into vLLM's uniproc executor (the worker
+    in EngineCore's process); an executor the user chose, several ranks, DP, another
+    backend or the switch off keep what vLLM decided."""
+    import types
+
+    from vllm_accel.backends.cpu_sim import CpuSimBackend
+    from vllm_accel.backends.virtual import VirtualGcuBackend
+    from vllm_accel.platform import AccelPlatform
+
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "auto")
+    monkeypatch.delenv("VLLM_CPU_NUM_OF_RESERVED_CPU", raising=False)
+    monkeypatch.delenv("ACCEL_SIM_SHARE_SCHEDULER_CORE", raising=False)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
+
+    def executor(requested, backend=None, tp=1, dp=1):
+        parallel = types.SimpleNamespace(
+            distributed_executor_backend="mp", world_size=tp, data_parallel_size=dp,
+            local_world_size=tp, _api_process_count=dp)
+        AccelPlatform._lone_device_worker_in_engine_core(
+            types.SimpleNamespace(parallel_config=parallel), backend or CpuSimBackend(),
+            requested)
+        return parallel.distributed_executor_backend
+
+    assert executor(None) == "uni" and executor("uni") == "uni"
+    assert executor("mp") == "mp"  # the user's choice
+    assert executor(None, tp=2) == "mp" and executor(None, dp=2) == "mp"
+    assert executor(None, backend=object.__new__(VirtualGcuBackend)) == "mp"
+    monkeypatch.setenv("ACCEL_SIM_SHARE_SCHEDULER_CORE", "off")
+    assert executor(None) == "mp"
+
+
 def test_enginecores_reply_wait_sleeps_and_still_reads_promptly():
     """EngineCore's wrapped wait for a worker's reply uses almost no CPU over a 0.3 s
     step and reads the reply within about its longest sleep; vLLM's own wait (the

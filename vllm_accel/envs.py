@@ -117,15 +117,18 @@ environment_variables: dict[str, tuple[Callable[[], Any], str]] = {
     "ACCEL_SIM_SHARE_SCHEDULER_CORE": (
         _switch("ACCEL_SIM_SHARE_SCHEDULER_CORE", True),
         "`on` (default): with one simulated device on the host (no TP/DP) and vLLM's "
-        "automatic core binding, its worker also runs on the core vLLM's CPU binding "
-        "keeps for EngineCore (`VLLM_CPU_NUM_OF_RESERVED_CPU=0` for the engine's "
-        "processes), a thread on every core for every step, and EngineCore sleeps "
-        "instead of spinning while it waits for the worker's reply (patches.py), so a "
-        "batch-1 decode streams its weights with every core's bandwidth; the worker "
-        "and EngineCore log it. `off`: vLLM's binding as is (a core kept for "
-        "EngineCore, which spins through each step). An exported "
-        "`VLLM_CPU_NUM_OF_RESERVED_CPU` wins over either; in-process engines "
-        "(`VLLM_ENABLE_V1_MULTIPROCESSING=0`) are never bound by vLLM.",
+        "automatic core binding, its worker runs in EngineCore's process (vLLM's "
+        "uniproc executor, as on a one-GPU host) with a thread on every core, so a "
+        "batch-1 decode streams its weights with every core's bandwidth and nothing "
+        "else runs beside its threads between steps; the config pass logs it. With "
+        "`--distributed-executor-backend mp` the worker is a process of its own, also "
+        "on the core vLLM's CPU binding keeps for EngineCore "
+        "(`VLLM_CPU_NUM_OF_RESERVED_CPU=0` for the engine's processes), and EngineCore "
+        "sleeps instead of spinning while it waits for the worker's reply (patches.py). "
+        "`off`: vLLM's layout as is (a worker process, a core kept for EngineCore, "
+        "which spins through each step). An exported `VLLM_CPU_NUM_OF_RESERVED_CPU` "
+        "wins over either; in-process engines (`VLLM_ENABLE_V1_MULTIPROCESSING=0`) "
+        "are never bound by vLLM.",
     ),
     "ACCEL_VIRTUAL_DEVICE_COUNT": (
         lambda: int(os.environ.get("ACCEL_VIRTUAL_DEVICE_COUNT", "8")),

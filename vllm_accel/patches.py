@@ -827,7 +827,9 @@ PATCHES: tuple[Patch, ...] = (
             "(ACCEL_SIM_SHARE_SCHEDULER_CORE), and there the spin takes it from the "
             "worker's second thread: a batch-1 decode could only stream its weights "
             "with one core's bandwidth (W3, compiled, 2-core Intel Xeon, alternated: "
-            "27.8-32.6 tok/s spinning, 38.3-45.2 sleeping with both threads)."
+            "27.8-32.6 tok/s spinning, 38.3-45.2 sleeping with both threads). Such a "
+            "device runs its worker in EngineCore's process unless the executor is "
+            "`mp` by choice (platform.py); this is for that choice."
         ),
         how=(
             "Wrap MultiprocExecutor._post_init_executor (vLLM's hook right after the "

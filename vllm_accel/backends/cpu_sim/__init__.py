@@ -16,8 +16,9 @@ from vllm_accel.envs import GiB
 
 
 #: How many of vLLM's reserved EngineCore cores the worker may also run on
-#: (``process_env``; the API process sets it for its children: the worker logs it,
-#: EngineCore then sleeps while it waits for the worker, patches.py).
+#: (``process_env``; the API process sets it for its children). The platform then runs
+#: the worker in EngineCore's process; a worker process of its own (an explicit ``mp``
+#: executor) logs it, and EngineCore sleeps while it waits for it (patches.py).
 SHARED_SCHEDULER_CORES_ENV = "_ACCEL_SIM_SHARED_SCHEDULER_CORES"
 
 
@@ -61,8 +62,10 @@ class CpuSimBackend:
 
         One device on the host (``ACCEL_SIM_SHARE_SCHEDULER_CORE``): vLLM keeps one
         core for EngineCore, which on a 2-core host is half the machine spent waiting
-        for the worker. The worker is bound to every core instead, and EngineCore
-        sleeps while it waits (patches.py, "EngineCore sleeps ...").
+        for the worker. The worker runs in EngineCore's process on every core instead
+        (platform.py); a worker process of its own (an explicit ``mp`` executor) is
+        bound to every core, and EngineCore sleeps while it waits (patches.py,
+        "EngineCore sleeps ...").
         """
         env = {
             "MALLOC_MMAP_THRESHOLD_": str(32 << 20),
