@@ -247,13 +247,14 @@ def test_lone_simulated_device_runs_its_worker_in_enginecores_process(monkeypatc
     backend or the switch off keep what vLLM decided."""
     import types
 
-    from vllm_accel.backends.cpu_sim import CpuSimBackend
+    from vllm_accel.backends.cpu_sim import SHARED_SCHEDULER_CORES_ENV, CpuSimBackend
     from vllm_accel.backends.virtual import VirtualGcuBackend
     from vllm_accel.platform import AccelPlatform
 
     monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "auto")
     monkeypatch.delenv("VLLM_CPU_NUM_OF_RESERVED_CPU", raising=False)
     monkeypatch.delenv("ACCEL_SIM_SHARE_SCHEDULER_CORE", raising=False)
+    monkeypatch.delenv(SHARED_SCHEDULER_CORES_ENV, raising=False)
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
 
     def executor(requested, backend=None, tp=1, dp=1):
@@ -271,6 +272,12 @@ def test_lone_simulated_device_runs_its_worker_in_enginecores_process(monkeypatc
     assert executor(None, backend=object.__new__(VirtualGcuBackend)) == "mp"
     monkeypatch.setenv("ACCEL_SIM_SHARE_SCHEDULER_CORE", "off")
     assert executor(None) == "mp"
+    # a second engine in a process whose first config pass exported the decision
+    monkeypatch.setenv("ACCEL_SIM_SHARE_SCHEDULER_CORE", "on")
+    monkeypatch.setenv("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
+    assert executor(None) == "mp"
+    monkeypatch.setenv(SHARED_SCHEDULER_CORES_ENV, "1")
+    assert executor(None) == "uni" and executor(None, tp=2) == "mp"
 
 
 def test_enginecores_reply_wait_sleeps_and_still_reads_promptly():

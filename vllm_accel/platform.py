@@ -185,10 +185,11 @@ class AccelPlatform(CpuPlatform):
         from vllm_accel.backends.cpu_sim import SHARED_SCHEDULER_CORES_ENV
 
         parallel_config = vllm_config.parallel_config
+        # (or exported already: by an earlier config pass in this process, or inherited)
+        shares_core = "1" in (backend.process_env(host_ranks(parallel_config)).get(
+            SHARED_SCHEDULER_CORES_ENV), os.environ.get(SHARED_SCHEDULER_CORES_ENV))
         if (requested not in (None, "uni") or parallel_config.world_size != 1
-                or parallel_config.data_parallel_size != 1
-                or backend.process_env(host_ranks(parallel_config)).get(
-                    SHARED_SCHEDULER_CORES_ENV) != "1"):
+                or parallel_config.data_parallel_size != 1 or not shares_core):
             return
         parallel_config.distributed_executor_backend = "uni"
         logger.info_once("vllm_accel: the lone simulated %s runs its worker in EngineCore's "
