@@ -172,14 +172,15 @@ def test_simulator_splits_cores_only_for_vllms_automatic_binding(monkeypatch):
 
 def test_lone_simulated_device_shares_enginecores_core_unless_told_not_to(monkeypatch):
     """One device process on a host of 2+ cores: vLLM's reserved EngineCore core goes
-    to the worker too (EngineCore then sleeps through each step); more ranks,
-    a 1-core host, explicit core lists, an exported reservation or the switch off keep
-    vLLM's binding."""
+    to the worker too; more ranks, a 1-core host, explicit core lists, a reservation
+    the user exported or the switch off keep vLLM's binding (the reservation an
+    earlier config pass exported, beside the decision's marker, does not)."""
     from vllm_accel.backends.cpu_sim import SHARED_SCHEDULER_CORES_ENV, CpuSimBackend
 
     monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "auto")
     monkeypatch.delenv("VLLM_CPU_NUM_OF_RESERVED_CPU", raising=False)
     monkeypatch.delenv("ACCEL_SIM_SHARE_SCHEDULER_CORE", raising=False)
+    monkeypatch.delenv(SHARED_SCHEDULER_CORES_ENV, raising=False)
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
     env = CpuSimBackend().process_env(1)
     assert env["VLLM_CPU_NUM_OF_RESERVED_CPU"] == "0"
@@ -193,6 +194,11 @@ def test_lone_simulated_device_shares_enginecores_core_unless_told_not_to(monkey
     monkeypatch.setenv("ACCEL_SIM_SHARE_SCHEDULER_CORE", "on")
     monkeypatch.setenv("VLLM_CPU_NUM_OF_RESERVED_CPU", "1")
     assert SHARED_SCHEDULER_CORES_ENV not in CpuSimBackend().process_env(1)
+    # the reservation an earlier engine's config pass exported, beside the marker
+    monkeypatch.setenv("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
+    monkeypatch.setenv(SHARED_SCHEDULER_CORES_ENV, "1")
+    assert CpuSimBackend().process_env(1)[SHARED_SCHEDULER_CORES_ENV] == "1"
+    monkeypatch.delenv(SHARED_SCHEDULER_CORES_ENV)
     monkeypatch.delenv("VLLM_CPU_NUM_OF_RESERVED_CPU")
     monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")
     assert SHARED_SCHEDULER_CORES_ENV not in CpuSimBackend().process_env(1)

@@ -181,15 +181,14 @@ class AccelPlatform(CpuPlatform):
         process apart, EngineCore's scheduling, its wait for the reply and the
         hand-over of each step ran beside the worker's threads on the same two
         cores: batch-1 decode of a W4A16 Qwen3-MoE, 2-core Intel Xeon with AMX,
-        40-47 tok/s, against 54-59 with the worker in EngineCore (64 in-process)."""
+        40-47 tok/s, against 54-64 with the worker in EngineCore (64 in-process)."""
         from vllm_accel.backends.cpu_sim import SHARED_SCHEDULER_CORES_ENV
 
         parallel_config = vllm_config.parallel_config
-        # (or exported already: by an earlier config pass in this process, or inherited)
-        shares_core = "1" in (backend.process_env(host_ranks(parallel_config)).get(
-            SHARED_SCHEDULER_CORES_ENV), os.environ.get(SHARED_SCHEDULER_CORES_ENV))
         if (requested not in (None, "uni") or parallel_config.world_size != 1
-                or parallel_config.data_parallel_size != 1 or not shares_core):
+                or parallel_config.data_parallel_size != 1
+                or backend.process_env(host_ranks(parallel_config)).get(
+                    SHARED_SCHEDULER_CORES_ENV) != "1"):
             return
         parallel_config.distributed_executor_backend = "uni"
         logger.info_once("vllm_accel: the lone simulated %s runs its worker in EngineCore's "

@@ -77,10 +77,13 @@ class CpuSimBackend:
         if auto_bind and local_world_size > 1 and local_world_size > len(_numa_nodes()):
             env["VLLM_CPU_SIM_MULTI_NUMA"] = "1"
         # vLLM reserves local_world_size cores (here 1) for EngineCore, unless the
-        # host has no more cores than that
+        # host has no more cores than that. A reservation exported beside this
+        # decision's marker is ours (an earlier engine's config pass in this process,
+        # or a parent's), not the user's.
+        user_reserved = ("VLLM_CPU_NUM_OF_RESERVED_CPU" in os.environ
+                         and os.environ.get(SHARED_SCHEDULER_CORES_ENV) != "1")
         if (auto_bind and local_world_size == 1 and envs.ACCEL_SIM_SHARE_SCHEDULER_CORE
-                and "VLLM_CPU_NUM_OF_RESERVED_CPU" not in os.environ
-                and len(os.sched_getaffinity(0)) > 1):
+                and not user_reserved and len(os.sched_getaffinity(0)) > 1):
             env["VLLM_CPU_NUM_OF_RESERVED_CPU"] = "0"
             env[SHARED_SCHEDULER_CORES_ENV] = "1"
         return env
