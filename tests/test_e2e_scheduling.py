@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from conftest import DEFAULT_MODEL_DEVICE_ENV, run_engine
+from conftest import DEFAULT_MODEL_DEVICE_ENV, SharedEngines
 
 NEW_TOKENS = 24
 
@@ -41,35 +41,49 @@ def workload(default_model):
     return {"prompts": [long_prompt, *shorts], "prompt_batches": [shared[:1], shared[1:]]}
 
 
-def _run(default_model, tmp_path, workload, env=None, **llm):
-    return run_engine({
-        "llm": {"model": str(default_model), "dtype": "float32", "enforce_eager": True,
-                "max_model_len": 2048, "seed": 0, "disable_log_stats": False, **llm},
-        "sampling": {"temperature": 0.0, "max_tokens": NEW_TOKENS, "ignore_eos": True},
-        **workload,
-    }, tmp_path, env={**DEFAULT_MODEL_DEVICE_ENV, **(env or {})})[0]
+#: engine settings of each run (the simulator's unless "virtual")
+RUNS = {
+    "baseline": dict(enable_chunked_prefill=False, max_num_batched_tokens=2048,
+                     enable_prefix_caching=False),
+    # 64-token budget: the 1100-token prompt takes many steps while the short
+    # requests decode in the same steps.
+    "chunked": dict(enable_chunked_prefill=True, max_num_batched_tokens=64,
+                    enable_prefix_caching=False),
+    "cached": dict(enable_prefix_caching=True),
+    "virtual": dict(enable_chunked_prefill=True, max_num_batched_tokens=64,
+                    enable_prefix_caching=True),
+}
+VIRTUAL = {"ACCEL_BACKEND": "virtual", "TORCH_DEVICE_BACKEND_AUTOLOAD": "0"}
 
 
 @pytest.fixture(scope="module")
-def baseline(default_model, tmp_path_factory, workload):
-    return _run(default_model, tmp_path_factory.mktemp("base"), workload,
-                enable_chunked_prefill=False, max_num_batched_tokens=2048,
-                enable_prefix_caching=False)
+def engines(default_model, tmp_path_factory, workload):
+    """The simulator's three engines in one process, the virtual GCU's in another."""
+    def spec(llm):
+        return {"llm": {"model": str(default_model), "dtype": "float32", "enforce_eager": True,
+                        "max_model_len": 2048, "seed": 0, "disable_log_stats": False, **llm},
+                "sampling": {"temperature": 0.0, "max_tokens": NEW_TOKENS, "ignore_eos": True},
+                **workload}
+    return SharedEngines({name: (spec(llm), {**DEFAULT_MODEL_DEVICE_ENV,
+                                             **(VIRTUAL if name == "virtual" else {})})
+                          for name, llm in RUNS.items()}, tmp_path_factory.mktemp("engines"))
+
+
+@pytest.fixture(scope="module")
+def baseline(engines):
+    return engines("baseline")[0]
 
 
 @pytest.mark.engine
-def test_chunked_prefill_matches_unchunked(default_model, tmp_path, workload, baseline):
-    # 64-token budget: the 1100-token prompt takes many steps while the short
-    # requests decode in the same steps.
-    chunked = _run(default_model, tmp_path, workload, enable_chunked_prefill=True,
-                   max_num_batched_tokens=64, enable_prefix_caching=False)
+def test_chunked_prefill_matches_unchunked(engines, baseline):
+    chunked = engines("chunked")[0]
     assert chunked["outputs"] == baseline["outputs"]
     assert chunked["batches"] == baseline["batches"]
 
 
 @pytest.mark.engine
-def test_prefix_caching_matches_and_hits(default_model, tmp_path, workload, baseline):
-    cached = _run(default_model, tmp_path, workload, enable_prefix_caching=True)
+def test_prefix_caching_matches_and_hits(engines, baseline):
+    cached = engines("cached")[0]
     assert cached["outputs"] == baseline["outputs"]
     assert cached["batches"] == baseline["batches"]
     _assert_hits(cached)
@@ -84,14 +98,10 @@ def _assert_hits(results):
 
 
 @pytest.mark.engine
-def test_chunked_prefill_and_prefix_caching_on_the_virtual_gcu(default_model, tmp_path,
-                                                               workload, baseline):
+def test_chunked_prefill_and_prefix_caching_on_the_virtual_gcu(engines, baseline):
     """Both at once through the card path (GPU model runner, our attention on gcu
     tensors): the simulator's unchunked, uncached tokens, and real cache hits."""
-    both = _run(default_model, tmp_path, workload,
-                env={"ACCEL_BACKEND": "virtual", "TORCH_DEVICE_BACKEND_AUTOLOAD": "0"},
-                enable_chunked_prefill=True, max_num_batched_tokens=64,
-                enable_prefix_caching=True)
+    both = engines("virtual")[0]
     assert both["outputs"] == baseline["outputs"]
     assert both["batches"] == baseline["batches"]
     _assert_hits(both)

@@ -7,7 +7,8 @@ import random
 import pytest
 import torch
 
-from conftest import assert_bf16_tokens_near_hf, build_tiny_model, kernel_calls, run_engine
+from conftest import (SharedEngines, assert_bf16_tokens_near_hf, build_tiny_model, kernel_calls,
+                      run_engine)
 from paged_cases import HKV, batch_mix, build, kernel_args, make_case, read_kv, reference
 from vllm_accel.ops.cpu_native import bf16_linear
 from vllm_accel.ops.cpu_native import build as native
@@ -466,25 +467,42 @@ FAMILY_ENGINES = {
 }
 
 
+def _family_prompts(family):
+    rng = random.Random(11)
+    return [[rng.randrange(3, 512) for _ in range(n)] for n in FAMILY_ENGINES[family][1]]
+
+
+@pytest.fixture(scope="module")
+def family_models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("families")
+    return {family: spec[0](root / family) for family, spec in FAMILY_ENGINES.items()}
+
+
+@pytest.fixture(scope="module")
+def family_engines(family_models, tmp_path_factory):
+    """The four families' engines, one after another in one process."""
+    env = {"ACCEL_BF16_LINEAR": "on", "ACCEL_SIM_DEVICE_MEMORY_GB": "1"}
+    return SharedEngines({family: ({
+        "llm": {"model": str(family_models[family]), "dtype": "bfloat16",
+                "skip_tokenizer_init": True, "max_model_len": 256, "seed": 0,
+                **FAMILY_ENGINES[family][2]},
+        "prompts": _family_prompts(family),
+        "sampling": {"temperature": 0.0, "max_tokens": 12, "ignore_eos": True,
+                     "detokenize": False, "logprobs": 1},
+        "worker_kernel_calls": ["cpu_decoder_layer"]}, env) for family in FAMILY_ENGINES},
+        tmp_path_factory.mktemp("engines"))
+
+
 @pytest.mark.engine
 @pytest.mark.parametrize("family", list(FAMILY_ENGINES))
-def test_engine_runs_the_familys_layers_as_one_op(family, tmp_path):
+def test_engine_runs_the_familys_layers_as_one_op(family, family_models, family_engines):
     """A compiled bf16 tiny Mistral (sliding window), Qwen3 (q/k norms) or Gemma 2/3
     (four norms, GELU-tanh, soft-cap, alternating windows): its layers run as the op
     (logged, counted in the worker), its tokens within bf16's reach of HF transformers
     on the same weights."""
-    build, lengths, settings, logged, nats = FAMILY_ENGINES[family]
-    model = build(tmp_path / family)
-    rng = random.Random(11)
-    prompts = [[rng.randrange(3, 512) for _ in range(n)] for n in lengths]
-    results, log = run_engine(
-        {"llm": {"model": str(model), "dtype": "bfloat16", "skip_tokenizer_init": True,
-                 "max_model_len": 256, "seed": 0, **settings},
-         "prompts": prompts,
-         "sampling": {"temperature": 0.0, "max_tokens": 12, "ignore_eos": True,
-                      "detokenize": False, "logprobs": 1},
-         "worker_kernel_calls": ["cpu_decoder_layer"]},
-        tmp_path, env={"ACCEL_BF16_LINEAR": "on", "ACCEL_SIM_DEVICE_MEMORY_GB": "1"})
+    _, _, _, logged, nats = FAMILY_ENGINES[family]
+    model, prompts = family_models[family], _family_prompts(family)
+    results, log = family_engines(family)
     assert logged in log
     if bf16_linear.available():
         assert "each runs as one C++ op (vllm_accel::cpu_decoder_layer), 2 layers" in log, \
