@@ -31,6 +31,7 @@ prepared layouts go to the next provider.
 """
 
 import logging
+from typing import NamedTuple
 
 import torch
 import triton
@@ -46,11 +47,31 @@ logger = logging.getLogger("vllm." + __name__)
 
 #: pairs per block (tl.dot needs at least 16 rows)
 BLOCK_M = 16
-#: output columns per program, and the reduction step (128 rather than 64: W4A16
+
+
+class Tiles(NamedTuple):
+    """One kernel's launch: output columns per program, reduction step, warps and
+    software-pipeline stages."""
+    block_n: int
+    block_k: int
+    num_warps: int
+    num_stages: int
+
+
+#: the launch for every kernel and weight kind (128-wide steps rather than 64: W4A16
 #: experts 70 instead of 114 us at batch 1, bf16 ones 40 instead of 44; H100)
-BLOCK_N = 64
-BLOCK_K = 128
-NUM_WARPS = 4
+DEFAULT_TILES = Tiles(64, 128, 4, 3)
+#: launches that beat the default, by (kernel, weight bits): ``(max pairs, tiles)``
+#: rows in increasing order (``benchmarks/triton_moe_tiles.py`` sweeps them)
+TILES: dict[tuple[str, int], list[tuple[int, Tiles]]] = {}
+
+
+def tiles_for(kernel: str, bits: int, pairs: int) -> Tiles:
+    """The launch of ``kernel`` ("gate_up" or "down") over ``pairs`` routed pairs."""
+    for max_pairs, tiles in TILES.get((kernel, bits), ()):
+        if pairs <= max_pairs:
+            return tiles
+    return DEFAULT_TILES
 
 _ACTIVATION_CODES = {name: code for code, name in enumerate(GATED_ACTIVATIONS)}
 
@@ -385,9 +406,9 @@ class _Weights:
         return (self.weight, self.scales, zeros, self.weight.stride(0), self.weight.stride(1),
                 self.scales.stride(0), self.scales.stride(1), self.group_size)
 
-    def group_steps(self, width: int) -> bool:
+    def group_steps(self, width: int, block_k: int) -> bool:
         """Whether every reduction step over ``width`` inputs lies in one group."""
-        return self.bits > 0 and (self.group_size % BLOCK_K == 0 or self.group_size >= width)
+        return self.bits > 0 and (self.group_size % block_k == 0 or self.group_size >= width)
 
     def code_bias(self, dtype: torch.dtype) -> int:
         """The offset at which the codes are exact integers in ``dtype``'s mantissa
@@ -419,21 +440,24 @@ def _fused(x, w13: _Weights, w2: _Weights, topk_weights, topk_ids, inter, hidden
     b2 = w2_bias.contiguous() if w2_bias is not None else w2.weight
     w13_ptr, s13, z13, we13, wn13, se13, sn13, g13 = w13.args()
     w2_ptr, s2, z2, we2, wn2, se2, sn2, g2 = w2.args()
-    _gate_up_kernel[(blocks, triton.cdiv(inter, BLOCK_N))](
+    up = tiles_for("gate_up", w13.bits, pairs)
+    _gate_up_kernel[(blocks, triton.cdiv(inter, up.block_n))](
         x, w13_ptr, s13, z13, b13, weights, pair_of_row, block_expert, act, pairs, top_k,
         hidden, inter, x.stride(0), we13, wn13, se13, sn13, g13, b13.stride(0), act.stride(0),
         HAS_BIAS=w13_bias is not None, WEIGHT_ON_INPUT=apply_router_weight_on_input,
         ACTIVATION=_ACTIVATION_CODES[activation], IEEE=ieee, BITS=w13.bits,
-        HAS_ZEROS=w13.zeros is not None, GROUP_STEPS=w13.group_steps(hidden),
-        CODE_BIAS=w13.code_bias(x.dtype), BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
-        num_warps=NUM_WARPS)
-    _down_kernel[(blocks, triton.cdiv(hidden, BLOCK_N))](
+        HAS_ZEROS=w13.zeros is not None, GROUP_STEPS=w13.group_steps(hidden, up.block_k),
+        CODE_BIAS=w13.code_bias(x.dtype), BLOCK_M=BLOCK_M, BLOCK_N=up.block_n,
+        BLOCK_K=up.block_k, num_warps=up.num_warps, num_stages=up.num_stages)
+    down = tiles_for("down", w2.bits, pairs)
+    _down_kernel[(blocks, triton.cdiv(hidden, down.block_n))](
         act, w2_ptr, s2, z2, b2, weights, pair_of_row, block_expert, out, pairs, hidden, inter,
         act.stride(0), we2, wn2, se2, sn2, g2, b2.stride(0), out.stride(0),
         HAS_BIAS=w2_bias is not None, WEIGHT_ON_INPUT=apply_router_weight_on_input,
         IEEE=ieee, BITS=w2.bits, HAS_ZEROS=w2.zeros is not None,
-        GROUP_STEPS=w2.group_steps(inter), CODE_BIAS=w2.code_bias(act.dtype),
-        BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, num_warps=NUM_WARPS)
+        GROUP_STEPS=w2.group_steps(inter, down.block_k), CODE_BIAS=w2.code_bias(act.dtype),
+        BLOCK_M=BLOCK_M, BLOCK_N=down.block_n, BLOCK_K=down.block_k,
+        num_warps=down.num_warps, num_stages=down.num_stages)
     return out.view(m, top_k, hidden).sum(dim=1).to(x.dtype)
 
 
