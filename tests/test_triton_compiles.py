@@ -57,6 +57,9 @@ CASES = {
     "fp32-expert-map": dict(dtype=torch.float32, expert_map=True),
     "int4-asym-g32-bf16": dict(dtype=torch.bfloat16, bits=4, group_size=32, asym=True),
     "int8-sym-g16-fp32": dict(dtype=torch.float32, bits=8, group_size=16, asym=False),
+    # a decode batch of 6 pairs: the 4-bit experts' small-batch launch (moe.TILES)
+    "int4-sym-g64-bf16-decode": dict(dtype=torch.bfloat16, bits=4, group_size=64, asym=False,
+                                     tokens=3),
 }
 
 
@@ -64,7 +67,7 @@ CASES = {
 @pytest.mark.parametrize("case", list(CASES))
 def test_moe_kernels_compile_for_the_gpu(case, target, monkeypatch):
     spec = CASES[case]
-    m, e, h, i, k, dtype = 5, 4, 64, 64, 2, spec["dtype"]
+    m, e, h, i, k, dtype = spec.get("tokens", 5), 4, 64, 64, 2, spec["dtype"]
     weights, ids = _routing(m, e, k, seed=len(case))
     x = torch.randn(m, h).to(dtype)
     if "bits" in spec:
@@ -82,6 +85,9 @@ def test_moe_kernels_compile_for_the_gpu(case, target, monkeypatch):
             w2_bias=torch.randn(e, h).to(dtype) if bias else None,
             expert_map=torch.arange(e, dtype=torch.int32) if spec.get("expert_map") else None)
     launches = _launches(monkeypatch, call)
+    if "tokens" in spec:
+        assert launches[1][2]["BLOCK_N"] == moe.tiles_for("gate_up", 4, m * k).block_n != \
+            moe.DEFAULT_TILES.block_n
     assert [fn.fn.__name__ for fn, _, _ in launches] == ["_align_kernel", "_gate_up_kernel",
                                                           "_down_kernel"]
     for fn, args, kwargs in launches:
