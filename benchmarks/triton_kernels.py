@@ -300,22 +300,26 @@ def bench_moe(bandwidth, experts=128, top_k=8, hidden=2048, inter=768, batches=(
 
 class PackedExperts(torch.nn.Module):
     """One expert projection in the quant layer's generic weight-only layout (4-bit
-    codes, two per byte, symmetric, fp16 scales per group of 128 inputs)."""
+    codes two per byte, or 8-bit codes; symmetric, fp16 scales per group of 128
+    inputs)."""
 
-    def __init__(self, n, k, g, group_size=128):
+    def __init__(self, n, k, g, group_size=128, bits=4):
         super().__init__()
-        self.provider, self.bits, self.group_size, self.out_features = None, 4, group_size, n
+        self.provider, self.bits, self.group_size, self.out_features = None, bits, group_size, n
         self.perm = self.g_idx = self.zeros = None
-        self.qweight = torch.nn.Parameter(torch.randint(0, 256, (n, k // 2), dtype=torch.uint8,
-                                                        device=DEV, generator=g),
-                                          requires_grad=False)
+        self.qweight = torch.nn.Parameter(
+            torch.randint(0, 256, (n, k * bits // 8), dtype=torch.uint8, device=DEV,
+                          generator=g), requires_grad=False)
         self.scales = torch.nn.Parameter(
             (torch.rand(n, k // group_size, device=DEV, generator=g) * 0.02 + 0.005).half(),
             requires_grad=False)
 
     def dense(self):
-        lo, hi = self.qweight & 15, self.qweight >> 4
-        codes = torch.stack([lo, hi], -1).flatten(-2).float() - 8
+        if self.bits == 8:
+            codes = self.qweight.float() - 128
+        else:
+            lo, hi = self.qweight & 15, self.qweight >> 4
+            codes = torch.stack([lo, hi], -1).flatten(-2).float() - 8
         return (codes * self.scales.float().repeat_interleave(self.group_size, 1)).bfloat16()
 
 

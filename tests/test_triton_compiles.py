@@ -57,8 +57,10 @@ CASES = {
     "fp32-expert-map": dict(dtype=torch.float32, expert_map=True),
     "int4-asym-g32-bf16": dict(dtype=torch.bfloat16, bits=4, group_size=32, asym=True),
     "int8-sym-g16-fp32": dict(dtype=torch.float32, bits=8, group_size=16, asym=False),
-    # a decode batch of 6 pairs: the 4-bit experts' small-batch launch (moe.TILES)
-    "int4-sym-g64-bf16-decode": dict(dtype=torch.bfloat16, bits=4, group_size=64, asym=False,
+    # decode batches of 6 pairs: the matrix-vector kernels, steps of several groups
+    "int4-asym-g32-bf16-decode": dict(dtype=torch.bfloat16, bits=4, group_size=32, asym=True,
+                                      tokens=3),
+    "int8-sym-g16-fp16-decode": dict(dtype=torch.float16, bits=8, group_size=16, asym=False,
                                      tokens=3),
 }
 
@@ -84,12 +86,18 @@ def test_moe_kernels_compile_for_the_gpu(case, target, monkeypatch):
             w13_bias=torch.randn(e, 2 * i).to(dtype) if bias else None,
             w2_bias=torch.randn(e, h).to(dtype) if bias else None,
             expert_map=torch.arange(e, dtype=torch.int32) if spec.get("expert_map") else None)
+    decode = "tokens" in spec
+    if not decode:
+        monkeypatch.setattr(moe, "GEMV_MAX_PAIRS", 0)
     launches = _launches(monkeypatch, call)
-    if "tokens" in spec:
-        assert launches[1][2]["BLOCK_N"] == moe.tiles_for("gate_up", 4, m * k).block_n != \
-            moe.DEFAULT_TILES.block_n
-    assert [fn.fn.__name__ for fn, _, _ in launches] == ["_align_kernel", "_gate_up_kernel",
-                                                          "_down_kernel"]
+    if decode:
+        tiles = moe.GEMV_TILES[spec["bits"]]
+        assert [fn.fn.__name__ for fn, _, _ in launches] == ["_gemv_gate_up_kernel",
+                                                              "_gemv_down_kernel"]
+        assert launches[0][2]["GROUPS"] == tiles.block_k // spec["group_size"] > 1
+    else:
+        assert [fn.fn.__name__ for fn, _, _ in launches] == ["_align_kernel",
+                                                              "_gate_up_kernel", "_down_kernel"]
     for fn, args, kwargs in launches:
         if "IEEE" in kwargs:
             kwargs["IEEE"] = dtype == torch.float32  # what a GPU launch passes

@@ -24,7 +24,6 @@ from vllm_accel.ops.reference import moe as reference_moe
 from vllm_accel.ops.triton import int8_gemm, mla, moe, paged_attention, wint_gemm
 
 DEVICE = os.environ.get("ACCEL_TEST_DEVICE", "cpu")
-
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 #: (mix, block size, GQA ratio, head size, layout): every value of each axis at least twice
 ATTENTION_CASES = [
@@ -545,20 +544,13 @@ def _resident_experts(e, n, k, bits, group_size, asym, g):
     return torch.nn.ModuleList(mods)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16],
-                         ids=lambda d: str(d).split(".")[-1])
-@pytest.mark.parametrize("bits,group_size,asym", [(4, 32, True), (4, 64, False),
-                                                  (4, 128, True), (4, 256, False),
-                                                  (8, 16, False), (8, 128, True)])
-def test_moe_quant_experts(bits, group_size, asym, dtype):
-    """Weight-only experts fused, vs the float64 matmuls of the dequantized weights, in
-    float32, bf16 and fp16: groups smaller than a reduction step (4-bit asym g32, 8-bit
-    sym g16: each weight dequantized as loaded) and groups that hold whole steps (4-bit
-    asym g128 with a partial last group, 8-bit asym g128, 4-bit sym g256 wider than the
-    inputs: products on the codes offset to exact bf16/fp16 integers, the zero point and
-    scale applied to each step's sum; 4-bit sym g64 is either, by ``BLOCK_K``). The stack
-    is built once and the modules then hold views of it."""
-    m, e, h, i, k = 23, 6, 192, 128, 2  # 3 and 2 reduction steps
+#: (bits, group size, asymmetric) of the weight-only expert cases
+QUANT_EXPERTS = [(4, 32, True), (4, 64, False), (4, 128, True), (4, 256, False),
+                 (8, 16, False), (8, 128, True)]
+
+
+def _check_quant_experts(bits, group_size, asym, dtype, m):
+    e, h, i, k = 6, 192, 128, 2  # 3 and 2 reduction steps of 64
     g = torch.Generator().manual_seed(bits + group_size)
     w13 = _resident_experts(e, 2 * i, h, bits, group_size, asym, g)
     w2 = _resident_experts(e, h, i, bits, group_size, asym, g)
@@ -573,3 +565,31 @@ def test_moe_quant_experts(bits, group_size, asym, dtype):
     assert w13[1].qweight.data_ptr() == stack.weight[1].data_ptr()
     again = moe.moe_quant_experts(*on_device(x), w13, w2, *on_device(weights, ids))
     assert torch.equal(again, got)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16],
+                         ids=lambda d: str(d).split(".")[-1])
+@pytest.mark.parametrize("bits,group_size,asym", QUANT_EXPERTS)
+def test_moe_quant_experts(bits, group_size, asym, dtype, monkeypatch):
+    """Weight-only experts fused through the tiled kernels, vs the float64 matmuls of
+    the dequantized weights, in float32, bf16 and fp16: groups smaller than a reduction
+    step (4-bit asym g32, 8-bit sym g16: each weight dequantized as loaded) and groups
+    that hold whole steps (4-bit asym g128 with a partial last group, 8-bit asym g128,
+    4-bit sym g256 wider than the inputs: products on the codes offset to exact
+    bf16/fp16 integers, the zero point and scale applied to each step's sum; 4-bit sym
+    g64 is either, by ``BLOCK_K``). The stack is built once and the modules then hold
+    views of it."""
+    monkeypatch.setattr(moe, "GEMV_MAX_PAIRS", 0)
+    _check_quant_experts(bits, group_size, asym, dtype, m=23)
+
+
+@pytest.mark.parametrize("case", range(len(QUANT_EXPERTS)))
+def test_moe_quant_experts_matrix_vector(case):
+    """The same experts in a decode batch (12 pairs), through the matrix-vector
+    kernels, each dtype over two of the cases: steps that hold several groups (g16,
+    g32, g64; their scales past the inputs masked) or lie in one (g128, g256). (The
+    interpreter's launch, ``moe.INTERPRETED_GEMV_TILES``, has 128-input steps over the
+    192 and 128 inputs; a GPU's, the steps ``moe.GEMV_TILES`` give.)"""
+    bits, group_size, asym = QUANT_EXPERTS[case]
+    assert 6 * 2 <= moe.GEMV_MAX_PAIRS
+    _check_quant_experts(bits, group_size, asym, DTYPES[case % 3], m=6)

@@ -62,14 +62,11 @@ class Tiles(NamedTuple):
 #: experts 70 instead of 114 us at batch 1, bf16 ones 40 instead of 44; H100)
 DEFAULT_TILES = Tiles(64, 128, 4, 3)
 #: launches that beat the default, by (kernel, weight bits): ``(max pairs, tiles)``
-#: rows in increasing order. ``benchmarks/triton_moe_tiles.py`` on an H100, Qwen3-30B-A3B's
-#: layer (``benchmarks/results/triton_moe_tiles_h100.json``): 4-bit experts 82.4 -> 73.9
-#: us at batch 1 (8 pairs) and 383.9 -> 355.8 us at batch 16 (128 pairs); no launch of
-#: the grid beat the default for bf16 experts by more than 2%
-TILES: dict[tuple[str, int], list[tuple[int, Tiles]]] = {
-    ("gate_up", 4): [(8, Tiles(32, 128, 4, 3)), (128, Tiles(128, 128, 4, 3))],
-    ("down", 4): [(8, DEFAULT_TILES), (128, Tiles(128, 128, 4, 4))],
-}
+#: rows in increasing order, from ``benchmarks/triton_moe_tiles.py``. None so far: on an
+#: H100 (``benchmarks/results/triton_moe_tiles_h100.json``) no launch beat the default
+#: for bf16 experts by more than 2%, and the batches where 4-bit ones gained (82.4 ->
+#: 73.9 us at 8 pairs, 383.9 -> 355.8 us at 128) now go to the matrix-vector kernels
+TILES: dict[tuple[str, int], list[tuple[int, Tiles]]] = {}
 
 
 def tiles_for(kernel: str, bits: int, pairs: int) -> Tiles:
@@ -79,6 +76,22 @@ def tiles_for(kernel: str, bits: int, pairs: int) -> Tiles:
             return tiles
     return DEFAULT_TILES
 
+
+#: routed pairs up to which each pair of quantized experts is a program of its own that
+#: reads its expert's codes as matrix-vector products: no alignment, and no 16-row
+#: tensor-core tiles, which a dequantizing loop fills through shared memory. H100,
+#: Qwen3-30B-A3B's layer (``benchmarks/results/triton_moe_gemv_h100.json``), 4-bit
+#: experts: 81.4 -> 35.6 us at 8 pairs (bf16 experts 39.7), 504.0 -> 492.6 at 256,
+#: 565.3 tiled but 945.2 at 512; 8-bit alike. bf16 experts gained at most 2% from them
+#: (H200), so they stay tiled
+GEMV_MAX_PAIRS = 256
+#: the matrix-vector kernels' launch by weight bits (a step holds whole groups, or lies
+#: in one), from ``benchmarks/triton_moe_tiles.py --gemv``
+GEMV_TILES = {4: Tiles(8, 256, 1, 3), 8: Tiles(16, 512, 2, 3)}
+#: their launch under Triton's interpreter (CPU tests), which runs each program in
+#: Python: the same code and masks in 16x fewer programs (an engine test's tiny
+#: Mixtral 175 s with the GPU's launch)
+INTERPRETED_GEMV_TILES = Tiles(128, 128, 4, 2)
 
 _ACTIVATION_CODES = {name: code for code, name in enumerate(GATED_ACTIVATIONS)}
 
@@ -397,6 +410,117 @@ def _down_kernel(act_ptr, w_ptr, s_ptr, z_ptr, bias_ptr, weights_ptr, pair_ptr,
              mask=row_ok[:, None] & col_ok[None, :])
 
 
+@triton.jit
+def _gemv_step(acc, a_row, w_base, s_base, z_base, n, n_ok, k0, width, stride_wn, stride_sn,
+               group_size, BITS: tl.constexpr, HAS_ZEROS: tl.constexpr,
+               BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUPS: tl.constexpr):
+    """``acc + a[k0:k0+BLOCK_K] @ W[n, k0:k0+BLOCK_K].T`` for one row ``a`` and quantized
+    rows ``n`` (``[BLOCK_N]`` float32), a step over ``GROUPS`` whole groups (or within
+    one): products on the codes, each group's zero point and scale applied to its sum
+    once per column. A 4-bit byte is loaded once, its nibbles meeting the even and odd
+    inputs."""
+    if BITS == 4:
+        j = k0 // 2 + tl.arange(0, BLOCK_K // 2)
+        even_ok = 2 * j < width
+        odd_ok = 2 * j + 1 < width
+        byte = tl.load(w_base + n[None, :] * stride_wn + j[:, None],
+                       mask=n_ok[None, :] & even_ok[:, None], other=0)
+        a_even = tl.load(a_row + 2 * j, mask=even_ok, other=0.0).to(tl.float32)
+        a_odd = tl.load(a_row + 2 * j + 1, mask=odd_ok, other=0.0).to(tl.float32)
+        prod = (a_even[:, None] * (byte & 0xF).to(tl.float32)
+                + a_odd[:, None] * (byte >> 4).to(tl.float32))
+        part = tl.sum(tl.reshape(prod, (GROUPS, BLOCK_K // 2 // GROUPS, BLOCK_N)), 1)
+        a_sum = tl.sum(tl.reshape(a_even + a_odd, (GROUPS, BLOCK_K // 2 // GROUPS)), 1)
+    else:
+        k = k0 + tl.arange(0, BLOCK_K)
+        k_ok = k < width
+        w = tl.load(w_base + n[None, :] * stride_wn + k[:, None],
+                    mask=n_ok[None, :] & k_ok[:, None], other=0)
+        a = tl.load(a_row + k, mask=k_ok, other=0.0).to(tl.float32)
+        part = tl.sum(tl.reshape(a[:, None] * w.to(tl.float32), (GROUPS, BLOCK_K // GROUPS,
+                                                                  BLOCK_N)), 1)
+        a_sum = tl.sum(tl.reshape(a, (GROUPS, BLOCK_K // GROUPS)), 1)
+    g = k0 // group_size + tl.arange(0, GROUPS)
+    scale, zero = _scale_zero(s_base, z_base, n[None, :], g[:, None],
+                              n_ok[None, :] & (g * group_size < width)[:, None], stride_sn,
+                              BITS, HAS_ZEROS)
+    return acc + tl.sum((part - a_sum[:, None] * zero) * scale, 0)
+
+
+@triton.jit
+def _gemv_program(ids_ptr, map_ptr, w_ptr, s_ptr, z_ptr, stride_we, stride_se, width,
+                  HAS_MAP: tl.constexpr, BLOCK_N: tl.constexpr):
+    """This program's pair, its local expert (-1: held by another rank), its output
+    columns within ``width`` and the expert's weight, scale and zero-point bases."""
+    pair = tl.program_id(0)
+    expert = tl.load(ids_ptr + pair)
+    if HAS_MAP:
+        expert = tl.load(map_ptr + expert)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    w_base, s_base, z_base = _expert_tensors(expert, w_ptr, s_ptr, z_ptr, stride_we, stride_se)
+    return pair, expert, cols, cols < width, w_base, s_base, z_base
+
+
+@triton.jit
+def _gemv_gate_up_kernel(x_ptr, w_ptr, s_ptr, z_ptr, bias_ptr, weights_ptr, ids_ptr, map_ptr,
+                         act_ptr, top_k, hidden, inter, stride_xm, stride_we, stride_wn,
+                         stride_se, stride_sn, group_size, stride_be, stride_am,
+                         HAS_MAP: tl.constexpr, HAS_BIAS: tl.constexpr,
+                         WEIGHT_ON_INPUT: tl.constexpr, ACTIVATION: tl.constexpr,
+                         BITS: tl.constexpr, HAS_ZEROS: tl.constexpr, BLOCK_N: tl.constexpr,
+                         BLOCK_K: tl.constexpr, GROUPS: tl.constexpr):
+    pair, expert, cols, col_ok, w_base, s_base, z_base = _gemv_program(
+        ids_ptr, map_ptr, w_ptr, s_ptr, z_ptr, stride_we, stride_se, inter, HAS_MAP, BLOCK_N)
+    if expert < 0:
+        return
+    x_row = x_ptr + (pair // top_k).to(tl.int64) * stride_xm
+    gate = tl.zeros((BLOCK_N,), tl.float32)
+    up = tl.zeros((BLOCK_N,), tl.float32)
+    for k0 in range(0, hidden, BLOCK_K):
+        gate = _gemv_step(gate, x_row, w_base, s_base, z_base, cols, col_ok, k0, hidden,
+                          stride_wn, stride_sn, group_size, BITS, HAS_ZEROS, BLOCK_N, BLOCK_K,
+                          GROUPS)
+        up = _gemv_step(up, x_row, w_base, s_base, z_base, cols + inter, col_ok, k0, hidden,
+                        stride_wn, stride_sn, group_size, BITS, HAS_ZEROS, BLOCK_N, BLOCK_K,
+                        GROUPS)
+    if WEIGHT_ON_INPUT:
+        w = tl.load(weights_ptr + pair)
+        gate *= w
+        up *= w
+    if HAS_BIAS:
+        b_base = bias_ptr + expert.to(tl.int64) * stride_be
+        gate += tl.load(b_base + cols, mask=col_ok, other=0.0).to(tl.float32)
+        up += tl.load(b_base + inter + cols, mask=col_ok, other=0.0).to(tl.float32)
+    act = _activate(gate, ACTIVATION) * up
+    tl.store(act_ptr + pair.to(tl.int64) * stride_am + cols, act.to(act_ptr.dtype.element_ty),
+             mask=col_ok)
+
+
+@triton.jit
+def _gemv_down_kernel(act_ptr, w_ptr, s_ptr, z_ptr, bias_ptr, weights_ptr, ids_ptr, map_ptr,
+                      out_ptr, hidden, inter, stride_am, stride_we, stride_wn, stride_se,
+                      stride_sn, group_size, stride_be, stride_om, HAS_MAP: tl.constexpr,
+                      HAS_BIAS: tl.constexpr, WEIGHT_ON_INPUT: tl.constexpr,
+                      BITS: tl.constexpr, HAS_ZEROS: tl.constexpr, BLOCK_N: tl.constexpr,
+                      BLOCK_K: tl.constexpr, GROUPS: tl.constexpr):
+    pair, expert, cols, col_ok, w_base, s_base, z_base = _gemv_program(
+        ids_ptr, map_ptr, w_ptr, s_ptr, z_ptr, stride_we, stride_se, hidden, HAS_MAP, BLOCK_N)
+    if expert < 0:
+        return
+    act_row = act_ptr + pair.to(tl.int64) * stride_am
+    acc = tl.zeros((BLOCK_N,), tl.float32)
+    for k0 in range(0, inter, BLOCK_K):
+        acc = _gemv_step(acc, act_row, w_base, s_base, z_base, cols, col_ok, k0, inter,
+                         stride_wn, stride_sn, group_size, BITS, HAS_ZEROS, BLOCK_N, BLOCK_K,
+                         GROUPS)
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + expert.to(tl.int64) * stride_be + cols, mask=col_ok,
+                       other=0.0).to(tl.float32)
+    if not WEIGHT_ON_INPUT:
+        acc *= tl.load(weights_ptr + pair)
+    tl.store(out_ptr + pair.to(tl.int64) * stride_om + cols, acc, mask=col_ok)
+
+
 class _Weights:
     """One projection of every local expert as the kernels read it: a float weight
     ``[E, N, K]`` (``bits`` 0), or stacked resident codes with their scales and zero
@@ -417,6 +541,15 @@ class _Weights:
         """Whether every reduction step over ``width`` inputs lies in one group."""
         return self.bits > 0 and (self.group_size % block_k == 0 or self.group_size >= width)
 
+    def gemv_groups(self, width: int, block_k: int) -> int | None:
+        """The groups in each of the matrix-vector kernels' ``block_k`` steps over
+        ``width`` inputs (1: the step lies in one group), or None where the steps do
+        not hold whole groups (those go to the tiled kernels)."""
+        if self.group_steps(width, block_k):
+            return 1
+        g = self.group_size
+        return block_k // g if 8 <= g < block_k and g & (g - 1) == 0 else None
+
     def code_bias(self, dtype: torch.dtype) -> int:
         """The offset at which the codes are exact integers in ``dtype``'s mantissa
         (``_biased_codes``), or 0: converted to float32."""
@@ -425,6 +558,32 @@ class _Weights:
         if dtype == torch.float16 and self.bits in (4, 8):
             return 1024
         return 0
+
+
+def _gemv(x, w13: _Weights, w2: _Weights, b13, b2, weights, topk_ids, expert_map, out, inter,
+          hidden, tiles: Tiles, groups13, groups2, activation, weight_on_input, has_b13,
+          has_b2) -> None:
+    """Each pair's gate/up and down products as matrix-vector kernels, into ``out``."""
+    pairs, top_k = topk_ids.numel(), topk_ids.shape[1]
+    ids = topk_ids.reshape(-1).contiguous()
+    expert_map_arg = expert_map if expert_map is not None else ids
+    act = torch.empty(pairs, inter, dtype=x.dtype, device=x.device)
+    block_n, block_k, warps, stages = tiles
+    w13_ptr, s13, z13, we13, wn13, se13, sn13, g13 = w13.args()
+    w2_ptr, s2, z2, we2, wn2, se2, sn2, g2 = w2.args()
+    _gemv_gate_up_kernel[(pairs, triton.cdiv(inter, block_n))](
+        x, w13_ptr, s13, z13, b13, weights, ids, expert_map_arg, act, top_k, hidden, inter,
+        x.stride(0), we13, wn13, se13, sn13, g13, b13.stride(0), act.stride(0),
+        HAS_MAP=expert_map is not None, HAS_BIAS=has_b13, WEIGHT_ON_INPUT=weight_on_input,
+        ACTIVATION=_ACTIVATION_CODES[activation], BITS=w13.bits,
+        HAS_ZEROS=w13.zeros is not None, BLOCK_N=block_n, BLOCK_K=block_k, GROUPS=groups13,
+        num_warps=warps, num_stages=stages)
+    _gemv_down_kernel[(pairs, triton.cdiv(hidden, block_n))](
+        act, w2_ptr, s2, z2, b2, weights, ids, expert_map_arg, out, hidden, inter,
+        act.stride(0), we2, wn2, se2, sn2, g2, b2.stride(0), out.stride(0),
+        HAS_MAP=expert_map is not None, HAS_BIAS=has_b2, WEIGHT_ON_INPUT=weight_on_input,
+        BITS=w2.bits, HAS_ZEROS=w2.zeros is not None, BLOCK_N=block_n, BLOCK_K=block_k,
+        GROUPS=groups2, num_warps=warps, num_stages=stages)
 
 
 def _fused(x, w13: _Weights, w2: _Weights, topk_weights, topk_ids, inter, hidden, *,
@@ -439,12 +598,22 @@ def _fused(x, w13: _Weights, w2: _Weights, topk_weights, topk_ids, inter, hidden
         return out.view(m, hidden).to(x.dtype)
     x = x.contiguous()
     weights = topk_weights.reshape(-1).to(torch.float32).contiguous()
+    b13 = w13_bias.contiguous() if w13_bias is not None else w13.weight
+    b2 = w2_bias.contiguous() if w2_bias is not None else w2.weight
+    if w13.bits and w2.bits and pairs <= GEMV_MAX_PAIRS:
+        tiles = (INTERPRETED_GEMV_TILES if interpreted(_gemv_gate_up_kernel)
+                 else GEMV_TILES[w13.bits])
+        g13 = w13.gemv_groups(hidden, tiles.block_k)
+        g2 = w2.gemv_groups(inter, tiles.block_k)
+        if g13 is not None and g2 is not None:
+            _gemv(x, w13, w2, b13, b2, weights, topk_ids, expert_map, out, inter, hidden,
+                  tiles, g13, g2, activation, apply_router_weight_on_input, w13_bias is not None,
+                  w2_bias is not None)
+            return out.view(m, top_k, hidden).sum(dim=1).to(x.dtype)
     pair_of_row, block_expert = align_pairs(topk_ids, expert_map, num_local, BLOCK_M)
     act = torch.empty(pair_of_row.numel(), inter, dtype=x.dtype, device=x.device)
     ieee = x.dtype == torch.float32 or interpreted(_gate_up_kernel)
     blocks = block_expert.numel()
-    b13 = w13_bias.contiguous() if w13_bias is not None else w13.weight
-    b2 = w2_bias.contiguous() if w2_bias is not None else w2.weight
     w13_ptr, s13, z13, we13, wn13, se13, sn13, g13 = w13.args()
     w2_ptr, s2, z2, we2, wn2, se2, sn2, g2 = w2.args()
     up = tiles_for("gate_up", w13.bits, pairs)
