@@ -12,6 +12,7 @@ from conftest import (SharedEngines, assert_bf16_tokens_near_hf, build_tiny_mode
 from paged_cases import HKV, batch_mix, build, kernel_args, make_case, read_kv, reference
 from vllm_accel.ops.cpu_native import bf16_linear
 from vllm_accel.ops.cpu_native import build as native
+from vllm_accel.ops.cpu_native import int8_linear  # noqa: F401 (defines int8_linear_dynamic)
 from vllm_accel.ops.cpu_native import wint_gemv
 
 pytestmark = pytest.mark.skipif(native.torch_ops() is None,
