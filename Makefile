@@ -17,10 +17,14 @@ serve: setup
 	. $(VENV)/bin/activate && exec vllm serve "$$model" --device gcu --dtype float32 --port $(PORT)
 
 # two pytest-xdist workers, each taking whole files (module-scoped engines and
-# servers start once): an engine test keeps one core busy, so two fit 2 cores
+# servers start once): an engine test keeps one core busy, so two fit 2 cores.
+# Then the tests with a process per simulated GCU (TP, DP, EP, Ray; marked
+# tensor_parallel), one at a time on the whole machine. Both parts always run.
 test: setup
-	$(VENV)/bin/python -m pytest -q -rs -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder \
-		--durations=25 tests
+	@$(PY) -m pytest -q -rs -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder \
+		--durations=25 -m "not tensor_parallel" tests; shared=$$?; \
+	$(PY) -m pytest -q -rs --durations=10 -m tensor_parallel tests; whole=$$?; \
+	exit $$(( shared > whole ? shared : whole ))
 
 # both modes: compiled (vLLM's default, with the W4A16, W8A8 and INT8-KV engines
 # as well), then eager; then the batch-size sweep (compiled) with its plot.

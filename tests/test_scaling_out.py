@@ -22,7 +22,7 @@ import pytest
 from conftest import (ENGINE_ENV, TESTS, build_tiny_model, free_port, hf_greedy, run_engine,
                       spawn_server, start_server, stop_server)
 
-pytestmark = pytest.mark.server
+pytestmark = [pytest.mark.server, pytest.mark.tensor_parallel]
 
 NEW_TOKENS = 8
 
