@@ -22,7 +22,7 @@ import pytest
 from conftest import (ENGINE_ENV, TESTS, build_tiny_model, free_port, hf_greedy, run_engine,
                       spawn_server, start_server, stop_server)
 
-pytestmark = [pytest.mark.server, pytest.mark.tensor_parallel]
+pytestmark = pytest.mark.server
 
 NEW_TOKENS = 8
 
@@ -38,6 +38,7 @@ def _served_per_engine(base: str) -> dict[str, float]:
 
 
 @pytest.mark.engine
+@pytest.mark.tensor_parallel
 def test_data_parallel_2_serves_on_both_engines_with_hf_tokens(default_model, tmp_path):
     from transformers import AutoTokenizer
 
@@ -79,6 +80,7 @@ def test_data_parallel_2_serves_on_both_engines_with_hf_tokens(default_model, tm
 
 
 @pytest.mark.engine
+@pytest.mark.tensor_parallel
 def test_two_node_tensor_parallel_matches_hf_and_a_dead_peer_ends_it(tmp_path):
     """TP=2 with one rank per "node" (node 1 headless), on the 4 q / 2 kv test model:
     HF's greedy tokens; then node 1 dies (its whole process group) and node 0's
@@ -184,6 +186,7 @@ def test_ray_backend_maps_to_our_executor_and_refuses_the_older_one(monkeypatch)
 
 
 @pytest.mark.engine
+@pytest.mark.tensor_parallel
 def test_ray_tensor_parallel_matches_hf_with_one_core_per_rank(tmp_path):
     """TP=2 through Ray (eager: the compiled TP=2 engine is test_moe_engine's expert
     parallel one), no Ray cluster running: the executor starts a local Ray instance
@@ -209,6 +212,7 @@ def test_ray_tensor_parallel_matches_hf_with_one_core_per_rank(tmp_path):
 
 
 @pytest.mark.engine
+@pytest.mark.tensor_parallel
 def test_ray_cluster_with_too_few_device_slots_fails_fast_naming_the_fix(tmp_path):
     """A running Ray cluster that declares 1 device slot, TP=2: the engine stops at
     once with the count and the `ray start --num-gpus` fix (vLLM alone would wait 30
