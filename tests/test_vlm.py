@@ -100,7 +100,8 @@ def test_chat_api_images_by_data_url_and_local_file(vlm_dir, tmp_path):
     """``/v1/chat/completions`` to a Qwen2-VL server with ``image_url`` parts: a base64
     data URL and a local ``file://`` URL of the same image give the same answer, which
     another image, or a second image in the same message, changes; a broken image is
-    a 400 and the server keeps serving."""
+    a 400 and the server keeps serving. Eager: the API's image handling is under test
+    here, and ``qwen2_vl-sim-compiled`` above runs the model compiled."""
     import base64
     import io
 
@@ -114,7 +115,8 @@ def test_chat_api_images_by_data_url_and_local_file(vlm_dir, tmp_path):
     image.save(path)
     data_url = "data:image/png;base64," + base64.b64encode(path.read_bytes()).decode()
     proc, url = start_server([str(vlm_dir("qwen2_vl")), "--device", "gcu", "--dtype",
-                              "float32", "--max-model-len", "512", "--allowed-local-media-path",
+                              "float32", "--enforce-eager", "--max-model-len", "512",
+                              "--allowed-local-media-path",
                               str(tmp_path), "--limit-mm-per-prompt", '{"image": 2}'],
                              tmp_path / "server.log")
     try:
