@@ -593,3 +593,39 @@ def test_moe_quant_experts_matrix_vector(case):
     bits, group_size, asym = QUANT_EXPERTS[case]
     assert 6 * 2 <= moe.GEMV_MAX_PAIRS
     _check_quant_experts(bits, group_size, asym, DTYPES[case % 3], m=6)
+
+
+@pytest.mark.parametrize("gemv", [True, False], ids=["matrix-vector", "tiled"])
+def test_moe_quant_experts_expert_map_bias_and_weight_on_input(gemv, monkeypatch):
+    """Quantized experts (4-bit asym g32) in a decode batch, held here for experts 1,
+    3, 4, 6 of 8 (the others' pairs add nothing), with expert biases, and the router
+    weight on the input (top-1) or on the output (top-2): through the matrix-vector
+    kernels and the tiled ones, vs the float64 reference on the held modules."""
+    if not gemv:
+        monkeypatch.setattr(moe, "GEMV_MAX_PAIRS", 0)
+    m, e, h, i, dtype = 5, 8, 192, 128, torch.bfloat16
+    held = [1, 3, 4, 6]
+    expert_map = torch.full((e,), -1, dtype=torch.int32)
+    expert_map[held] = torch.arange(len(held), dtype=torch.int32)
+    g = torch.Generator().manual_seed(11)
+    w13 = _resident_experts(len(held), 2 * i, h, 4, 32, True, g)
+    w2 = _resident_experts(len(held), h, i, 4, 32, True, g)
+    b13 = (torch.randn(len(held), 2 * i, generator=g) * 0.1).to(dtype)
+    b2 = (torch.randn(len(held), h, generator=g) * 0.1).to(dtype)
+    cases = []
+    for k, on_input in ((2, False), (1, True)):
+        x = torch.randn(m, h, generator=g).to(dtype)
+        weights, ids = reference_moe.route(torch.randn(m, e, generator=g) * 2, k,
+                                           renormalize=k > 1)
+        assert not torch.isin(ids, torch.tensor(held)).all()  # some pairs held elsewhere
+        rules = dict(apply_router_weight_on_input=on_input)
+        want = reference_moe.moe_quant_experts(x, w13, w2, weights, ids, expert_map=expert_map,
+                                               w13_bias=b13, w2_bias=b2, **rules)
+        cases.append((x, weights, ids, rules, want, k))
+    for mod in (*w13, *w2):
+        mod.to(DEVICE)
+    for x, weights, ids, rules, want, k in cases:
+        got = moe.moe_quant_experts(*on_device(x), w13, w2, *on_device(weights, ids),
+                                    expert_map=expert_map.to(DEVICE), w13_bias=b13.to(DEVICE),
+                                    w2_bias=b2.to(DEVICE), **rules)
+        _assert_moe_close(got, want.double(), dtype, k)
