@@ -24,6 +24,7 @@ from vllm_accel.ops.reference import moe as reference_moe
 from vllm_accel.ops.triton import int8_gemm, mla, moe, paged_attention, wint_gemm
 
 DEVICE = os.environ.get("ACCEL_TEST_DEVICE", "cpu")
+
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 #: (mix, block size, GQA ratio, head size, layout): every value of each axis at least twice
 ATTENTION_CASES = [
@@ -549,8 +550,15 @@ QUANT_EXPERTS = [(4, 32, True), (4, 64, False), (4, 128, True), (4, 256, False),
                  (8, 16, False), (8, 128, True)]
 
 
+def _gemv_calls(monkeypatch) -> list:
+    """The matrix-vector launches ``moe._fused`` makes from now on (one entry each)."""
+    calls, gemv = [], moe._gemv
+    monkeypatch.setattr(moe, "_gemv", lambda *a, **kw: calls.append(1) or gemv(*a, **kw))
+    return calls
+
+
 def _check_quant_experts(bits, group_size, asym, dtype, m):
-    e, h, i, k = 6, 192, 128, 2  # 3 and 2 reduction steps of 64
+    e, h, i, k = 6, 192, 128, 2  # tiled: 2 steps of 128 (the last partial) and 1
     g = torch.Generator().manual_seed(bits + group_size)
     w13 = _resident_experts(e, 2 * i, h, bits, group_size, asym, g)
     w2 = _resident_experts(e, h, i, bits, group_size, asym, g)
@@ -584,15 +592,16 @@ def test_moe_quant_experts(bits, group_size, asym, dtype, monkeypatch):
 
 
 @pytest.mark.parametrize("case", range(len(QUANT_EXPERTS)))
-def test_moe_quant_experts_matrix_vector(case):
+def test_moe_quant_experts_matrix_vector(case, monkeypatch):
     """The same experts in a decode batch (12 pairs), through the matrix-vector
     kernels, each dtype over two of the cases: steps that hold several groups (g16,
     g32, g64; their scales past the inputs masked) or lie in one (g128, g256). (The
     interpreter's launch, ``moe.INTERPRETED_GEMV_TILES``, has 128-input steps over the
     192 and 128 inputs; a GPU's, the steps ``moe.GEMV_TILES`` give.)"""
     bits, group_size, asym = QUANT_EXPERTS[case]
-    assert 6 * 2 <= moe.GEMV_MAX_PAIRS
+    calls = _gemv_calls(monkeypatch)
     _check_quant_experts(bits, group_size, asym, DTYPES[case % 3], m=6)
+    assert len(calls) == 2  # the check's two calls
 
 
 @pytest.mark.parametrize("gemv", [True, False], ids=["matrix-vector", "tiled"])
@@ -603,6 +612,7 @@ def test_moe_quant_experts_expert_map_bias_and_weight_on_input(gemv, monkeypatch
     kernels and the tiled ones, vs the float64 reference on the held modules."""
     if not gemv:
         monkeypatch.setattr(moe, "GEMV_MAX_PAIRS", 0)
+    calls = _gemv_calls(monkeypatch)
     m, e, h, i, dtype = 5, 8, 192, 128, torch.bfloat16
     held = [1, 3, 4, 6]
     expert_map = torch.full((e,), -1, dtype=torch.int32)
@@ -629,3 +639,4 @@ def test_moe_quant_experts_expert_map_bias_and_weight_on_input(gemv, monkeypatch
                                     expert_map=expert_map.to(DEVICE), w13_bias=b13.to(DEVICE),
                                     w2_bias=b2.to(DEVICE), **rules)
         _assert_moe_close(got, want.double(), dtype, k)
+    assert len(calls) == (len(cases) if gemv else 0)
