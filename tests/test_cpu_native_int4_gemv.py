@@ -9,10 +9,27 @@ from conftest import count_native_calls, cpu_has, kernel_calls
 from vllm_accel.ops.cpu_native import build as native
 from vllm_accel.ops.cpu_native import wint_gemv
 from vllm_accel.ops.registry import get_kernel
+from vllm_accel.ops.torch_fast import wint_gemm as torch_fast_gemm
 from test_quant_torch_fast import make_resident
 
-prepare = get_kernel("wint_prepare", "cpu_native")
 linear = get_kernel("wint_prepared_linear", "cpu_native")
+
+
+def prepare(res, dtype):
+    """The int4 layout for ``dtype`` activations, whichever the provider would choose
+    for them (its choice: ``test_int4_layout_for_the_dtypes_the_kernel_runs``)."""
+    return torch_fast_gemm.prepare(res, dtype, int4_act_dtypes=(dtype,))
+
+
+def test_int4_layout_for_the_dtypes_the_kernel_runs():
+    """cpu_native prepares torch's int4 layout for bf16, and for float32 exactly where
+    the C++ kernel runs float32 (torch's own float32 and fp16 kernels are scalar
+    loops): else the generic layout."""
+    res, _ = make_resident(128, 256, 4, 64, False, False, seed=0)
+    choose = get_kernel("wint_prepare", "cpu_native")
+    assert "int4_weight" in choose(res, torch.bfloat16)
+    assert (choose(res, torch.float32) is not None) == wint_gemv.gemv_available()
+    assert choose(res, torch.float16) is None
 
 
 @pytest.fixture

@@ -44,10 +44,11 @@ def _gptq_expert(w, bits, gs, sym, act_order, gen):
 
 def _modules(residents, dtype, prepared):
     """One module per expert: the generic layout (wint_linear) or the simulator's
-    prepared one (as install_resident makes it where cpu_native is preferred)."""
+    prepared one (torch's int4pack layout, which cpu_native prepares for bf16, and for
+    float32 where its C++ kernel runs)."""
     mods = []
     for res in residents:
-        layout = wint_gemm.prepare(res, dtype) if prepared else None
+        layout = wint_gemm.prepare(res, dtype, int4_act_dtypes=(dtype,)) if prepared else None
         mods.append(InstalledWInt(res) if layout is None
                     else InstalledWInt(res, "cpu_native", layout))
     return mods

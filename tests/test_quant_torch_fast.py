@@ -9,8 +9,15 @@ from vllm_accel.ops.registry import get_kernel
 from vllm_accel.ops.torch_fast import wint_gemm as torch_fast_gemm
 from vllm_accel.quant.packed import resident_from_codes
 
-prepare = get_kernel("wint_prepare", "torch_fast")
+choose_layout = get_kernel("wint_prepare", "torch_fast")
 linear = get_kernel("wint_prepared_linear", "torch_fast")
+
+
+def prepare(res, dtype):
+    """The fused kernels' layout for ``dtype`` activations, also where the provider
+    keeps the generic one for them (``test_int4_layout_for_bf16_activations_only``):
+    cpu_native runs float32 on it."""
+    return torch_fast_gemm.prepare(res, dtype, int4_act_dtypes=(dtype,))
 
 
 def make_resident(n, k, bits, group_size, sym, act_order, seed):
@@ -77,6 +84,19 @@ def test_int8_kernel_choice(dtype, k, sym):
     assert bool((err <= REL[dtype] * (x.double().abs() @ w.abs().t()) + 1e-6).all())
 
 
+def test_int4_layout_for_bf16_activations_only():
+    """torch's int4 CPU kernel is a scalar loop for float32 and fp16 activations (60-80x
+    slower than the reference kernel's float32 tiles from 8 rows): 4-bit weights keep
+    the generic layout for them; 8-bit ones have their float32 tile kernel."""
+    res4, _ = make_resident(128, 256, 4, 64, False, False, seed=0)
+    res8, _ = make_resident(128, 256, 8, -1, False, False, seed=0)
+    assert "int4_weight" in choose_layout(res4, torch.bfloat16)
+    assert choose_layout(res4, torch.float32) is None
+    assert choose_layout(res4, torch.float16) is None
+    assert all(choose_layout(res8, dtype) is not None
+               for dtype in (torch.float32, torch.bfloat16, torch.float16))
+
+
 def test_prepared_weight_is_as_compact_as_generic():
     res, _ = make_resident(256, 1024, 4, 128, False, False, seed=1)
     prepared = prepare(res, torch.bfloat16)
@@ -94,7 +114,7 @@ def test_unsupported_layouts_keep_the_generic_kernel(case):
     else:
         res, _ = make_resident(32, 128, 4, 32, True, False, seed=0)
         res.g_idx = torch.arange(128, dtype=torch.int32) % 4
-    assert prepare(res, torch.float32) is None
+    assert prepare(res, torch.float32) is None and choose_layout(res, torch.bfloat16) is None
     assert get_kernel("wint_prepare", "reference")(res, torch.float32) is None
 
 

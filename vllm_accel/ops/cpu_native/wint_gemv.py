@@ -20,7 +20,9 @@ kernel for them is ~70x slower than for bf16 (a scalar loop).
 
 The GEMV is the ``torch.library`` op ``vllm_accel::int4pack_linear``, so
 torch.compile keeps it as one call (a ctypes call would break the graph); larger
-bf16 batches and other dtypes go to torch's kernel inside it.
+bf16 batches go to torch's kernel inside it. fp16 activations, and float32 ones where
+the kernel is not built, keep the generic layout (torch's kernel is a scalar loop
+for both).
 """
 
 import functools
@@ -136,7 +138,10 @@ def _int4pack_linear_shape(x, weight, group_size, scales_zeros):
     return x.new_empty((x.shape[0], scales_zeros.shape[1]))
 
 
-register_kernel("wint_prepare", NATIVE)(torch_fast.prepare)
+#: the int4 layout for fp32 activations too where the C++ kernel runs them
+register_kernel("wint_prepare", NATIVE)(functools.partial(
+    torch_fast.prepare, int4_act_dtypes=(torch.bfloat16, torch.float32) if gemv_available()
+    else torch_fast.INT4_ACT_DTYPES))
 register_kernel("wint_prepared_linear", NATIVE)(
     functools.partial(torch_fast.prepared_linear,
                       int4_mm=torch.ops.vllm_accel.int4pack_linear.default))

@@ -15,6 +15,15 @@ registry:
   copy is dropped.
 * ``wint_prepared_linear(x, prepared, bias)`` per call.
 
+``_weight_int4pack_mm_for_cpu`` is vectorized for bf16 activations only: for fp32
+and fp16 it runs a scalar loop (2.3 GFLOP/s on one core of an Intel Xeon with AMX,
+torch 2.13: 60-80x slower than the ``reference`` kernel's fp32 tiles from 8 rows,
+at par at one row; a virtual GCU's fp32 profile run of 8192 tokens took 17 s in two
+layers). So 4-bit weights with fp32/fp16 activations keep the generic layout and
+the ``reference`` kernel here; ``cpu_native``, whose C++ kernel reads the int4
+layout with fp32 activations at any row count, prepares it for fp32 as well
+(``int4_act_dtypes``).
+
 ``_weight_int8pack_mm`` is fast for bf16 activations only (10-35x slower than a
 dense GEMM for fp32/fp16 on this torch): 8-bit weights with other activations, or
 with ``K`` not a multiple of 16, run ``vllm_accel::int8_weight_mm`` instead, which
@@ -37,6 +46,8 @@ import torch
 from vllm_accel.ops.registry import register_kernel
 
 PROVIDER = "torch_fast"
+#: activation dtypes torch's int4 CPU kernel runs vectorized (see above)
+INT4_ACT_DTYPES = (torch.bfloat16,)
 #: group sizes torch's int4 CPU kernel accepts
 INT4_GROUP_SIZES = (256, 128, 64, 32)
 #: output features must be a multiple of this for the int4 weight layout
@@ -77,9 +88,12 @@ def _int4_group_size(group_size: int, in_features: int) -> int | None:
 
 
 @register_kernel("wint_prepare", PROVIDER)
-def prepare(res, act_dtype: torch.dtype) -> dict[str, torch.Tensor] | None:
+def prepare(res, act_dtype: torch.dtype,
+            int4_act_dtypes: tuple[torch.dtype, ...] = INT4_ACT_DTYPES
+            ) -> dict[str, torch.Tensor] | None:
     """The fused kernel's layout of a :class:`~vllm_accel.quant.packed.WIntResident`,
-    or None if it has none (non-uniform act-order groups, unsupported shapes)."""
+    or None if it has none (non-uniform act-order groups, unsupported shapes, 4-bit
+    weights with activations not in ``int4_act_dtypes``)."""
     if res.g_idx is not None or act_dtype not in (torch.float32, torch.bfloat16,
                                                   torch.float16):
         return None
@@ -95,7 +109,7 @@ def prepare(res, act_dtype: torch.dtype) -> dict[str, torch.Tensor] | None:
     prepared: dict[str, torch.Tensor] = {}
     if res.bits == 4:
         gs = _int4_group_size(res.group_size, k)
-        if gs is None or n % INT4_N_MULTIPLE:
+        if gs is None or n % INT4_N_MULTIPLE or act_dtype not in int4_act_dtypes:
             return None
         repeat = res.group_size // gs
         s = scales.repeat_interleave(repeat, dim=1)
