@@ -138,7 +138,8 @@ def test_cross_encoder_score_and_rerank(path, checkpoints, tmp_path):
             return float(torch.sigmoid(hf(**enc).logits[0, 0]))
 
     want = [hf_score(d) for d in docs]
-    proc, url = _serve(checkpoints["ranker"], tmp_path, path=path)
+    # eager: the scoring endpoints are under test; test_attention_models compiles BERT
+    proc, url = _serve(checkpoints["ranker"], tmp_path, "--enforce-eager", path=path)
     try:
         model = httpx.get(f"{url}/v1/models").json()["data"][0]["id"]
         r = httpx.post(f"{url}/score", json={"model": model, "queries": query,

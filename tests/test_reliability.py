@@ -139,7 +139,7 @@ if __name__ == "__main__":
     prompts = [TokensPrompt(prompt_token_ids=[rng.randrange(3, 512) for _ in range(110)])
                for _ in range(4)]
     # A temporary LLM, dropped right after generate: the pattern that aborted at exit.
-    outs = LLM(model=sys.argv[1], max_model_len=256, seed=0,
+    outs = LLM(model=sys.argv[1], max_model_len=256, seed=0, enforce_eager=True,
                skip_tokenizer_init=True).generate(
         prompts, SamplingParams(max_tokens=1, prompt_logprobs=1, detokenize=False),
         use_tqdm=False)
@@ -153,10 +153,11 @@ if __name__ == "__main__":
 def test_prompt_logprobs_scoring_script_exits_cleanly_every_time(tiny, tmp_path):
     """Issue 11's exit abort (`terminate called without an active exception`,
     status 134, about 1 run in 10; root cause in patches.py): an AWQ checkpoint
-    scored with prompt_logprobs in vLLM's default mode (compiled, multiprocess
-    engine): the run must print its result, with the dropped LLM's output thread
-    already stopped (what the fix guarantees, checked deterministically: the abort
-    itself was a race that a second run would catch only 1 time in 10), and exit 0."""
+    scored with prompt_logprobs by a multiprocess engine: the run must print its
+    result, with the dropped LLM's output thread already stopped (what the fix
+    guarantees, checked deterministically: the abort itself was a race that a second
+    run would catch only 1 time in 10), and exit 0. Eager: the abort came from the
+    sync client's output thread, whatever the compile mode (it was seen compiled)."""
     from quantizer import quantize_checkpoint_awq
 
     quantize_checkpoint_awq(tiny, tmp_path / "awq", group_size=64)

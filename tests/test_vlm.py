@@ -1,8 +1,10 @@
 """Vision-language models through the plugin, tiny random-weight checkpoints with their
 processors built locally: BLIP-2 (Q-Former), Qwen2-VL (M-RoPE, dynamic resolution),
 Qwen2.5-VL (windowed vision tower), LLaVA (CLIP tower), LLaVA-Next (anyres tiles) and
-InternVL (InternViT, pixel shuffle, tiles), each on the simulator (compiled) and the
-virtual GCU (BLIP-2 on the virtual GCU). Image and text-only requests in one batch, two
+InternVL (InternViT, pixel shuffle, tiles), each on the simulator and the virtual GCU
+(BLIP-2 on the virtual GCU); compiled on the simulator where the language model differs
+(LLaVA's Llama, Qwen2-VL's and Qwen2.5-VL's M-RoPE), eager for LLaVA-Next and InternVL
+(a Llama and a Qwen2, compiled in other tests; vision towers run eagerly either way). Image and text-only requests in one batch, two
 images of different sizes in one request, the same image again (vLLM's encoder cache,
 prefix caching), teacher-forced against HF float64 on the processor's inputs; the vision
 tower's attention runs the plugin's ``varlen_attention`` (``AccelMMEncoderAttention``),
@@ -17,7 +19,7 @@ from vlm_models import (PLACEHOLDERS, build_tiny_blip2, build_tiny_internvl, bui
                         build_tiny_qwen_vl, hf_logprobs, image_of, random_image)
 
 VIRTUAL = {**VIRTUAL_GCU_ENV, "ACCEL_SIM_DEVICE_MEMORY_GB": "1"}
-CASES = {"sim-compiled": ({}, True), "virtual": (VIRTUAL, False)}
+CASES = {"sim-compiled": ({}, True), "sim-eager": ({}, False), "virtual": (VIRTUAL, False)}
 BUILDERS = {"blip2": build_tiny_blip2, "llava": build_tiny_llava,
             "llava_next": functools.partial(build_tiny_llava, family="llava_next"),
             "internvl": build_tiny_internvl,
@@ -50,9 +52,12 @@ def vlm_dir(tmp_path_factory, default_model):
     return get
 
 
-#: (family, path) pairs: every family on both paths but BLIP-2, whose Q-Former is the
-#: only part the others do not cover, on the virtual GCU alone (suite time)
-PAIRS = [(f, c) for f in BUILDERS for c in CASES if (f, c) != ("blip2", "sim-compiled")]
+#: family: its simulator case (None: BLIP-2, whose Q-Former is the only part the others
+#: do not cover, on the virtual GCU alone; suite time)
+SIM_CASE = {"blip2": None, "llava": "sim-compiled", "llava_next": "sim-eager",
+            "internvl": "sim-eager", "qwen2_vl": "sim-compiled", "qwen2_5_vl": "sim-compiled"}
+#: (family, path) pairs: every family on the virtual GCU and its simulator case
+PAIRS = [(f, c) for f in BUILDERS for c in (SIM_CASE[f], "virtual") if c]
 
 
 def _spec(model_dir, family: str, compiled: bool) -> dict:
