@@ -717,3 +717,24 @@ def test_mla_absorbed_bmm_runs_vllms_code_on_our_kernel(monkeypatch):
     fp32 = _mla_layer(dtype=torch.float32)
     assert not patches.absorbed_bmm_for(fp32, MLAAttention)
     assert "_v_up_proj" not in vars(fp32)
+
+
+def test_model_classes_are_inspected_in_this_process(monkeypatch, tmp_path):
+    """An architecture without cached model info is inspected here, with no vLLM
+    interpreter started for it (torch here has no CUDA); the info is the
+    subprocess's, and vLLM still caches it."""
+    import subprocess
+
+    from vllm.model_executor.models import registry
+
+    patches.apply_all("general")
+    assert registry._run_in_subprocess.__accel_patched__
+    monkeypatch.setenv("VLLM_CACHE_ROOT", str(tmp_path))
+    started = []
+    monkeypatch.setattr(subprocess, "run", lambda *a, **k: started.append(a))
+    model = registry._LazyRegisteredModel("vllm.model_executor.models.llama",
+                                          "LlamaForCausalLM")
+    info = model.inspect_model_cls()
+    assert not started
+    assert info.is_text_generation_model and info.supports_pp and not info.is_pooling_model
+    assert list((tmp_path / "modelinfos").iterdir())

@@ -150,6 +150,22 @@ def _sccl_pg_options(dist_backend: str, pg_options: Any):
         torch.distributed.init_process_group = original
 
 
+def _inspect_models_in_process() -> None:
+    import torch
+    from vllm.model_executor.models import registry
+
+    if torch.version.cuda is not None or torch.version.hip is not None:
+        return  # a GPU build of torch: keep vLLM's CUDA-free parent process
+    if getattr(registry._run_in_subprocess, "__accel_patched__", False):
+        return
+
+    def run_here(fn):
+        return fn()
+
+    run_here.__accel_patched__ = True  # type: ignore[attr-defined]
+    registry._run_in_subprocess = run_here
+
+
 #: how often a blocked offline client checks whether EngineCore died (seconds)
 ENGINE_DEATH_POLL_S = 0.5
 
@@ -610,6 +626,26 @@ PATCHES: tuple[Patch, ...] = (
         remove_when="vLLM accepts 'int8' as a kv_cache_dtype, checks local model "
         "paths itself and gives platforms a config hook outside pydantic validation.",
         apply=_kv_cache_dtype_alias,
+        phase="general",
+    ),
+    Patch(
+        name="model class inspection in a fresh interpreter",
+        why=(
+            "vLLM 0.32 inspects a model class it has no cached info for "
+            "(VLLM_CACHE_ROOT/modelinfos) in a subprocess that imports vLLM again, "
+            "only to keep CUDA uninitialized in the parent: 7-8 s on 2 cores, once "
+            "for every architecture a machine (or a CI run's cold cache) starts, "
+            "while the engine waits. A torch without CUDA, which every vllm_accel "
+            "backend runs on, has no CUDA state to protect."
+        ),
+        how=(
+            "Replace registry._run_in_subprocess, whose only caller is that "
+            "inspection, with a call in this process, where torch has neither CUDA "
+            "nor ROCm; vLLM still caches the result on disk."
+        ),
+        remove_when="vLLM inspects model classes in-process where the platform "
+        "cannot initialize CUDA.",
+        apply=_inspect_models_in_process,
         phase="general",
     ),
     Patch(
