@@ -24,6 +24,7 @@ from vllm_accel.quant import (
     w8a8,
 )
 from vllm_accel.ops.cpu_native import build as native
+from vllm_accel.ops.cpu_native import wint_gemv
 from vllm_accel.quant.packed import install_resident, resident_from_codes
 from vllm_accel.quant.wint_method import WIntLinearMethod
 
@@ -51,7 +52,13 @@ def _resident_layer(bits, group_size, sym, act_order, provider, monkeypatch, dty
         install_resident(layer, res)
     finally:
         torch.set_default_dtype(prev)
-    assert (layer.wint.provider is not None) == (provider in ("torch_fast", "cpu_native"))
+    # the fused layouts but for 4-bit weights with float32 activations on torch_fast
+    # (torch's int4 kernel is a scalar loop for them) or without cpu_native's C++ kernel
+    prepared = provider == "cpu_native" or provider == "torch_fast" and (
+        bits == 8 or dtype == torch.bfloat16)
+    if provider == "cpu_native" and bits == 4 and dtype == torch.float32:
+        prepared = wint_gemv.gemv_available()
+    assert (layer.wint.provider is not None) == prepared
     def forward(x):  # what every weight-only format's apply runs (WIntLinearMethod)
         return WIntLinearMethod.apply(None, layer, x)
 
@@ -115,7 +122,8 @@ def _w8a16(dtype):
 
 
 CASES = {
-    # weight-only: torch's fused int4/int8 GEMMs on the prepared layout
+    # weight-only: torch's fused int4/int8 GEMMs on the prepared layout (4-bit float32:
+    # the generic layout and tile kernel)
     "int4-g32-sym-fast": lambda mp, dt: _resident_layer(4, 32, True, False, "torch_fast", mp, dt),
     # torch_fast's layout, the C++ int4 kernel for bf16 batches of up to 64 rows
     "int4-g64-asym-native": lambda mp, dt: _resident_layer(4, 64, False, False, "cpu_native",
