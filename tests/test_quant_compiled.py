@@ -52,13 +52,12 @@ def _resident_layer(bits, group_size, sym, act_order, provider, monkeypatch, dty
         install_resident(layer, res)
     finally:
         torch.set_default_dtype(prev)
-    # the fused layouts but for 4-bit weights with float32 activations on torch_fast
-    # (torch's int4 kernel is a scalar loop for them) or without cpu_native's C++ kernel
-    prepared = provider == "cpu_native" or provider == "torch_fast" and (
-        bits == 8 or dtype == torch.bfloat16)
-    if provider == "cpu_native" and bits == 4 and dtype == torch.float32:
-        prepared = wint_gemv.gemv_available()
-    assert (layer.wint.provider is not None) == prepared
+    # 4-bit weights with float32 activations: the generic layout on torch_fast (torch's
+    # int4 kernel is a scalar loop for them), cpu_native's layout where its C++ kernel runs
+    int4_float32 = bits == 4 and dtype == torch.float32
+    prepared = {"torch_fast": not int4_float32,
+                "cpu_native": not int4_float32 or wint_gemv.gemv_available()}
+    assert (layer.wint.provider is not None) == prepared.get(provider, False)
     def forward(x):  # what every weight-only format's apply runs (WIntLinearMethod)
         return WIntLinearMethod.apply(None, layer, x)
 

@@ -4,10 +4,10 @@ Qwen2.5-VL (windowed vision tower), LLaVA (CLIP tower), LLaVA-Next (anyres tiles
 InternVL (InternViT, pixel shuffle, tiles), each on the simulator and the virtual GCU
 (BLIP-2 on the virtual GCU); compiled on the simulator where the language model differs
 (LLaVA's Llama, Qwen2-VL's and Qwen2.5-VL's M-RoPE), eager for LLaVA-Next and InternVL
-(a Llama and a Qwen2, compiled in other tests; vision towers run eagerly either way). Image and text-only requests in one batch, two
-images of different sizes in one request, the same image again (vLLM's encoder cache,
-prefix caching), teacher-forced against HF float64 on the processor's inputs; the vision
-tower's attention runs the plugin's ``varlen_attention`` (``AccelMMEncoderAttention``),
+(a Llama and a Qwen2, compiled in other tests; vision towers run eagerly either way).
+Image and text-only requests in one batch, two images of different sizes in one
+request, the same image again (vLLM's encoder cache, prefix caching), teacher-forced
+against HF float64 on the processor's inputs; the vision tower's attention runs the plugin's ``varlen_attention`` (``AccelMMEncoderAttention``),
 not a silent SDPA."""
 
 import functools
