@@ -7,8 +7,8 @@ InternVL (InternViT, pixel shuffle, tiles), each on the simulator and the virtua
 (a Llama and a Qwen2, compiled in other tests; vision towers run eagerly either way).
 Image and text-only requests in one batch, two images of different sizes in one
 request, the same image again (vLLM's encoder cache, prefix caching), teacher-forced
-against HF float64 on the processor's inputs; the vision tower's attention runs the plugin's ``varlen_attention`` (``AccelMMEncoderAttention``),
-not a silent SDPA."""
+against HF float64 on the processor's inputs; the vision tower's attention runs the
+plugin's ``varlen_attention`` (``AccelMMEncoderAttention``), not a silent SDPA."""
 
 import functools
 
