@@ -142,6 +142,33 @@ GCU_DISPATCH = textwrap.dedent("""
         vendor = "vllm_gcu._C" in sys.modules
         for op, n in (("concat_and_cache_mla", writes), ("fwd_kvcache_mla", decodes)):
             assert calls.get(op, 0) - before.get(op, 0) == (n if vendor else 0), (op, dtype, page)
+    # decode attention through paged_attention_v1 over vLLM's layout, gathered from
+    # ours (block-major bf16 with GQA; head-major float32 with ALiBi; a request with
+    # nothing cached gives zeros), against the float64 oracle; a window and a head
+    # size outside vLLM's list fall back
+    from vllm_accel.ops.reference import attention as attn_ref
+    lens = torch.tensor([37, 0, 5, 16])
+    table = torch.tensor([[6, 2, 9], [0, 0, 0], [4, 0, 0], [1, 7, 0]], dtype=torch.int32)
+    slopes = torch.tensor([0.5, 0.25, 0.125, 0.0625])
+    cases = ((torch.bfloat16, 64, False, {}, 1),
+             (torch.float32, 64, True, {"alibi_slopes": slopes}, 1),
+             (torch.float32, 64, False, {"sliding_window": 8}, 0),
+             (torch.float32, 40, False, {}, 0))
+    for dtype, d, head_major, features, n in cases:
+        before = calls.get("paged_attention_v1", 0)
+        shape = (2, 10, 16, 2 * d) if head_major else (10, 2, 16, 2 * d)
+        cache = torch.randn(shape).to(dtype)
+        cache = cache.transpose(0, 1) if head_major else cache
+        q = torch.randn(4, 4, d).to(dtype)
+        got = registry.get_kernel("paged_decode")(q, cache, table, lens, 0.3, **features)
+        want = attn_ref.paged_decode(q.double(), cache.double(), table, lens, 0.3, **features)
+        tol = 2e-2 if dtype == torch.bfloat16 else 1e-5
+        assert got.dtype == dtype, dtype
+        assert torch.allclose(got.double(), want, atol=tol), (dtype, features)
+        assert not got[1].any()
+        vendor = "vllm_gcu._C" in sys.modules
+        new_calls = calls.get("paged_attention_v1", 0) - before
+        assert new_calls == (n if vendor else 0), (dtype, features)
     print("CALLS", dict(calls))
 """)
 
@@ -154,7 +181,9 @@ def test_gcu_vendor_ops_are_used_when_registered(tmp_path):
     # rope (the key=None call fell back), two plain and two grouped routings
     assert ("CALLS {'rms_norm': 1, 'fused_add_rms_norm': 1, 'silu_and_mul': 1, "
             "'topk_softmax': 2, 'fused_grouped_topk': 2, 'rotary_embedding': 1, "
-            "'concat_and_cache_mla': 3, 'get_mla_metadata': 1, 'fwd_kvcache_mla': 1}") in out
+            "'concat_and_cache_mla': 3, 'get_mla_metadata': 1, 'fwd_kvcache_mla': 1, "
+            "'paged_attention_v1': 2}") in out
+    assert "'gcu_vendor:paged_decode': 'registered (_C::paged_attention_v1)'" in out
     assert ("'gcu_vendor:mla_decode': 'registered (_flashmla_C::fwd_kvcache_mla, "
             "_flashmla_C::get_mla_metadata)'") in out
     assert ("'gcu_vendor:moe_route': 'registered (_C::fused_grouped_topk, "

@@ -12,8 +12,10 @@ Providers:
 
 * ``gcu_vendor``: Enflame's ``vllm_gcu._C`` ops (registered under vLLM's ``_C``
   namespace for PrivateUse1): ``rms_norm``, ``fused_add_rms_norm``,
-  ``silu_and_mul``, ``rotary_embedding``. Its paged-attention and cache ops use
-  vLLM's ``[nb, H, D/x, bs, x]`` cache layout, not ours, so attention stays ours.
+  ``silu_and_mul``, ``rotary_embedding``. Decode attention through
+  ``paged_attention_v1`` (with ALiBi), which reads vLLM's ``[nb, H, D/x, bs, x]``
+  layout: the batch's pages are gathered into it per call. Prefill and the cache
+  writes stay ours (Enflame's ``reshape_and_cache`` writes vLLM's layout too).
   Routing for MoE: ``_moe_C::topk_softmax`` (softmax top-k; vLLM's schema, with or
   without its ``renormalize`` argument, which older forks lack) and
   ``_C::fused_grouped_topk`` (softmax or sigmoid scores, DeepSeek's correction bias
@@ -42,6 +44,7 @@ from collections.abc import Callable
 import torch
 
 from vllm_accel.logger import init_logger
+from vllm_accel.ops.paged_layout import half_pages, page_rows
 from vllm_accel.ops.registry import fallback_kernel, register_kernel
 from vllm_accel.ops.triton.provider import TRITON, install_triton_kernels
 
@@ -220,6 +223,95 @@ def _gcu_mla_decode(ops):
     return gcu_mla_decode
 
 
+#: head sizes vLLM's paged-attention kernels are built for (Enflame's fork keeps the list)
+PAGED_ATTENTION_HEAD_SIZES = (32, 64, 80, 96, 112, 120, 128, 192, 256)
+#: the values the adapter passes for ``paged_attention_v1``'s arguments after
+#: ``kv_cache_dtype``, by name: no KV scaling (Enflame's float scales and zero-points,
+#: or upstream's tensor scales), rank 0's heads, no block-sparse layout
+_PAGED_ATTENTION_TAIL = {"k_scale": 1.0, "v_scale": 1.0, "tp_rank": 0,
+                         "blocksparse_local_blocks": 0, "blocksparse_vert_stride": 0,
+                         "blocksparse_block_size": 64, "blocksparse_head_sliding_step": 0,
+                         "k_zero": 0.0, "v_zero": 0.0}
+_PAGED_ATTENTION_HEAD = ("out", "query", "key_cache", "value_cache", "num_kv_heads", "scale",
+                         "block_tables", "seq_lens", "block_size", "max_seq_len",
+                         "alibi_slopes", "kv_cache_dtype")
+
+
+def _vllm_paged_layout(kv_cache: torch.Tensor, block_ids: torch.Tensor):
+    """Pages of blocks ``[n]`` of our cache -> vLLM's paged-attention layout: K
+    ``[n, Hkv, D/x, BS, x]`` (``x`` elements make 16 bytes) and V ``[n, Hkv, D, BS]``.
+
+    One ``index_select`` of the K and V half pages, then one permuting copy each."""
+    _, num_kv_heads, block_size, width = kv_cache.shape
+    d = width // 2
+    pages, block_step, head_step = half_pages(kv_cache)
+    k_rows = page_rows(block_ids, num_kv_heads, block_step, head_step).t()  # [n, Hkv]
+    kv = torch.index_select(pages, 0, torch.stack((k_rows, k_rows + 1)).reshape(-1))
+    k, v = kv.view(2, block_ids.numel(), num_kv_heads, block_size, d).unbind(0)
+    x = 16 // kv_cache.element_size()
+    key_cache = k.view(*k.shape[:3], d // x, x).permute(0, 1, 3, 2, 4).contiguous()
+    return key_cache, v.transpose(2, 3).contiguous()
+
+
+def _gcu_paged_decode(ops):
+    """``paged_decode`` on ``_C::paged_attention_v1``, which reads vLLM's paged layout
+    (K ``[nb, H, D/x, bs, x]``, V ``[nb, H, D, bs]``), not ours.
+
+    Each call gathers the batch's pages into that layout (one read and one write of
+    the pages the batch attends to, as ``torch_fast``'s gather does) and hands the
+    vendor op a compact block table over them. ALiBi is the op's own
+    (``alibi_slopes``); windows, soft-caps, sinks and head sizes outside vLLM's list go
+    to the next provider. The arguments after ``kv_cache_dtype`` are filled by name, so
+    Enflame's schema (float scales with zero-points, ``out_scales``, ``query_scales``)
+    and upstream vLLM's (tensor scales), which the library keeps when vLLM defined the
+    op first, both work. Returns None (not registered) for any other schema.
+    """
+    op = ops["_C::paged_attention_v1"]
+    args = op._schema.arguments
+    if tuple(a.name for a in args[:len(_PAGED_ATTENTION_HEAD)]) != _PAGED_ATTENTION_HEAD:
+        return None
+    tail_spec = []
+    for a in args[len(_PAGED_ATTENTION_HEAD):]:
+        if a.name in _PAGED_ATTENTION_TAIL:
+            tail_spec.append((a.name, a.type == torch._C.TensorType.get()))
+        elif isinstance(a.type, torch._C.OptionalType):
+            tail_spec.append((a.name, None))
+        else:
+            return None
+    tails: dict[torch.device, list] = {}  # the tail's values, built once per device
+
+    def tail(device):
+        if device not in tails:
+            tails[device] = [
+                None if as_tensor is None
+                else torch.tensor(_PAGED_ATTENTION_TAIL[name], dtype=torch.float32,
+                                  device=device) if as_tensor
+                else _PAGED_ATTENTION_TAIL[name]
+                for name, as_tensor in tail_spec]
+        return tails[device]
+
+    def gcu_paged_decode(query, kv_cache, block_table, seq_lens, scale, **features):
+        b, h, d = query.shape
+        if (set(features) - {"alibi_slopes"} or kv_cache.dtype != query.dtype
+                or d not in PAGED_ATTENTION_HEAD_SIZES or b == 0):
+            return fallback_kernel("paged_decode", GCU_VENDOR)(
+                query, kv_cache, block_table, seq_lens, scale, **features)
+        num_kv_heads, block_size = kv_cache.shape[1], kv_cache.shape[2]
+        lens = seq_lens.to(torch.int32)
+        max_len = int(lens.max())
+        nblk = max(1, -(-max_len // block_size))
+        key_cache, value_cache = _vllm_paged_layout(kv_cache, block_table[:, :nblk])
+        compact = torch.arange(b * nblk, dtype=torch.int32, device=query.device).view(b, nblk)
+        slopes = features.get("alibi_slopes")
+        out = torch.empty_like(query)
+        op(out, query.contiguous(), key_cache, value_cache, num_kv_heads, scale, compact,
+           lens, block_size, max_len, slopes, "auto", *tail(query.device))
+        # requests without cached tokens (batch padding) read nothing: zeros
+        return out.masked_fill_((lens == 0).view(b, 1, 1), 0)
+
+    return gcu_paged_decode
+
+
 # ---------------------------------------------------------------------------
 # Sophgo (torch_tpu my_ops) adapters.
 # ---------------------------------------------------------------------------
@@ -297,6 +389,7 @@ VENDOR_KERNELS: tuple[tuple[str, str, tuple[str, ...], str | Callable, Callable]
     (GCU_VENDOR, "rotary_embedding", ("_C::rotary_embedding",), "all", _gcu_rotary_embedding),
     (GCU_VENDOR, "moe_route", ("_moe_C::topk_softmax", "_C::fused_grouped_topk"), "any",
      _gcu_moe_route),
+    (GCU_VENDOR, "paged_decode", ("_C::paged_attention_v1",), "all", _gcu_paged_decode),
     (GCU_VENDOR, "mla_cache_write", ("_C_cache_ops::concat_and_cache_mla",), "all",
      _gcu_mla_cache_write),
     (GCU_VENDOR, "mla_decode", ("_flashmla_C::fwd_kvcache_mla", "_flashmla_C::get_mla_metadata",

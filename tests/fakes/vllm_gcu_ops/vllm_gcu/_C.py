@@ -82,6 +82,52 @@ for _name, _schema in SCHEMAS.items():
         _impl.impl(_name, globals()[_name], _key)
 
 
+# Decode attention over vLLM's paged layout (K [nb, Hkv, D/x, bs, x] with 16-byte x,
+# V [nb, Hkv, D, bs]), in Enflame's schema: float scales and zero-points after the
+# block-sparse arguments, then out_scales and query_scales. The contract the adapter
+# must keep is checked (layout, int32 tables, an unquantized cache, no block-sparse).
+def paged_attention_v1(out, query, key_cache, value_cache, num_kv_heads, scale, block_tables,
+                       seq_lens, block_size, max_seq_len, alibi_slopes, kv_cache_dtype,
+                       k_scale, v_scale, tp_rank, blocksparse_local_blocks,
+                       blocksparse_vert_stride, blocksparse_block_size,
+                       blocksparse_head_sliding_step, k_zero, v_zero, out_scales,
+                       query_scales):
+    CALLS["paged_attention_v1"] += 1
+    b, h, d = query.shape
+    x = 16 // key_cache.element_size()
+    nb = key_cache.shape[0]
+    assert key_cache.shape == (nb, num_kv_heads, d // x, block_size, x), key_cache.shape
+    assert value_cache.shape == (nb, num_kv_heads, d, block_size), value_cache.shape
+    assert kv_cache_dtype == "auto" and (k_scale, v_scale, k_zero, v_zero) == (1, 1, 0, 0)
+    assert blocksparse_vert_stride == 0 and out_scales is None and query_scales is None
+    assert block_tables.dtype == seq_lens.dtype == torch.int32
+    assert max_seq_len == int(seq_lens.max())
+    for i, n in enumerate(seq_lens.tolist()):
+        pos = torch.arange(n)
+        blocks, offsets = block_tables[i, pos // block_size].long(), pos % block_size
+        keys = key_cache[blocks, :, :, offsets].flatten(-2).float()  # [n, Hkv, D]
+        values = value_cache[blocks, :, :, offsets].float()  # [n, Hkv, D]
+        for head in range(h):
+            kv_head = head // (h // num_kv_heads)
+            logits = keys[:, kv_head] @ query[i, head].float() * scale
+            if alibi_slopes is not None:
+                logits += alibi_slopes[head].float() * (pos - (n - 1))
+            out[i, head] = (torch.softmax(logits, 0) @ values[:, kv_head]).to(out.dtype)
+
+
+if not _exists("paged_attention_v1"):
+    _define.define(
+        "paged_attention_v1(Tensor! out, Tensor query, Tensor key_cache, Tensor value_cache, "
+        "int num_kv_heads, float scale, Tensor block_tables, Tensor seq_lens, int block_size, "
+        "int max_seq_len, Tensor? alibi_slopes, str kv_cache_dtype, float k_scale, "
+        "float v_scale, int tp_rank, int blocksparse_local_blocks, "
+        "int blocksparse_vert_stride, int blocksparse_block_size, "
+        "int blocksparse_head_sliding_step, float k_zero, float v_zero, Tensor? out_scales, "
+        "Tensor? query_scales) -> ()")
+for _key in ("PrivateUse1", "CPU"):
+    _impl.impl("paged_attention_v1", paged_attention_v1, _key)
+
+
 # MoE routing under vLLM's _moe_C namespace, in the schema of the vLLM 0.6-0.8 forks
 # Enflame ships (no renormalize argument): softmax top-k, float32 weights.
 _moe_define = torch.library.Library("_moe_C", "FRAGMENT")
