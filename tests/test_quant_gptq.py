@@ -383,10 +383,18 @@ ENGINE_CASES = {
     # the generic layout and the tile-dequantizing kernel, forced
     "w4-g32-asym-actorder-reference": (dict(bits=4, group_size=32, sym=False, desc_act=True),
                                        None, "reference"),
+    # a bf16 model: torch_fast's int4 layout and torch's int4 kernel (what a card
+    # without vendor GEMMs runs for bf16 models)
+    "w4-g32-asym-actorder-bf16": (dict(bits=4, group_size=32, sym=False, desc_act=True), None,
+                                  "torch_fast"),
 }
 RUNNING_KERNEL = {"w4-g32-asym-actorder": "wint_linear[reference] x8",
                   "w8-perchannel-sym": "wint_prepared_linear[torch_fast] x8",
-                  "w4-g32-asym-actorder-reference": "wint_linear[reference] x8"}
+                  "w4-g32-asym-actorder-reference": "wint_linear[reference] x8",
+                  "w4-g32-asym-actorder-bf16": "wint_prepared_linear[torch_fast] x8"}
+#: the cases whose engines run bf16: compared with HF fp32 by teacher-forced logprobs
+#: (free-running greedy tokens drift apart at bf16's near-ties)
+BF16_CASES = {"w4-g32-asym-actorder-bf16"}
 
 
 @pytest.fixture(scope="module")
@@ -403,9 +411,11 @@ def engines(tmp_path_factory, default_model):
         src, prompts = tiny_quant_source(root, case)
         quantize_checkpoint(src, root / case / "gptq", dequant_dst=root / case / "dq", **qkw)
         cases[case] = (root / case / "dq", prompts)
+        llm = {"quantization": user_quant} if user_quant else {}
+        if case in BF16_CASES:
+            llm["dtype"] = "bfloat16"
         specs[case] = (greedy_spec(root / case / "gptq", prompts, 16, max_model_len=256,
-                                   logprobs=False,
-                                   **({"quantization": user_quant} if user_quant else {})),
+                                   logprobs=case in BF16_CASES, **llm),
                        {"ACCEL_KERNEL_PROVIDER": provider})
     quantize_checkpoint(default_model, root / "default" / "gptq", bits=4, group_size=64,
                         sym=False, desc_act=True, dequant_dst=root / "default" / "dq")
@@ -425,6 +435,14 @@ def test_engine_gptq_matches_hf_on_dequantized(case, engines):
     running = next(line for line in log.splitlines() if "AccelGPTQLinearMethod serves" in line)
     assert RUNNING_KERNEL[case] in running and "kernels" in running, running
     assert "gcu_gptq qkv_proj" in log and "gcu_gptq down_proj" in log
+    if case in BF16_CASES:
+        from test_cpu_native_int4_gemv import BF16_LOGPROB_BOUND
+        from test_quant_awq import logprob_gap
+
+        gap = logprob_gap(dequant, prompts, results)
+        print(f"{case}: max logprob gap vs HF fp32 {gap:.3e}")
+        assert gap <= BF16_LOGPROB_BOUND
+        return
     expected = hf_greedy(dequant, prompts, 16)
     got = [o["token_ids"] for o in results["outputs"]]
     pairs = [(a, b) for g, e in zip(got, expected) for a, b in zip(g, e)]
