@@ -177,6 +177,8 @@ def test_gcu_vendor_ops_are_used_when_registered(tmp_path):
     out = _ok(run_faithful(GCU_DISPATCH, "gcu+ops", tmp_path))
     assert "'gcu_vendor:rms_norm': 'registered" in out
     assert "xformers not usable on gcu" in out  # no xformers with GCU kernels here
+    assert ("'flash_attn:paged_prefill,paged_decode': \"flash_attn.vllm_flash_attn not usable "
+            "on gcu: not importable (ModuleNotFoundError") in out  # no Enflame build here
     # one plain + one fused norm (the variance_size call fell back), one silu, one
     # rope (the key=None call fell back), two plain and two grouped routings
     assert ("CALLS {'rms_norm': 1, 'fused_add_rms_norm': 1, 'silu_and_mul': 1, "

@@ -30,6 +30,20 @@ def test_env_forces_a_provider_and_explicit_provider_wins(fresh_kernel, monkeypa
     assert registry.get_kernel("k", provider="fast")() == "fast"
 
 
+def test_fallback_goes_to_the_next_provider_in_the_order(fresh_kernel):
+    """Two vendor providers that each hand some calls on (flash_attn and gcu_vendor on
+    the GCU) never hand a call back and forth: the next one is always later."""
+    registry.register_kernel("k", "other")(
+        lambda: registry.fallback_kernel("k", "other")())
+    registry.register_kernel("k", "vendor")(
+        lambda: registry.fallback_kernel("k", "vendor")())
+    registry.set_preferred_providers(("other", "vendor", "fast"))
+    assert registry.get_kernel("k")() == "fast"
+    registry.set_preferred_providers(("other", "vendor"))
+    assert registry.get_kernel("k")() == "ref"
+    assert registry.fallback_kernel("k", "not-in-order")() == "ref"  # first in the order
+
+
 def test_unknown_names_are_clear_errors(fresh_kernel):
     with pytest.raises(KeyError, match="no kernel named 'nope'"):
         registry.get_kernel("nope")

@@ -19,9 +19,11 @@ class EnflameGcuBackend(CardBackend):
     torch_device_type = "gcu"
     dist_backend = "eccl"
     visible_devices_env = "TOPS_VISIBLE_DEVICES"
-    # Enflame's ops first, then xformers (what vLLM-GCU uses for attention), then
-    # our Triton kernels where Triton runs on the card, then our torch kernels.
-    kernel_providers = ("gcu_vendor", "xformers", "triton", "torch_fast")
+    # Enflame's FlashAttention build first (vLLM-GCU's V1 attention; it reads our cache
+    # in place, where gcu_vendor's paged_attention_v1 needs the pages gathered), then
+    # Enflame's ops, xformers (vLLM-GCU's V0 prefill), our Triton kernels where Triton
+    # runs on the card, then our torch kernels.
+    kernel_providers = ("flash_attn", "gcu_vendor", "xformers", "triton", "torch_fast")
     vendor_modules = ("tops_extension.torch", "torch_gcu")
     optional_vendor_modules = frozenset({"tops_extension.torch"})
     kernel_extensions = (("vllm_gcu", "_C"),)

@@ -54,10 +54,14 @@ def providers_of(name: str) -> list[str]:
 
 
 def fallback_kernel(name: str, provider: str) -> Callable[..., Any]:
-    """What ``get_kernel(name)`` would return if ``provider`` had no implementation:
-    a vendor kernel's way out for argument combinations it does not support."""
+    """The next provider of ``name`` after ``provider`` in the preferred order (the
+    first one when ``provider`` is not in it): a vendor kernel's way out for argument
+    combinations it does not support. Always later in the order, so two providers that
+    each hand a call on never hand it back and forth."""
     impls = _KERNELS.get(name, {})
-    for p in _preferred_providers:
+    order = _preferred_providers
+    after = order[order.index(provider) + 1:] if provider in order else order
+    for p in after:
         if p != provider and p in impls:
             return impls[p]
     return impls[REFERENCE]

@@ -32,6 +32,9 @@ Providers:
   up-projections, RoPE, writes to separate latent and rope caches -- so it would
   replace vLLM's MLA layer rather than its attention, with weight layouts Sophgo does
   not document: not plugged in either.
+* ``flash_attn``: Enflame's FlashAttention build (what vllm-gcu's V1 engine uses),
+  prefill and decode reading our cache in place, registered for the features a probe
+  on the device matched (``flash_attn.py``).
 * ``xformers``: ``paged_prefill`` through ``xformers.ops.memory_efficient_attention``
   (what Enflame's vLLM uses for prefill), registered only when a probe on the
   device succeeds.
@@ -46,6 +49,7 @@ import torch
 from vllm_accel.logger import init_logger
 from vllm_accel.ops.paged_layout import half_pages, page_rows
 from vllm_accel.ops.registry import fallback_kernel, register_kernel
+from vllm_accel.ops.vendor.flash_attn import FLASH_ATTN, probe_flash_attn
 from vllm_accel.ops.triton.provider import TRITON, install_triton_kernels
 
 logger = init_logger(__name__)
@@ -506,6 +510,13 @@ def install_vendor_kernels(backend) -> dict[str, str]:
         else:
             missing = sorted(set(qualnames) - set(ops))
             report[key] = "not registered by the vendor library: " + ", ".join(missing)
+    if FLASH_ATTN in providers:
+        kernels, why = probe_flash_attn(backend.torch_device())
+        if kernels is not None:
+            for name, kernel in zip(("paged_prefill", "paged_decode"), kernels):
+                register_kernel(name, FLASH_ATTN)(kernel)
+            why = "registered (" + why + ")"
+        report[f"{FLASH_ATTN}:paged_prefill,paged_decode"] = why
     if XFORMERS in providers:
         usable, why = probe_xformers(backend.torch_device())
         if usable:

@@ -1,0 +1,1 @@
+"""Fake of Enflame's FlashAttention build: only its vLLM interface, ``vllm_flash_attn``."""
