@@ -141,8 +141,10 @@ environment_variables: dict[str, tuple[Callable[[], Any], str]] = {
         lambda: os.environ.get("ACCEL_KERNEL_PROVIDER", "").strip().lower(),
         "Force one kernel provider (`reference`: the slow, obviously correct kernels "
         "the tests use as an oracle; `torch_fast`: pure torch; `cpu_native`: the "
-        "simulator's C++; `triton`; `vendor`) instead of the backend's preferred "
-        "order (the simulator: `cpu_native`, then `torch_fast`); empty means the "
+        "simulator's C++; `triton`; a card's vendor kernels, where its library "
+        "registers them: `gcu_vendor`, `flash_attn`, `xformers`, `sophgo_vendor`) "
+        "instead of the backend's preferred order (the simulator: `cpu_native`, then "
+        "`torch_fast`); empty means the "
         "backend's order. `triton` on the simulator needs `TRITON_INTERPRET=1` "
         "(Triton has no CPU backend).",
     ),
