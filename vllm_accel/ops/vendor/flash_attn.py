@@ -53,6 +53,7 @@ def flash_views(kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def serves_shape(query: torch.Tensor, kv_cache: torch.Tensor) -> bool:
+    """Within FlashAttention's paged contract (dtype, head size, page size)."""
     d, block_size = query.shape[-1], kv_cache.shape[2]
     return (query.dtype in FLASH_DTYPES and kv_cache.dtype == query.dtype and d <= 256
             and d % 8 == 0 and block_size % 16 == 0)
