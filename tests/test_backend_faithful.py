@@ -169,6 +169,23 @@ GCU_DISPATCH = textwrap.dedent("""
         vendor = "vllm_gcu._C" in sys.modules
         new_calls = calls.get("paged_attention_v1", 0) - before
         assert new_calls == (n if vendor else 0), (dtype, features)
+    # MoE experts through moe_align_block_size + fused_moe_kernel (8 experts, top-2, 70
+    # tokens: runs past one block of 64), against the float64 oracle; an expert map
+    # (expert parallel) falls back
+    for dtype, act, emap, n in ((torch.bfloat16, "silu", None, 1),
+                                (torch.float32, "gelu", None, 1),
+                                (torch.float32, "silu", torch.tensor([0, 1, 2, 3, -1, -1, -1, -1]), 0)):
+        before = calls.get("fused_moe_kernel", 0)
+        x = torch.randn(70, 32).to(dtype)
+        w13, w2 = torch.randn(8, 2 * 48, 32).to(dtype) / 6, torch.randn(8, 32, 48).to(dtype) / 7
+        rw, rids = moe_ref.moe_route(torch.randn(70, 8), 2, renormalize=True)
+        got = registry.get_kernel("moe_experts")(x, w13, w2, rw, rids, activation=act,
+                                                 expert_map=emap)
+        want = moe_ref.moe_experts(x, w13, w2, rw, rids, activation=act, expert_map=emap)
+        tol = 3e-2 if dtype == torch.bfloat16 else 1e-5
+        assert got.dtype == dtype and torch.allclose(got.double(), want.double(), atol=tol), act
+        vendor = "vllm_gcu._C" in sys.modules
+        assert calls.get("fused_moe_kernel", 0) - before == (2 * n if vendor else 0), (dtype, act)
     print("CALLS", dict(calls))
 """)
 
@@ -179,12 +196,15 @@ def test_gcu_vendor_ops_are_used_when_registered(tmp_path):
     assert "xformers not usable on gcu" in out  # no xformers with GCU kernels here
     assert ("'flash_attn:paged_prefill,paged_decode': \"flash_attn.vllm_flash_attn not usable "
             "on gcu: not importable (ModuleNotFoundError") in out  # no Enflame build here
-    # one plain + one fused norm (the variance_size call fell back), one silu, one
-    # rope (the key=None call fell back), two plain and two grouped routings
-    assert ("CALLS {'rms_norm': 1, 'fused_add_rms_norm': 1, 'silu_and_mul': 1, "
+    # one plain + one fused norm (the variance_size call fell back), two silu (one from
+    # the silu MoE experts), one rope (the key=None call fell back), two plain and two
+    # grouped routings
+    assert ("CALLS {'rms_norm': 1, 'fused_add_rms_norm': 1, 'silu_and_mul': 2, "
             "'topk_softmax': 2, 'fused_grouped_topk': 2, 'rotary_embedding': 1, "
             "'concat_and_cache_mla': 3, 'get_mla_metadata': 1, 'fwd_kvcache_mla': 1, "
-            "'paged_attention_v1': 2}") in out
+            "'paged_attention_v1': 2, 'moe_align_block_size': 2, 'fused_moe_kernel': 4}") in out
+    assert ("'gcu_vendor:moe_experts': 'registered (_C::fused_moe_kernel, "
+            "_moe_C::moe_align_block_size)'") in out
     assert "'gcu_vendor:paged_decode': 'registered (_C::paged_attention_v1)'" in out
     assert ("'gcu_vendor:mla_decode': 'registered (_flashmla_C::fwd_kvcache_mla, "
             "_flashmla_C::get_mla_metadata)'") in out

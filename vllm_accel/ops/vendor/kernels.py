@@ -20,6 +20,8 @@ Providers:
   without its ``renormalize`` argument, which older forks lack) and
   ``_C::fused_grouped_topk`` (softmax or sigmoid scores, DeepSeek's correction bias
   and group-limited choice; what vllm-gcu swaps in for vLLM's ``grouped_topk``).
+  The experts through ``_moe_C::moe_align_block_size`` and ``_C::fused_moe_kernel``
+  (vllm-gcu's bf16/fp16/fp32 expert path, on vLLM's weight layout).
   MLA: the latent cache write through ``_C_cache_ops::concat_and_cache_mla`` and the
   absorbed decode through FlashMLA's ``_flashmla_C::fwd_kvcache_mla`` (vLLM's latent
   cache is ours, so both read and write it in place; decode within FlashMLA's
@@ -48,7 +50,8 @@ import torch
 
 from vllm_accel.logger import init_logger
 from vllm_accel.ops.paged_layout import half_pages, page_rows
-from vllm_accel.ops.registry import fallback_kernel, register_kernel
+from vllm_accel.ops.reference.moe import gated_activation
+from vllm_accel.ops.registry import fallback_kernel, get_kernel, register_kernel
 from vllm_accel.ops.vendor.flash_attn import FLASH_ATTN, probe_flash_attn
 from vllm_accel.ops.triton.provider import TRITON, install_triton_kernels
 
@@ -316,6 +319,60 @@ def _gcu_paged_decode(ops):
     return gcu_paged_decode
 
 
+#: tokens per block of vllm-gcu's MoE alignment (its ``get_default_config``)
+GCU_MOE_BLOCK = 64
+#: ``_C::fused_moe_kernel``'s schema as vllm-gcu registers it (inferred from its C++
+#: signature, so the arguments are unnamed): C!, A, B, topk_weights, topk_ids,
+#: sorted_token_ids, expert_ids, num_tokens_post_pad, mul_routed_weight, topk,
+#: block_size, bias?
+_FUSED_MOE_TYPES = ("Tensor",) * 8 + ("bool", "int", "int", "Optional[Tensor]")
+
+
+def _gcu_moe_experts(ops):
+    """``moe_experts`` as vllm-gcu runs them: ``_moe_C::moe_align_block_size`` sorts the
+    (token, choice) pairs by expert into blocks of 64, ``_C::fused_moe_kernel`` runs
+    each block's pairs through their expert's ``w13`` (vLLM's ``[E, 2I, H]``, read in
+    place), the gated activation, then ``w2`` (``[E, H, I]``) scaled by the router
+    weight; the choices are summed here in float32. Expert maps (expert parallel),
+    biases and the router weight on the input go to the next provider. Returns None
+    (not registered) when the kernel's schema is not vllm-gcu's."""
+    align = ops["_moe_C::moe_align_block_size"]
+    fused = ops["_C::fused_moe_kernel"]
+    if tuple(str(a.type) for a in fused._schema.arguments) != _FUSED_MOE_TYPES:
+        return None
+
+    def gcu_moe_experts(x, w13, w2, topk_weights, topk_ids, *, expert_map=None,
+                        activation="silu", apply_router_weight_on_input=False,
+                        w13_bias=None, w2_bias=None):
+        if (expert_map is not None or apply_router_weight_on_input or w13_bias is not None
+                or w2_bias is not None or x.dtype != w13.dtype or not x.shape[0]):
+            return fallback_kernel("moe_experts", GCU_VENDOR)(
+                x, w13, w2, topk_weights, topk_ids, expert_map=expert_map,
+                activation=activation, apply_router_weight_on_input=apply_router_weight_on_input,
+                w13_bias=w13_bias, w2_bias=w2_bias)
+        m, top_k = topk_ids.shape
+        num_experts, device = w13.shape[0], x.device
+        ids = topk_ids.to(torch.int32).contiguous()
+        weights = topk_weights.to(torch.float32).contiguous()
+        padded = ids.numel() + num_experts * (GCU_MOE_BLOCK - 1)
+        sorted_ids = torch.empty(padded, dtype=torch.int32, device=device)
+        expert_ids = torch.empty(padded // GCU_MOE_BLOCK, dtype=torch.int32, device=device)
+        num_padded = torch.empty(1, dtype=torch.int32, device=device)
+        align(ids, num_experts, GCU_MOE_BLOCK, sorted_ids, expert_ids, num_padded)
+        h = torch.empty(m, top_k, w13.shape[1], dtype=x.dtype, device=device)
+        fused(h, x.contiguous(), w13, weights, ids, sorted_ids, expert_ids, num_padded, False,
+              top_k, GCU_MOE_BLOCK, None)
+        h = h.view(m * top_k, -1)
+        act = (get_kernel("silu_and_mul")(h) if activation == "silu"
+               else gated_activation(h, activation))
+        y = torch.empty(m, top_k, w2.shape[1], dtype=x.dtype, device=device)
+        fused(y, act.contiguous(), w2, weights, ids, sorted_ids, expert_ids, num_padded, True,
+              1, GCU_MOE_BLOCK, None)
+        return y.float().sum(dim=1).to(x.dtype)
+
+    return gcu_moe_experts
+
+
 # ---------------------------------------------------------------------------
 # Sophgo (torch_tpu my_ops) adapters.
 # ---------------------------------------------------------------------------
@@ -394,6 +451,8 @@ VENDOR_KERNELS: tuple[tuple[str, str, tuple[str, ...], str | Callable, Callable]
     (GCU_VENDOR, "moe_route", ("_moe_C::topk_softmax", "_C::fused_grouped_topk"), "any",
      _gcu_moe_route),
     (GCU_VENDOR, "paged_decode", ("_C::paged_attention_v1",), "all", _gcu_paged_decode),
+    (GCU_VENDOR, "moe_experts", ("_moe_C::moe_align_block_size", "_C::fused_moe_kernel"),
+     "all", _gcu_moe_experts),
     (GCU_VENDOR, "mla_cache_write", ("_C_cache_ops::concat_and_cache_mla",), "all",
      _gcu_mla_cache_write),
     (GCU_VENDOR, "mla_decode", ("_flashmla_C::fwd_kvcache_mla", "_flashmla_C::get_mla_metadata",

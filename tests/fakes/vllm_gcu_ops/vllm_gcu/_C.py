@@ -153,6 +153,65 @@ for _key in ("PrivateUse1", "CPU"):
     _moe_impl.impl("topk_softmax", topk_softmax, _key)
 
 
+# MoE experts as vllm-gcu runs them: vLLM's alignment under _moe_C (pairs sorted by
+# expert, each expert's run padded to whole blocks with the pair count; one expert id
+# per block) and _C::fused_moe_kernel, whose schema vllm-gcu infers from its C++
+# signature (unnamed arguments): C[pair] = A[pair // topk] @ B[expert]^T, times the
+# pair's router weight when asked. The contract is checked (int32 ids, whole blocks,
+# float32 weights, no bias), and so is that every pair was written.
+def moe_align_block_size(topk_ids, num_experts, block_size, sorted_token_ids, experts_ids,
+                         num_tokens_post_pad):
+    CALLS["moe_align_block_size"] += 1
+    assert topk_ids.dtype == sorted_token_ids.dtype == experts_ids.dtype == torch.int32
+    flat, pos = topk_ids.flatten().tolist(), 0
+    for e in range(num_experts):
+        pairs = [i for i, x in enumerate(flat) if x == e]
+        if not pairs:
+            continue
+        run = -(-len(pairs) // block_size) * block_size
+        sorted_token_ids[pos:pos + run] = torch.tensor(
+            pairs + [len(flat)] * (run - len(pairs)), dtype=torch.int32)
+        experts_ids[pos // block_size:(pos + run) // block_size] = e
+        pos += run
+    num_tokens_post_pad.fill_(pos)
+
+
+def fused_moe_kernel(C, A, B, topk_weights, topk_ids, sorted_token_ids, expert_ids,
+                     num_tokens_post_pad, mul_routed_weight, topk, block_size, bias):
+    CALLS["fused_moe_kernel"] += 1
+    assert bias is None and topk_weights.dtype == torch.float32
+    assert sorted_token_ids.dtype == expert_ids.dtype == torch.int32
+    n_pairs, total = topk_ids.numel(), int(num_tokens_post_pad)
+    assert total % block_size == 0
+    rows = C.view(-1, C.shape[-1])
+    written = torch.zeros(n_pairs, dtype=torch.bool)
+    for block in range(total // block_size):
+        pairs = sorted_token_ids[block * block_size:(block + 1) * block_size].long()
+        pairs = pairs[pairs < n_pairs]
+        expert = int(expert_ids[block])
+        out = A[pairs // topk].double() @ B[expert].double().T
+        if mul_routed_weight:
+            out = out * topk_weights.flatten()[pairs].double()[:, None]
+        rows[pairs] = out.to(C.dtype)
+        written[pairs] = True
+    assert bool(written.all()), "pairs left unwritten"
+
+
+try:
+    torch._C._dispatch_find_schema_or_throw("_moe_C::moe_align_block_size", "")
+except RuntimeError:
+    _moe_define.define("moe_align_block_size(Tensor topk_ids, int num_experts, int block_size, "
+                       "Tensor! sorted_token_ids, Tensor! experts_ids, "
+                       "Tensor! num_tokens_post_pad) -> ()")
+for _key in ("PrivateUse1", "CPU"):
+    _moe_impl.impl("moe_align_block_size", moe_align_block_size, _key)
+if not _exists("fused_moe_kernel"):
+    _define.define("fused_moe_kernel(Tensor(a!) _0, Tensor _1, Tensor _2, Tensor _3, Tensor _4, "
+                   "Tensor _5, Tensor _6, Tensor _7, bool _8, int _9, int _10, Tensor? _11) -> ()")
+for _key in ("PrivateUse1", "CPU"):
+    _impl.impl("fused_moe_kernel", fused_moe_kernel, _key)
+
+
 # Group-limited routing under _C (vllm-gcu's replacement for vLLM's grouped_topk):
 # scores by softmax or sigmoid; a correction bias moves the choice, not the weights;
 # groups scored by their best expert (with a bias: their best two).
