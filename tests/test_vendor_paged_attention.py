@@ -25,6 +25,11 @@ SCHEMAS = {
     + ", float k_zero, float v_zero, Tensor? out_scales, Tensor? query_scales",
     "upstream": HEAD + "Tensor k_scale, Tensor v_scale, " + BLOCKSPARSE,
     "unknown": HEAD + "Tensor k_scale, Tensor v_scale, int tp_rank, int new_required_arg",
+    # the names vllm-gcu's op schema file gives the lengths
+    "context_lens": (HEAD.replace("seq_lens", "context_lens").replace("max_seq_len",
+                                                                      "max_context_len")
+                     + "float k_scale, float v_scale, " + BLOCKSPARSE
+                     + ", float k_zero, float v_zero, Tensor? out_scales, Tensor? query_scales"),
 }
 def _dense(key_cache, value_cache, table, n):
     """Request's first ``n`` keys and values ``[n, Hkv, D]`` from vLLM's layout."""
@@ -45,7 +50,7 @@ def _define(tag: str):
 
     def impl(out, query, key_cache, value_cache, num_kv_heads, scale, block_tables, seq_lens,
              block_size, max_seq_len, alibi_slopes, kv_cache_dtype, k_scale, v_scale, *rest):
-        if tag == "enflame":
+        if tag in ("enflame", "context_lens"):
             assert (k_scale, v_scale) == (1.0, 1.0)
             assert tuple(rest) == (0, 0, 0, 64, 0, 0.0, 0.0, None, None), rest
         else:
@@ -65,7 +70,7 @@ def _define(tag: str):
     return lib, {"_C::paged_attention_v1": getattr(torch.ops, ns).paged_attention_v1.default}
 
 
-@pytest.mark.parametrize("tag", ["enflame", "upstream"])
+@pytest.mark.parametrize("tag", ["enflame", "upstream", "context_lens"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_decode_through_each_schema(tag, dtype):
     kernel = _gcu_paged_decode(_define(tag)[1])

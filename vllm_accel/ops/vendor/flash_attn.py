@@ -3,9 +3,12 @@
 vllm-gcu's V1 engine runs non-MLA attention through vLLM's ``FlashAttentionBackend``
 on Enflame's closed-source ``flash_attn.vllm_flash_attn`` build (FA version 3). Its
 ``flash_attn_varlen_func`` reads a paged cache as K and V ``[num_blocks, block_size,
-num_kv_heads, head_size]`` through their strides (vLLM relies on this for its HND
-layout). Our cache is such a pair of strided views (:func:`flash_views`): the K and V
-half pages of every (block, head), so prefill and decode read it in place.
+num_kv_heads, head_size]`` through their strides: vLLM relies on this for its HND
+layout, and vllm-gcu's own V0 backend hands it ``as_strided`` views of a head-major
+``[num_blocks, num_kv_heads, block_size, head_size]`` cache
+(``vllm_gcu/attention/backends/flash_attn.py``). Our cache is such a pair of strided
+views (:func:`flash_views`): the K and V half pages of every (block, head), so
+prefill and decode read it in place.
 
 Whether a build honours those strides, and each feature, is only known by running
 it: :func:`probe_flash_attn` runs small cases on the device (both page orders, the

@@ -239,9 +239,11 @@ _PAGED_ATTENTION_TAIL = {"k_scale": 1.0, "v_scale": 1.0, "tp_rank": 0,
                          "blocksparse_local_blocks": 0, "blocksparse_vert_stride": 0,
                          "blocksparse_block_size": 64, "blocksparse_head_sliding_step": 0,
                          "k_zero": 0.0, "v_zero": 0.0}
-_PAGED_ATTENTION_HEAD = ("out", "query", "key_cache", "value_cache", "num_kv_heads", "scale",
-                         "block_tables", "seq_lens", "block_size", "max_seq_len",
-                         "alibi_slopes", "kv_cache_dtype")
+#: the types of ``paged_attention_v1``'s first arguments (out!, query, key_cache,
+#: value_cache, num_kv_heads, scale, block_tables, seq_lens -- ``context_lens`` in some
+#: forks --, block_size, max_seq_len, alibi_slopes, kv_cache_dtype)
+_PAGED_ATTENTION_HEAD = ("Tensor",) * 4 + ("int", "float", "Tensor", "Tensor", "int", "int",
+                                           "Optional[Tensor]", "str")
 
 
 def _vllm_paged_layout(kv_cache: torch.Tensor, block_ids: torch.Tensor):
@@ -275,7 +277,7 @@ def _gcu_paged_decode(ops):
     """
     op = ops["_C::paged_attention_v1"]
     args = op._schema.arguments
-    if tuple(a.name for a in args[:len(_PAGED_ATTENTION_HEAD)]) != _PAGED_ATTENTION_HEAD:
+    if tuple(str(a.type) for a in args[:len(_PAGED_ATTENTION_HEAD)]) != _PAGED_ATTENTION_HEAD:
         return None
     tail_spec = []
     for a in args[len(_PAGED_ATTENTION_HEAD):]:
