@@ -1,9 +1,10 @@
 """The GCU vendor MLA decode adapter against the three schemas FlashMLA's decode op has
 had under vLLM's names (vLLM 0.8-0.9: ``Tensor? vcache`` after ``kcache``; 0.10:
 ``descale_q, descale_k`` appended; later: ``is_fp8, indices`` and a six-argument
-``get_mla_decoding_metadata``). Each schema is defined in a test namespace with a CPU
+``get_mla_decoding_metadata``), and Enflame's library: 0.10's schema without a
+metadata op. Each schema is defined in a test namespace with a CPU
 implementation that checks what the adapter passes where and answers with the float64
-oracle's math; the fake Enflame library (test_backend_faithful) covers the 0.9 one on
+oracle's math; the fake Enflame library (test_backend_faithful) covers Enflame's on
 the PrivateUse1 device."""
 
 import pytest
@@ -22,6 +23,9 @@ SCHEMAS = {
     "later": ("Tensor q, Tensor kcache, " + COMMON + ", bool is_fp8, Tensor? indices",
               "Tensor cache_seqlens, int num_q_tokens_per_head_k, int num_heads_k, "
               "int? num_heads_q, bool is_fp8_kvcache, int? topk"),
+    # Enflame's library: 0.10's schema and no metadata op (vllm-gcu passes None for both)
+    "enflame": ("Tensor q, Tensor kcache, " + COMMON + ", Tensor? descale_q, Tensor? descale_k",
+                None),
 }
 _libraries = []  # the test namespaces' definitions live while the module does
 
@@ -31,7 +35,8 @@ def _define(tag: str, fwd_args: str, meta_args: str):
     lib = torch.library.Library(ns, "DEF")
     _libraries.append(lib)
     lib.define(f"fwd_kvcache_mla({fwd_args}) -> Tensor[]")
-    lib.define(f"metadata({meta_args}) -> Tensor[]")
+    if meta_args is not None:
+        lib.define(f"metadata({meta_args}) -> Tensor[]")
 
     def metadata(seqlens, heads_per_k, heads_k, *rest):
         assert seqlens.dtype == torch.int32 and heads_k == 1
@@ -43,16 +48,23 @@ def _define(tag: str, fwd_args: str, meta_args: str):
         if tag == "v09":
             assert args[0] is None
             args = args[1:]
-        head_v, seqlens, table, scale, causal, _, splits, *tail = args
-        assert tail == {"v09": [], "v010": [None, None], "later": [False, None]}[tag], tail
-        assert not causal and splits.shape == (q.shape[0] + 1,) and q.shape[1] == 1
+        head_v, seqlens, table, scale, causal, tiles, splits, *tail = args
+        assert tail == {"v09": [], "v010": [None, None], "later": [False, None],
+                        "enflame": [None, None]}[tag], tail
+        if meta_args is None:
+            assert tiles is None and splits is None
+        else:
+            assert splits.shape == (q.shape[0] + 1,)
+        assert not causal and q.shape[1] == 1
         out = mla_ref.mla_decode(q[:, 0, :, :head_v], q[:, 0, :, head_v:], kcache[:, :, 0],
                                  table, seqlens, scale)
         return [out.to(q.dtype).unsqueeze(1), torch.zeros(q.shape[0], q.shape[2], 1)]
 
     lib.impl("fwd_kvcache_mla", fwd, "CPU")
-    lib.impl("metadata", metadata, "CPU")
     ops = getattr(torch.ops, ns)
+    if meta_args is None:
+        return {"_flashmla_C::fwd_kvcache_mla": ops.fwd_kvcache_mla.default}
+    lib.impl("metadata", metadata, "CPU")
     meta_name = ("_flashmla_C::get_mla_decoding_metadata" if tag == "later"
                  else "_flashmla_C::get_mla_metadata")
     return {"_flashmla_C::fwd_kvcache_mla": ops.fwd_kvcache_mla.default,

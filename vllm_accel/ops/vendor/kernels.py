@@ -184,12 +184,14 @@ def _gcu_mla_cache_write(ops):
 def _gcu_mla_decode(ops):
     """``mla_decode`` on ``_flashmla_C::fwd_kvcache_mla`` with its scheduling metadata
     (``get_mla_metadata``, or ``get_mla_decoding_metadata`` in later vLLMs). Three
-    schemas of the op are in use; they differ after ``kcache``: vLLM 0.8-0.9 (which
-    vllm-gcu forks) pass ``Tensor? vcache`` (None) there, vLLM 0.10 appends
+    schemas of the op are in use; they differ after ``kcache``: vLLM 0.8-0.9 pass
+    ``Tensor? vcache`` (None) there, vLLM 0.10 and Enflame's library append
     ``descale_q, descale_k`` and later ones ``is_fp8, indices``: their defaults (None,
-    False) keep the plain bf16 decode. Calls outside FlashMLA's contract (dtype, latent
-    widths, page size) go to the next provider. Returns None (not registered) when
-    the schema is none of the three."""
+    False) keep the plain bf16 decode. Enflame's library registers no metadata op
+    (vllm-gcu patches vLLM's ``get_mla_metadata`` to return ``None, None`` and passes
+    those): without one, neither is passed either. Calls outside FlashMLA's contract
+    (dtype, latent widths, page size) go to the next provider. Returns None (not
+    registered) when the schema is none of the three."""
     fwd = ops["_flashmla_C::fwd_kvcache_mla"]
     metadata = (ops.get("_flashmla_C::get_mla_decoding_metadata")
                 or ops.get("_flashmla_C::get_mla_metadata"))
@@ -204,7 +206,7 @@ def _gcu_mla_decode(ops):
             tail.append(False)
         else:
             return None
-    if len(args) < fixed or len(metadata._schema.arguments) > 6:
+    if len(args) < fixed or (metadata is not None and len(metadata._schema.arguments) > 6):
         return None
 
     def gcu_mla_decode(q_nope, q_pe, kv_cache, block_table, seq_lens, scale):
@@ -216,9 +218,11 @@ def _gcu_mla_decode(ops):
             return fallback_kernel("mla_decode", GCU_VENDOR)(q_nope, q_pe, kv_cache,
                                                             block_table, seq_lens, scale)
         lens = seq_lens.to(torch.int32)
-        # (seqlens, query heads per KV head, KV heads[, query heads, fp8, top-k])
-        extra = (n, False, None)[:len(metadata._schema.arguments) - 3]
-        tile_metadata, num_splits = metadata(lens, n, 1, *extra)
+        tile_metadata = num_splits = None
+        if metadata is not None:
+            # (seqlens, query heads per KV head, KV heads[, query heads, fp8, top-k])
+            extra = (n, False, None)[:len(metadata._schema.arguments) - 3]
+            tile_metadata, num_splits = metadata(lens, n, 1, *extra)
         q = torch.cat((q_nope, q_pe), dim=-1).unsqueeze(1)  # [B, 1, N, L + R]
         cache = kv_cache.unsqueeze(2)  # [num_blocks, page, 1 KV head, L + R]
         out, _ = fwd(q, cache, *((None,) if takes_vcache else ()), lora, lens,
@@ -459,7 +463,7 @@ VENDOR_KERNELS: tuple[tuple[str, str, tuple[str, ...], str | Callable, Callable]
      _gcu_mla_cache_write),
     (GCU_VENDOR, "mla_decode", ("_flashmla_C::fwd_kvcache_mla", "_flashmla_C::get_mla_metadata",
                                 "_flashmla_C::get_mla_decoding_metadata"),
-     lambda ops: "_flashmla_C::fwd_kvcache_mla" in ops and len(ops) > 1, _gcu_mla_decode),
+     lambda ops: "_flashmla_C::fwd_kvcache_mla" in ops, _gcu_mla_decode),
     (SOPHGO_VENDOR, "rms_norm", ("my_ops::rmsnorm_forward",), "all", _sophgo_rms_norm),
     (SOPHGO_VENDOR, "moe_experts", ("my_ops::fused_moe_fused_experts",), "all",
      _sophgo_moe_experts),

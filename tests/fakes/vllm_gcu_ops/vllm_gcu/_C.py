@@ -1,4 +1,5 @@
-"""Fake vllm_gcu._C: Enflame's vLLM ops with their GCU schemas (notes section 1.6).
+"""Fake vllm_gcu._C: Enflame's vLLM ops with their GCU schemas (notes section 1.6;
+vllm-gcu's ``csrc/torch_bindings.cpp``).
 
 Like the real extension, a schema is defined only if vLLM has not defined it
 already (vllm-gcu's findSchema guard); implementations are registered for
@@ -237,17 +238,21 @@ def fused_grouped_topk(topk_weights, topk_ids, gating_output, topk, renormalize,
 
 
 if not _exists("fused_grouped_topk"):
+    # vllm-gcu's schema: the bias is a plain Tensor, None passed where there is none
     _define.define("fused_grouped_topk(Tensor! topk_weights, Tensor! topk_ids, "
-                   "Tensor gating_output, int topk, bool renormalize, int num_expert_group, "
-                   "int topk_group, Tensor? e_score_correction_bias, str scoring_func) -> ()")
+                   "Tensor gating_output, SymInt topk, bool renormalize, "
+                   "SymInt num_expert_group, SymInt topk_group, Tensor e_score_correction_bias, "
+                   "str scoring_func) -> ()")
 for _key in ("PrivateUse1", "CPU"):
     _impl.impl("fused_grouped_topk", fused_grouped_topk, _key)
 
 
-# MLA, in vLLM 0.9's schemas (the vLLM vllm-gcu forks): the latent cache write under
-# _C_cache_ops, FlashMLA's decode under _flashmla_C. FlashMLA's contract is checked
-# (bf16/fp16, one KV head of 576 = 512 + 64, pages of 64, int32 lengths and tables,
-# the metadata's num_splits of batch + 1) so an adapter that breaks it fails here.
+# MLA in the schemas of vllm-gcu's bindings (csrc/torch_bindings.cpp): the latent cache
+# write under _C_cache_ops, FlashMLA's decode under _flashmla_C with vLLM 0.10's
+# descale arguments and no metadata op (vllm-gcu's get_mla_metadata returns None, None
+# and those are passed on). FlashMLA's contract is checked (bf16/fp16, one KV head of
+# 576 = 512 + 64, pages of 64, int32 lengths and tables) so an adapter that breaks it
+# fails here.
 def concat_and_cache_mla(kv_c, k_pe, kv_cache, slot_mapping, kv_cache_dtype, scale):
     CALLS["concat_and_cache_mla"] += 1
     assert kv_cache_dtype == "auto" and kv_c.is_contiguous() and k_pe.is_contiguous()
@@ -268,21 +273,15 @@ for _key in ("PrivateUse1", "CPU"):
     _cache_impl.impl("concat_and_cache_mla", concat_and_cache_mla, _key)
 
 
-def get_mla_metadata(cache_seqlens, num_heads_per_head_k, num_heads_k):
-    CALLS["get_mla_metadata"] += 1
-    assert cache_seqlens.dtype == torch.int32 and num_heads_k == 1
-    splits = torch.arange(cache_seqlens.numel() + 1, dtype=torch.int32)
-    return [torch.zeros(1, 8, dtype=torch.int32), splits]
-
-
-def fwd_kvcache_mla(q, kcache, vcache, head_size_v, seqlens_k, block_table, softmax_scale,
-                    is_causal, tile_scheduler_metadata, num_splits):
+def fwd_kvcache_mla(q, kcache, head_size_v, seqlens_k, block_table, softmax_scale, is_causal,
+                    tile_scheduler_metadata, num_splits, descale_q, descale_k):
     CALLS["fwd_kvcache_mla"] += 1
     b, s_q, h, d = q.shape
-    assert vcache is None and s_q == 1 and q.dtype in (torch.bfloat16, torch.float16)
+    assert s_q == 1 and q.dtype in (torch.bfloat16, torch.float16)
+    assert tile_scheduler_metadata is None and num_splits is None  # as vllm-gcu calls it
+    assert descale_q is None and descale_k is None
     assert kcache.dtype == q.dtype and kcache.shape[1:] == (64, 1, d) and d == 576
     assert head_size_v == 512 and seqlens_k.dtype == block_table.dtype == torch.int32
-    assert num_splits.shape == (b + 1,) and tile_scheduler_metadata.dtype == torch.int32
     rows = kcache.view(-1, d).float()
     out = torch.zeros(b, 1, h, head_size_v, dtype=q.dtype)
     lse = torch.full((b, h, 1), float("inf"))
@@ -294,16 +293,14 @@ def fwd_kvcache_mla(q, kcache, vcache, head_size_v, seqlens_k, block_table, soft
         scores = q[i, 0].float() @ latent.T * softmax_scale
         out[i, 0] = (torch.softmax(scores, -1) @ latent[:, :head_size_v]).to(q.dtype)
         lse[i, :, 0] = torch.logsumexp(scores, -1)
-    return [out, lse]
+    return out, lse
 
 
 _mla_define = torch.library.Library("_flashmla_C", "FRAGMENT")
 _mla_impl = torch.library.Library("_flashmla_C", "IMPL")
-_mla_define.define("get_mla_metadata(Tensor cache_seqlens, int num_heads_per_head_k, "
-                   "int num_heads_k) -> Tensor[]")
-_mla_define.define("fwd_kvcache_mla(Tensor q, Tensor kcache, Tensor? vcache_, int head_size_v, "
-                   "Tensor seqlens_k, Tensor block_table, float softmax_scale, bool is_causal, "
-                   "Tensor tile_scheduler_metadata, Tensor num_splits) -> Tensor[]")
-for _name in ("get_mla_metadata", "fwd_kvcache_mla"):
-    for _key in ("PrivateUse1", "CPU"):
-        _mla_impl.impl(_name, globals()[_name], _key)
+_mla_define.define("fwd_kvcache_mla(Tensor! q, Tensor kcache, int head_size_v, Tensor seqlens_k, "
+                   "Tensor block_table, float softmax_scale, bool is_causal, "
+                   "Tensor tile_scheduler_metadata, Tensor num_splits, Tensor? descale_q, "
+                   "Tensor? descale_k) -> (Tensor, Tensor)")
+for _key in ("PrivateUse1", "CPU"):
+    _mla_impl.impl("fwd_kvcache_mla", fwd_kvcache_mla, _key)
