@@ -23,16 +23,23 @@ SCHEMAS = {
                         "int head_size, Tensor cos_sin_cache, bool is_neox) -> ()",
 }
 
-_define = torch.library.Library("_C", "FRAGMENT")
-_impl = torch.library.Library("_C", "IMPL")
+_LIBRARIES: dict[tuple[str, str], torch.library.Library] = {}  # alive while loaded
 
 
-def _exists(name):
+def _register(namespace: str, schema: str, fn) -> None:
+    """Defines ``namespace::schema`` unless vLLM did (vllm-gcu's findSchema guard) and
+    implements it for PrivateUse1 and CPU."""
+    name = schema.split("(", 1)[0]
+
+    def library(kind):
+        return _LIBRARIES.setdefault((namespace, kind), torch.library.Library(namespace, kind))
+
     try:
-        torch._C._dispatch_find_schema_or_throw(f"_C::{name}", "")
-        return True
+        torch._C._dispatch_find_schema_or_throw(f"{namespace}::{name}", "")
     except RuntimeError:
-        return False
+        library("FRAGMENT").define(schema)
+    for key in ("PrivateUse1", "CPU"):
+        library("IMPL").impl(name, fn, key)
 
 
 def _norm(h, weight, eps):
@@ -77,10 +84,7 @@ def rotary_embedding(positions, query, key, head_size, cos_sin_cache, is_neox,
 
 
 for _name, _schema in SCHEMAS.items():
-    if not _exists(_name):
-        _define.define(_schema)
-    for _key in ("PrivateUse1", "CPU"):
-        _impl.impl(_name, globals()[_name], _key)
+    _register("_C", _schema, globals()[_name])
 
 
 # Decode attention over vLLM's paged layout (K [nb, Hkv, D/x, bs, x] with 16-byte x,
@@ -116,23 +120,17 @@ def paged_attention_v1(out, query, key_cache, value_cache, num_kv_heads, scale, 
             out[i, head] = (torch.softmax(logits, 0) @ values[:, kv_head]).to(out.dtype)
 
 
-if not _exists("paged_attention_v1"):
-    _define.define(
-        "paged_attention_v1(Tensor! out, Tensor query, Tensor key_cache, Tensor value_cache, "
-        "int num_kv_heads, float scale, Tensor block_tables, Tensor seq_lens, int block_size, "
-        "int max_seq_len, Tensor? alibi_slopes, str kv_cache_dtype, float k_scale, "
-        "float v_scale, int tp_rank, int blocksparse_local_blocks, "
-        "int blocksparse_vert_stride, int blocksparse_block_size, "
-        "int blocksparse_head_sliding_step, float k_zero, float v_zero, Tensor? out_scales, "
-        "Tensor? query_scales) -> ()")
-for _key in ("PrivateUse1", "CPU"):
-    _impl.impl("paged_attention_v1", paged_attention_v1, _key)
+_register("_C", "paged_attention_v1(Tensor! out, Tensor query, Tensor key_cache, "
+          "Tensor value_cache, int num_kv_heads, float scale, Tensor block_tables, "
+          "Tensor seq_lens, int block_size, int max_seq_len, Tensor? alibi_slopes, "
+          "str kv_cache_dtype, float k_scale, float v_scale, int tp_rank, "
+          "int blocksparse_local_blocks, int blocksparse_vert_stride, "
+          "int blocksparse_block_size, int blocksparse_head_sliding_step, float k_zero, "
+          "float v_zero, Tensor? out_scales, Tensor? query_scales) -> ()", paged_attention_v1)
 
 
 # MoE routing under vLLM's _moe_C namespace, in the schema of the vLLM 0.6-0.8 forks
 # Enflame ships (no renormalize argument): softmax top-k, float32 weights.
-_moe_define = torch.library.Library("_moe_C", "FRAGMENT")
-_moe_impl = torch.library.Library("_moe_C", "IMPL")
 
 
 def topk_softmax(topk_weights, topk_indices, token_expert_indices, gating_output):
@@ -145,13 +143,8 @@ def topk_softmax(topk_weights, topk_indices, token_expert_indices, gating_output
     token_expert_indices.copy_(torch.arange(m * ids.shape[1], dtype=torch.int32).view(m, -1))
 
 
-try:
-    torch._C._dispatch_find_schema_or_throw("_moe_C::topk_softmax", "")
-except RuntimeError:
-    _moe_define.define("topk_softmax(Tensor! topk_weights, Tensor! topk_indices, "
-                       "Tensor! token_expert_indices, Tensor gating_output) -> ()")
-for _key in ("PrivateUse1", "CPU"):
-    _moe_impl.impl("topk_softmax", topk_softmax, _key)
+_register("_moe_C", "topk_softmax(Tensor! topk_weights, Tensor! topk_indices, "
+          "Tensor! token_expert_indices, Tensor gating_output) -> ()", topk_softmax)
 
 
 # MoE experts as vllm-gcu runs them: vLLM's alignment under _moe_C (pairs sorted by
@@ -198,19 +191,12 @@ def fused_moe_kernel(C, A, B, topk_weights, topk_ids, sorted_token_ids, expert_i
     assert bool(written.all()), "pairs left unwritten"
 
 
-try:
-    torch._C._dispatch_find_schema_or_throw("_moe_C::moe_align_block_size", "")
-except RuntimeError:
-    _moe_define.define("moe_align_block_size(Tensor topk_ids, int num_experts, int block_size, "
-                       "Tensor! sorted_token_ids, Tensor! experts_ids, "
-                       "Tensor! num_tokens_post_pad) -> ()")
-for _key in ("PrivateUse1", "CPU"):
-    _moe_impl.impl("moe_align_block_size", moe_align_block_size, _key)
-if not _exists("fused_moe_kernel"):
-    _define.define("fused_moe_kernel(Tensor(a!) _0, Tensor _1, Tensor _2, Tensor _3, Tensor _4, "
-                   "Tensor _5, Tensor _6, Tensor _7, bool _8, int _9, int _10, Tensor? _11) -> ()")
-for _key in ("PrivateUse1", "CPU"):
-    _impl.impl("fused_moe_kernel", fused_moe_kernel, _key)
+_register("_moe_C", "moe_align_block_size(Tensor topk_ids, int num_experts, int block_size, "
+          "Tensor! sorted_token_ids, Tensor! experts_ids, "
+          "Tensor! num_tokens_post_pad) -> ()", moe_align_block_size)
+_register("_C", "fused_moe_kernel(Tensor(a!) _0, Tensor _1, Tensor _2, Tensor _3, Tensor _4, "
+          "Tensor _5, Tensor _6, Tensor _7, bool _8, int _9, int _10, Tensor? _11) -> ()",
+          fused_moe_kernel)
 
 
 # Group-limited routing under _C (vllm-gcu's replacement for vLLM's grouped_topk):
@@ -237,14 +223,11 @@ def fused_grouped_topk(topk_weights, topk_ids, gating_output, topk, renormalize,
     topk_ids.copy_(ids.to(topk_ids.dtype))
 
 
-if not _exists("fused_grouped_topk"):
-    # vllm-gcu's schema: the bias is a plain Tensor, None passed where there is none
-    _define.define("fused_grouped_topk(Tensor! topk_weights, Tensor! topk_ids, "
-                   "Tensor gating_output, SymInt topk, bool renormalize, "
-                   "SymInt num_expert_group, SymInt topk_group, Tensor e_score_correction_bias, "
-                   "str scoring_func) -> ()")
-for _key in ("PrivateUse1", "CPU"):
-    _impl.impl("fused_grouped_topk", fused_grouped_topk, _key)
+# vllm-gcu's schema: the bias is a plain Tensor, None passed where there is none
+_register("_C", "fused_grouped_topk(Tensor! topk_weights, Tensor! topk_ids, "
+          "Tensor gating_output, SymInt topk, bool renormalize, "
+          "SymInt num_expert_group, SymInt topk_group, Tensor e_score_correction_bias, "
+          "str scoring_func) -> ()", fused_grouped_topk)
 
 
 # MLA in the schemas of vllm-gcu's bindings (csrc/torch_bindings.cpp): the latent cache
@@ -261,16 +244,8 @@ def concat_and_cache_mla(kv_c, k_pe, kv_cache, slot_mapping, kv_cache_dtype, sca
     rows[slot_mapping[keep].long()] = torch.cat((kv_c[keep], k_pe[keep]), -1).to(rows.dtype)
 
 
-_cache_define = torch.library.Library("_C_cache_ops", "FRAGMENT")
-try:
-    torch._C._dispatch_find_schema_or_throw("_C_cache_ops::concat_and_cache_mla", "")
-except RuntimeError:
-    _cache_define.define(
-        "concat_and_cache_mla(Tensor kv_c, Tensor k_pe, Tensor! kv_cache, Tensor slot_mapping, "
-        "str kv_cache_dtype, Tensor scale) -> ()")
-_cache_impl = torch.library.Library("_C_cache_ops", "IMPL")
-for _key in ("PrivateUse1", "CPU"):
-    _cache_impl.impl("concat_and_cache_mla", concat_and_cache_mla, _key)
+_register("_C_cache_ops", "concat_and_cache_mla(Tensor kv_c, Tensor k_pe, Tensor! kv_cache, "
+          "Tensor slot_mapping, str kv_cache_dtype, Tensor scale) -> ()", concat_and_cache_mla)
 
 
 def fwd_kvcache_mla(q, kcache, head_size_v, seqlens_k, block_table, softmax_scale, is_causal,
@@ -296,11 +271,7 @@ def fwd_kvcache_mla(q, kcache, head_size_v, seqlens_k, block_table, softmax_scal
     return out, lse
 
 
-_mla_define = torch.library.Library("_flashmla_C", "FRAGMENT")
-_mla_impl = torch.library.Library("_flashmla_C", "IMPL")
-_mla_define.define("fwd_kvcache_mla(Tensor! q, Tensor kcache, int head_size_v, Tensor seqlens_k, "
-                   "Tensor block_table, float softmax_scale, bool is_causal, "
-                   "Tensor tile_scheduler_metadata, Tensor num_splits, Tensor? descale_q, "
-                   "Tensor? descale_k) -> (Tensor, Tensor)")
-for _key in ("PrivateUse1", "CPU"):
-    _mla_impl.impl("fwd_kvcache_mla", fwd_kvcache_mla, _key)
+_register("_flashmla_C", "fwd_kvcache_mla(Tensor! q, Tensor kcache, int head_size_v, "
+          "Tensor seqlens_k, Tensor block_table, float softmax_scale, bool is_causal, "
+          "Tensor tile_scheduler_metadata, Tensor num_splits, Tensor? descale_q, "
+          "Tensor? descale_k) -> (Tensor, Tensor)", fwd_kvcache_mla)
