@@ -274,7 +274,8 @@ def _gcu_paged_decode(ops):
     the pages the batch attends to, as ``torch_fast``'s gather does) and hands the
     vendor op a compact block table over them. ALiBi is the op's own
     (``alibi_slopes``); windows, soft-caps, sinks and head sizes outside vLLM's list go
-    to the next provider. The arguments after ``kv_cache_dtype`` are filled by name, so
+    to the next provider. The first twelve arguments are matched by type (forks name
+    the lengths differently), those after ``kv_cache_dtype`` filled by name, so
     Enflame's schema (float scales with zero-points, ``out_scales``, ``query_scales``)
     and upstream vLLM's (tensor scales), which the library keeps when vLLM defined the
     op first, both work. Returns None (not registered) for any other schema.
