@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from vllm_accel.ops.reference import attention as attn_ref
-from vllm_accel.ops.vendor.kernels import _gcu_paged_decode
+from vllm_accel.ops.vendor.kernels import PAGED_ATTENTION_V1_MAX_LEN, _gcu_paged_decode
 
 HEAD = ("Tensor! out, Tensor query, Tensor key_cache, Tensor value_cache, int num_kv_heads, "
         "float scale, Tensor block_tables, Tensor seq_lens, int block_size, int max_seq_len, "
@@ -25,20 +25,39 @@ SCHEMAS = {
     + ", float k_zero, float v_zero, Tensor? out_scales, Tensor? query_scales",
     "upstream": HEAD + "Tensor k_scale, Tensor v_scale, " + BLOCKSPARSE,
     "unknown": HEAD + "Tensor k_scale, Tensor v_scale, int tp_rank, int new_required_arg",
+    "scrambled": HEAD + "Tensor k_scale, Tensor v_scale, " + BLOCKSPARSE,
     # the names vllm-gcu's op schema file gives the lengths
     "context_lens": (HEAD.replace("seq_lens", "context_lens").replace("max_seq_len",
                                                                       "max_context_len")
                      + "float k_scale, float v_scale, " + BLOCKSPARSE
                      + ", float k_zero, float v_zero, Tensor? out_scales, Tensor? query_scales"),
 }
-def _dense(key_cache, value_cache, table, n):
-    """Request's first ``n`` keys and values ``[n, Hkv, D]`` from vLLM's layout."""
-    block_size = key_cache.shape[3]
+#: the memory order each test build reads behind vLLM's tensor shapes: upstream's CUDA
+#: order, or the [nb, H, bs, D] Enflame's cache writer stores
+ORDER = {"enflame": "gcu", "context_lens": "gcu", "upstream": "vllm", "unknown": "vllm",
+         "scrambled": "scrambled"}
+CALLS: dict[str, int] = {}
+
+
+def _dense(key_cache, value_cache, table, n, order):
+    """Request's first ``n`` keys and values ``[n, Hkv, D]``, read by plain indexing
+    (``scrambled``: a broken build's, K and V swapped)."""
+    if order == "scrambled":
+        return _dense(value_cache.view(key_cache.shape), key_cache.view(value_cache.shape),
+                      table, n, "vllm")
+    nb, hkv, _, block_size, _ = key_cache.shape
+    if order == "gcu":
+        k_mem = key_cache.contiguous().view(nb, hkv, block_size, -1)
+        v_mem = value_cache.contiguous().view(nb, hkv, block_size, -1)
     keys, values = [], []
     for pos in range(n):
         block, offset = int(table[pos // block_size]), pos % block_size
-        keys.append(key_cache[block, :, :, offset, :].reshape(key_cache.shape[1], -1))
-        values.append(value_cache[block, :, :, offset])
+        if order == "gcu":
+            keys.append(k_mem[block, :, offset])
+            values.append(v_mem[block, :, offset])
+        else:
+            keys.append(key_cache[block, :, :, offset, :].reshape(hkv, -1))
+            values.append(value_cache[block, :, :, offset])
     return torch.stack(keys).double(), torch.stack(values).double()
 
 
@@ -50,6 +69,7 @@ def _define(tag: str):
 
     def impl(out, query, key_cache, value_cache, num_kv_heads, scale, block_tables, seq_lens,
              block_size, max_seq_len, alibi_slopes, kv_cache_dtype, k_scale, v_scale, *rest):
+        CALLS[tag] = CALLS.get(tag, 0) + 1
         if tag in ("enflame", "context_lens"):
             assert (k_scale, v_scale) == (1.0, 1.0)
             assert tuple(rest) == (0, 0, 0, 64, 0, 0.0, 0.0, None, None), rest
@@ -57,9 +77,12 @@ def _define(tag: str):
             assert k_scale.dtype == v_scale.dtype == torch.float32
             assert float(k_scale) == float(v_scale) == 1.0 and tuple(rest) == (0, 0, 0, 64, 0)
         assert kv_cache_dtype == "auto" and max_seq_len == int(seq_lens.max())
+        assert int(block_tables.max()) < key_cache.shape[0]  # only gathered pages
         group = query.shape[1] // num_kv_heads
         for i, n in enumerate(seq_lens.tolist()):
-            k, v = _dense(key_cache, value_cache, block_tables[i], n)
+            if n == 0:  # a padding request: the adapter zeroes its row
+                continue
+            k, v = _dense(key_cache, value_cache, block_tables[i], n, ORDER[tag])
             k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
             logits = torch.einsum("hd,nhd->hn", query[i].double(), k) * scale
             if alibi_slopes is not None:
@@ -73,20 +96,55 @@ def _define(tag: str):
 @pytest.mark.parametrize("tag", ["enflame", "upstream", "context_lens"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_decode_through_each_schema(tag, dtype):
+    """Each build's memory order found by the first call's check, then plain and ALiBi
+    decodes vs float64; the table's columns past a request's blocks hold ids no page
+    has (they must not be read), and a padding request (length 0) gives zeros."""
     kernel = _gcu_paged_decode(_define(tag)[1])
     torch.manual_seed(0)
     d, block_size = 64, 16
     cache = torch.randn(8, 2, block_size, 2 * d).to(dtype)
-    table = torch.tensor([[5, 1, 7], [2, 0, 0], [3, 6, 0]], dtype=torch.int32)
-    lens = torch.tensor([40, 9, 17])
-    q = torch.randn(3, 6, d).to(dtype)
+    junk = 10 ** 6
+    table = torch.tensor([[5, 1, 7, junk], [2, junk, junk, junk], [3, 6, junk, junk],
+                          [junk] * 4], dtype=torch.int32)
+    lens = torch.tensor([40, 9, 17, 0])
+    q = torch.randn(4, 6, d).to(dtype)
     slopes = torch.tensor([0.5, 0.3, 0.2, 0.1, 0.05, 0.01])
     tol = 2e-2 if dtype == torch.bfloat16 else 1e-5
     for features in ({}, {"alibi_slopes": slopes}):
+        before = CALLS.get(tag, 0)
         got = kernel(q, cache, table, lens, 0.2, **features)
-        want = attn_ref.paged_decode(q.double(), cache.double(), table, lens, 0.2, **features)
-        assert got.dtype == dtype
+        want = attn_ref.paged_decode(q.double(), cache.double(), table.clamp(max=7), lens, 0.2,
+                                     **features)
+        assert got.dtype == dtype and CALLS[tag] > before
         torch.testing.assert_close(got.double(), want, atol=tol, rtol=0)
+        assert not got[3].any()
+
+
+def test_a_build_that_matches_in_neither_order_is_not_used():
+    """The first call's check finds the op wrong in both orders (this build swaps K and
+    V): every call goes to the next provider (here the reference)."""
+    kernel = _gcu_paged_decode(_define("scrambled")[1])
+    cache = torch.randn(4, 2, 16, 128)
+    table, lens = torch.tensor([[1, 2]], dtype=torch.int32), torch.tensor([20])
+    q = torch.randn(1, 2, 64)
+    got = kernel(q, cache, table, lens, 0.2)
+    want = attn_ref.paged_decode(q.double(), cache.double(), table, lens, 0.2)
+    torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=0)
+    assert CALLS["scrambled"] == 2  # the check's two orders, then no more
+
+
+def test_contexts_past_vllm_gcus_v1_limit_go_to_the_next_provider():
+    kernel = _gcu_paged_decode(_define("enflame")[1])
+    blocks = PAGED_ATTENTION_V1_MAX_LEN // 256 + 1
+    cache = torch.randn(blocks, 1, 256, 64)
+    table = torch.arange(blocks, dtype=torch.int32)[None]
+    q = torch.randn(1, 1, 32)
+    before = CALLS.get("enflame", 0)
+    lens = torch.tensor([PAGED_ATTENTION_V1_MAX_LEN + 1])
+    got = kernel(q, cache, table, lens, 0.2)
+    want = attn_ref.paged_decode(q.double(), cache.double(), table, lens, 0.2)
+    torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=0)
+    assert CALLS.get("enflame", 0) == before
 
 
 def test_unknown_schema_is_not_registered():

@@ -62,7 +62,7 @@ def fallback_kernel(name: str, provider: str) -> Callable[..., Any]:
     order = _preferred_providers
     after = order[order.index(provider) + 1:] if provider in order else order
     for p in after:
-        if p != provider and p in impls:
+        if p in impls:
             return impls[p]
     return impls[REFERENCE]
 

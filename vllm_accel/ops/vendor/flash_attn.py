@@ -70,7 +70,7 @@ def make_kernels(varlen: Callable, fa_version: int | None,
     def attend(query, kv_cache, block_table, query_start_loc, seq_lens, max_query_len, scale,
                sliding_window=None, logits_soft_cap=None, alibi_slopes=None):
         k, v = flash_views(kv_cache)
-        out = torch.empty_like(query)
+        out = torch.zeros_like(query)  # rows past the last request stay zeros
         lens = seq_lens.to(device=query.device, dtype=torch.int32)
         varlen(q=query, k=k, v=v, out=out, max_seqlen_q=max_query_len,
                cu_seqlens_q=query_start_loc.to(device=query.device, dtype=torch.int32),
@@ -82,7 +82,7 @@ def make_kernels(varlen: Callable, fa_version: int | None,
 
     def flash_paged_prefill(query, kv_cache, block_table, query_start_loc, seq_lens, scale,
                             **feats):
-        if set(feats) - features or not serves_shape(query, kv_cache):
+        if set(feats) - features or not serves_shape(query, kv_cache) or not len(seq_lens):
             return fallback_kernel("paged_prefill", FLASH_ATTN)(
                 query, kv_cache, block_table, query_start_loc, seq_lens, scale, **feats)
         max_query_len = int((query_start_loc[1:] - query_start_loc[:-1]).max())
@@ -147,7 +147,8 @@ def probe_flash_attn(device: torch.device) -> tuple[tuple[Callable, Callable] | 
         params = inspect.signature(varlen).parameters
     except (TypeError, ValueError):  # a builtin without a signature
         params = {}
-    # Enflame's vLLM forces FA version 3; FA2 builds have ALiBi
+    # vllm-gcu's V1 patch asks for FA version 3, its other backends for 2; upstream's FA3
+    # has no ALiBi
     versions = (3, 2) if "fa_version" in params else (None,)
     failures = []
     for version in versions:

@@ -13,8 +13,8 @@ Providers:
 * ``gcu_vendor``: Enflame's ``vllm_gcu._C`` ops (registered under vLLM's ``_C``
   namespace for PrivateUse1): ``rms_norm``, ``fused_add_rms_norm``,
   ``silu_and_mul``, ``rotary_embedding``. Decode attention through
-  ``paged_attention_v1`` (with ALiBi), which reads vLLM's ``[nb, H, D/x, bs, x]``
-  layout: the batch's pages are gathered into it per call. Prefill and the cache
+  ``paged_attention_v1`` (with ALiBi), which reads vLLM's paged-attention tensors:
+  the pages a batch reads are gathered into them per call. Prefill and the cache
   writes stay ours (Enflame's ``reshape_and_cache`` writes vLLM's layout too).
   Routing for MoE: ``_moe_C::topk_softmax`` (softmax top-k; vLLM's schema, with or
   without its ``renormalize`` argument, which older forks lack) and
@@ -250,35 +250,61 @@ _PAGED_ATTENTION_HEAD = ("Tensor",) * 4 + ("int", "float", "Tensor", "Tensor", "
                                            "Optional[Tensor]", "str")
 
 
-def _vllm_paged_layout(kv_cache: torch.Tensor, block_ids: torch.Tensor):
-    """Pages of blocks ``[n]`` of our cache -> vLLM's paged-attention layout: K
-    ``[n, Hkv, D/x, BS, x]`` (``x`` elements make 16 bytes) and V ``[n, Hkv, D, BS]``.
+#: vllm-gcu calls ``paged_attention_v1`` up to this context only (``paged_attn.py``;
+#: ``_v2`` beyond): longer contexts go to the next provider
+PAGED_ATTENTION_V1_MAX_LEN = 8192
 
-    One ``index_select`` of the K and V half pages, then one permuting copy each."""
+
+def _gather_pages(kv_cache: torch.Tensor, block_table: torch.Tensor, lens: torch.Tensor,
+                  num_blocks: int):
+    """The blocks each request reads (its first ``ceil(len / bs)`` table columns, never
+    the stale ones after) -> K and V pages ``[n, Hkv, BS, D]`` (contiguous, n the blocks
+    read) and a compact table ``[B, num_blocks]`` over them (0 past a request's own)."""
     _, num_kv_heads, block_size, width = kv_cache.shape
-    d = width // 2
+    counts = (lens.long() + block_size - 1) // block_size
+    cols = torch.arange(num_blocks, device=lens.device)
+    valid = cols[None, :] < counts[:, None]
+    ids = block_table[:, :num_blocks][valid.to(block_table.device)]
+    compact = torch.where(valid, (counts.cumsum(0) - counts)[:, None] + cols[None, :], 0)
     pages, block_step, head_step = half_pages(kv_cache)
-    k_rows = page_rows(block_ids, num_kv_heads, block_step, head_step).t()  # [n, Hkv]
+    k_rows = page_rows(ids, num_kv_heads, block_step, head_step).t()  # [n, Hkv]
     kv = torch.index_select(pages, 0, torch.stack((k_rows, k_rows + 1)).reshape(-1))
-    k, v = kv.view(2, block_ids.numel(), num_kv_heads, block_size, d).unbind(0)
-    x = 16 // kv_cache.element_size()
-    key_cache = k.view(*k.shape[:3], d // x, x).permute(0, 1, 3, 2, 4).contiguous()
-    return key_cache, v.transpose(2, 3).contiguous()
+    k, v = kv.view(2, ids.numel(), num_kv_heads, block_size, width // 2).unbind(0)
+    return k, v, compact.to(torch.int32)
+
+
+def _paged_layout(k: torch.Tensor, v: torch.Tensor, layout: str):
+    """Pages ``[n, Hkv, BS, D]`` as ``paged_attention_v1``'s K ``[n, Hkv, D/x, BS, x]``
+    (``x`` elements make 16 bytes) and V ``[n, Hkv, D, BS]``. ``"vllm"``: those shapes'
+    memory order (upstream's CUDA kernel); ``"gcu"``: the same shapes over
+    ``[n, Hkv, BS, D]`` memory, the order Enflame's cache writer stores (vllm-gcu's
+    FlashAttention backend reads the very tensors it hands this op as
+    ``[num_blocks, num_kv_heads, block_size, head_size]``)."""
+    n, hkv, block_size, d = k.shape
+    x = 16 // k.element_size()
+    if layout == "gcu":
+        return k.view(n, hkv, d // x, block_size, x), v.view(n, hkv, d, block_size)
+    key = k.view(n, hkv, block_size, d // x, x).permute(0, 1, 3, 2, 4).contiguous()
+    return key, v.transpose(2, 3).contiguous()
 
 
 def _gcu_paged_decode(ops):
-    """``paged_decode`` on ``_C::paged_attention_v1``, which reads vLLM's paged layout
-    (K ``[nb, H, D/x, bs, x]``, V ``[nb, H, D, bs]``), not ours.
+    """``paged_decode`` on ``_C::paged_attention_v1``, which reads vLLM's paged-attention
+    tensors (K ``[nb, H, D/x, bs, x]``, V ``[nb, H, D, bs]``), not our cache.
 
-    Each call gathers the batch's pages into that layout (one read and one write of
-    the pages the batch attends to, as ``torch_fast``'s gather does) and hands the
-    vendor op a compact block table over them. ALiBi is the op's own
-    (``alibi_slopes``); windows, soft-caps, sinks and head sizes outside vLLM's list go
-    to the next provider. The first twelve arguments are matched by type (forks name
-    the lengths differently), those after ``kv_cache_dtype`` filled by name, so
-    Enflame's schema (float scales with zero-points, ``out_scales``, ``query_scales``)
-    and upstream vLLM's (tensor scales), which the library keeps when vLLM defined the
-    op first, both work. Returns None (not registered) for any other schema.
+    Each call gathers the pages the batch reads (one read and write of them) into
+    those tensors and hands the op a compact block table over them. Which memory order
+    the build reads behind those shapes (upstream's, or the ``[nb, H, bs, D]`` that
+    vllm-gcu's sources show) is decided on the first call on each device: a small
+    decode in both orders against the float64 oracle; neither matching sends every
+    call to the next provider (logged). ALiBi is the op's own (``alibi_slopes``);
+    windows, soft-caps, sinks, head sizes outside vLLM's list and contexts past
+    :data:`PAGED_ATTENTION_V1_MAX_LEN` go to the next provider. The first twelve
+    arguments are matched by type (forks name the lengths differently), those after
+    ``kv_cache_dtype`` filled by name, so Enflame's schema (float scales with
+    zero-points, ``out_scales``, ``query_scales``) and upstream vLLM's (tensor scales),
+    which the library keeps when vLLM defined the op first, both work. Returns None
+    (not registered) for any other schema.
     """
     op = ops["_C::paged_attention_v1"]
     args = op._schema.arguments
@@ -293,6 +319,7 @@ def _gcu_paged_decode(ops):
         else:
             return None
     tails: dict[torch.device, list] = {}  # the tail's values, built once per device
+    layouts: dict[tuple, str | None] = {}  # (device, dtype, D, BS) -> the order it reads
 
     def tail(device):
         if device not in tails:
@@ -304,24 +331,59 @@ def _gcu_paged_decode(ops):
                 for name, as_tensor in tail_spec]
         return tails[device]
 
-    def gcu_paged_decode(query, kv_cache, block_table, seq_lens, scale, **features):
-        b, h, d = query.shape
-        if (set(features) - {"alibi_slopes"} or kv_cache.dtype != query.dtype
-                or d not in PAGED_ATTENTION_HEAD_SIZES or b == 0):
-            return fallback_kernel("paged_decode", GCU_VENDOR)(
-                query, kv_cache, block_table, seq_lens, scale, **features)
-        num_kv_heads, block_size = kv_cache.shape[1], kv_cache.shape[2]
-        lens = seq_lens.to(torch.int32)
-        max_len = int(lens.max())
-        nblk = max(1, -(-max_len // block_size))
-        key_cache, value_cache = _vllm_paged_layout(kv_cache, block_table[:, :nblk])
-        compact = torch.arange(b * nblk, dtype=torch.int32, device=query.device).view(b, nblk)
-        slopes = features.get("alibi_slopes")
+    def run(layout, query, kv_cache, block_table, lens, scale, slopes):
+        b, max_len = query.shape[0], int(lens.max())
+        nblk = -(-max_len // kv_cache.shape[2])
+        k, v, compact = _gather_pages(kv_cache, block_table, lens, nblk)
+        key_cache, value_cache = _paged_layout(k, v, layout)
         out = torch.empty_like(query)
-        op(out, query.contiguous(), key_cache, value_cache, num_kv_heads, scale, compact,
-           lens, block_size, max_len, slopes, "auto", *tail(query.device))
+        op(out, query.contiguous(), key_cache, value_cache, kv_cache.shape[1], scale, compact,
+           lens, kv_cache.shape[2], max_len, slopes, "auto", *tail(query.device))
         # requests without cached tokens (batch padding) read nothing: zeros
         return out.masked_fill_((lens == 0).view(b, 1, 1), 0)
+
+    def layout_for(query, kv_cache):
+        """The memory order the op reads on this device, from a small decode in each."""
+        from vllm_accel.ops.reference.attention import paged_decode
+
+        key = (query.device, query.dtype, query.shape[-1], kv_cache.shape[2])
+        if key not in layouts:
+            g = torch.Generator().manual_seed(0)
+            hkv, bs, d = kv_cache.shape[1], kv_cache.shape[2], query.shape[-1]
+            cache = torch.randn(4, hkv, bs, 2 * d, generator=g).to(query.dtype)
+            q = torch.randn(2, query.shape[1], d, generator=g).to(query.dtype)
+            table = torch.tensor([[3, 1, 0], [2, 0, 0]], dtype=torch.int32)
+            lens = torch.tensor([bs + 3, 5], dtype=torch.int32)
+            want = paged_decode(q.double(), cache.double(), table, lens, 0.125)
+            tol = 1e-4 if query.dtype == torch.float32 else 3e-2
+            layouts[key] = None
+            for layout in ("gcu", "vllm"):
+                try:
+                    got = run(layout, q.to(query.device), cache.to(query.device),
+                              table.to(query.device), lens.to(query.device), 0.125, None)
+                except Exception as exc:  # the build refuses these shapes: next provider
+                    logger.warning("paged_attention_v1 fails on %s: %s", query.device, exc)
+                    break
+                if float((got.cpu().double() - want).abs().max()) <= tol:
+                    layouts[key] = layout
+                    break
+            logger.info("gcu_vendor paged_decode on %s (%s, head %d, pages of %d): %s",
+                        *key, f"paged_attention_v1 reads the {layouts[key]} order"
+                        if layouts[key] else "paged_attention_v1 matches the oracle in "
+                        "neither order; the next provider decodes")
+        return layouts[key]
+
+    def gcu_paged_decode(query, kv_cache, block_table, seq_lens, scale, **features):
+        b, h, d = query.shape
+        lens = seq_lens.to(torch.int32)
+        if (set(features) - {"alibi_slopes"} or kv_cache.dtype != query.dtype
+                or d not in PAGED_ATTENTION_HEAD_SIZES or b == 0
+                or not 0 < int(lens.max()) <= PAGED_ATTENTION_V1_MAX_LEN
+                or (layout := layout_for(query, kv_cache)) is None):
+            return fallback_kernel("paged_decode", GCU_VENDOR)(
+                query, kv_cache, block_table, seq_lens, scale, **features)
+        return run(layout, query, kv_cache, block_table, lens, scale,
+                   features.get("alibi_slopes"))
 
     return gcu_paged_decode
 

@@ -5,7 +5,7 @@ Like the real extension, a schema is defined only if vLLM has not defined it
 already (vllm-gcu's findSchema guard); implementations are registered for
 PrivateUse1 (what vllm_accel checks for) and, because the fake's tensors live on
 CPU, for CPU too -- replacing vLLM's CPU kernel in this (test) process. The math
-is the reference math in float32; every call is counted in ``CALLS``.
+is the reference math in float32 or float64; every call is counted in ``CALLS``.
 """
 
 import collections
@@ -87,10 +87,12 @@ for _name, _schema in SCHEMAS.items():
     _register("_C", _schema, globals()[_name])
 
 
-# Decode attention over vLLM's paged layout (K [nb, Hkv, D/x, bs, x] with 16-byte x,
-# V [nb, Hkv, D, bs]), in Enflame's schema: float scales and zero-points after the
+# Decode attention over vLLM's paged-attention tensors (K [nb, Hkv, D/x, bs, x] with
+# 16-byte x, V [nb, Hkv, D, bs]) read in the memory order Enflame's cache writer stores
+# behind those shapes, [nb, Hkv, bs, D] (vllm-gcu's FlashAttention backend reads the same
+# tensors that way), in Enflame's schema: float scales and zero-points after the
 # block-sparse arguments, then out_scales and query_scales. The contract the adapter
-# must keep is checked (layout, int32 tables, an unquantized cache, no block-sparse).
+# must keep is checked (shapes, int32 tables, an unquantized cache, no block-sparse).
 def paged_attention_v1(out, query, key_cache, value_cache, num_kv_heads, scale, block_tables,
                        seq_lens, block_size, max_seq_len, alibi_slopes, kv_cache_dtype,
                        k_scale, v_scale, tp_rank, blocksparse_local_blocks,
@@ -107,11 +109,13 @@ def paged_attention_v1(out, query, key_cache, value_cache, num_kv_heads, scale, 
     assert blocksparse_vert_stride == 0 and out_scales is None and query_scales is None
     assert block_tables.dtype == seq_lens.dtype == torch.int32
     assert max_seq_len == int(seq_lens.max())
+    k_mem = key_cache.contiguous().view(nb, num_kv_heads, block_size, d)
+    v_mem = value_cache.contiguous().view(nb, num_kv_heads, block_size, d)
     for i, n in enumerate(seq_lens.tolist()):
         pos = torch.arange(n)
         blocks, offsets = block_tables[i, pos // block_size].long(), pos % block_size
-        keys = key_cache[blocks, :, :, offsets].flatten(-2).float()  # [n, Hkv, D]
-        values = value_cache[blocks, :, :, offsets].float()  # [n, Hkv, D]
+        keys = k_mem[blocks, :, offsets].float()  # [n, Hkv, D]
+        values = v_mem[blocks, :, offsets].float()
         for head in range(h):
             kv_head = head // (h // num_kv_heads)
             logits = keys[:, kv_head] @ query[i, head].float() * scale
