@@ -17,7 +17,8 @@ from vllm_accel.ops.registry import fallback_kernel, register_kernel
 TRITON = "triton"
 
 
-def _first_line(exc: Exception) -> str:
+def first_line(exc: Exception) -> str:
+    """An exception as one short line for a probe's report."""
     return f"{type(exc).__name__}: {(str(exc).strip().splitlines() or [''])[0][:200]}"
 
 
@@ -36,7 +37,7 @@ def probe_triton(device: torch.device) -> tuple[bool, str]:
         if not interpreting:  # no GPU driver: stop before defining (compiling) kernels
             triton.runtime.driver.active.get_current_target()
     except Exception as exc:  # triton missing, a broken build, or no driver
-        return False, f"Triton kernels do not run on {device.type} ({_first_line(exc)})"
+        return False, f"Triton kernels do not run on {device.type} ({first_line(exc)})"
     from vllm_accel.ops.torch_fast.attention import paged_decode as torch_decode
     from vllm_accel.ops.triton import paged_attention
     try:
@@ -49,13 +50,13 @@ def probe_triton(device: torch.device) -> tuple[bool, str]:
         want = torch_decode(query, cache, block_table, seq_lens, 0.125)
         error = float((got - want).abs().max())
     except Exception as exc:
-        return False, f"Triton kernels do not run on {device.type} ({_first_line(exc)})"
+        return False, f"Triton kernels do not run on {device.type} ({first_line(exc)})"
     if not error <= 1e-3:
         return False, f"Triton probe on {device.type} is wrong (max error {error:g})"
     try:
         error = _wint_probe_error(device)
     except Exception as exc:  # e.g. a backend without the split-K atomics
-        return False, f"Triton wint_linear does not run on {device.type} ({_first_line(exc)})"
+        return False, f"Triton wint_linear does not run on {device.type} ({first_line(exc)})"
     if not error <= 1e-4:
         return False, (f"Triton wint_linear probe on {device.type} is wrong (relative error "
                        f"{error:g}; e.g. a device that flushes float32 subnormals to zero, "

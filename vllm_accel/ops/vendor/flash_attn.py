@@ -18,6 +18,7 @@ caps (``softcap``), ALiBi (``alibi_slopes``, FA2 only). float32, sinks, head siz
 and block sizes outside FlashAttention's contract go to the next provider.
 """
 
+import importlib
 import inspect
 from collections.abc import Callable
 
@@ -25,6 +26,7 @@ import torch
 
 from vllm_accel.ops.paged_layout import half_pages
 from vllm_accel.ops.registry import fallback_kernel
+from vllm_accel.ops.triton.provider import first_line
 
 FLASH_ATTN = "flash_attn"
 #: the module Enflame's vLLM imports the build from
@@ -35,10 +37,6 @@ FLASH_DTYPES = (torch.bfloat16, torch.float16)
 #: the features a probe case checks: (name, value) given to the kernels
 PROBED_FEATURES = {"sliding_window": 5, "logits_soft_cap": 3.0,
                    "alibi_slopes": torch.tensor([0.5, 0.25, 0.125, 0.0625])}
-
-
-def _first_line(exc: Exception) -> str:
-    return f"{type(exc).__name__}: {(str(exc).strip().splitlines() or [''])[0][:200]}"
 
 
 def flash_views(kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -137,12 +135,10 @@ def probe_flash_attn(device: torch.device) -> tuple[tuple[Callable, Callable] | 
     """The (prefill, decode) kernels of the flash-attention build that runs and matches
     the oracle on ``device``, serving the features that matched, or None; and why."""
     try:
-        import importlib
-
         varlen = importlib.import_module(FLASH_ATTN_MODULE).flash_attn_varlen_func
     except Exception as exc:  # ImportError, or a build that fails to import
         return None, (f"{FLASH_ATTN_MODULE} not usable on {device.type}: not importable "
-                      f"({_first_line(exc)})")
+                      f"({first_line(exc)})")
     try:
         params = inspect.signature(varlen).parameters
     except (TypeError, ValueError):  # a builtin without a signature
@@ -157,7 +153,7 @@ def probe_flash_attn(device: torch.device) -> tuple[tuple[Callable, Callable] | 
             error = max(_probe_error(plain, device, layout, {})
                         for layout in ("block-major", "head-major"))
         except Exception as exc:
-            failures.append(f"FA{version or ''} fails: {_first_line(exc)}")
+            failures.append(f"FA{version or ''} fails: {first_line(exc)}")
             continue
         if not error <= PROBE_TOLERANCE:
             failures.append(f"FA{version or ''} is wrong (max error {error:.3g}, e.g. a build "

@@ -331,8 +331,8 @@ def _gcu_paged_decode(ops):
                 for name, as_tensor in tail_spec]
         return tails[device]
 
-    def run(layout, query, kv_cache, block_table, lens, scale, slopes):
-        b, max_len = query.shape[0], int(lens.max())
+    def run(layout, query, kv_cache, block_table, lens, max_len, scale, slopes):
+        b = query.shape[0]
         nblk = -(-max_len // kv_cache.shape[2])
         k, v, compact = _gather_pages(kv_cache, block_table, lens, nblk)
         key_cache, value_cache = _paged_layout(k, v, layout)
@@ -360,7 +360,8 @@ def _gcu_paged_decode(ops):
             for layout in ("gcu", "vllm"):
                 try:
                     got = run(layout, q.to(query.device), cache.to(query.device),
-                              table.to(query.device), lens.to(query.device), 0.125, None)
+                              table.to(query.device), lens.to(query.device), bs + 3, 0.125,
+                              None)
                 except Exception as exc:  # the build refuses these shapes: next provider
                     logger.warning("paged_attention_v1 fails on %s: %s", query.device, exc)
                     break
@@ -376,13 +377,14 @@ def _gcu_paged_decode(ops):
     def gcu_paged_decode(query, kv_cache, block_table, seq_lens, scale, **features):
         b, h, d = query.shape
         lens = seq_lens.to(torch.int32)
+        max_len = int(lens.max()) if b else 0
         if (set(features) - {"alibi_slopes"} or kv_cache.dtype != query.dtype
-                or d not in PAGED_ATTENTION_HEAD_SIZES or b == 0
-                or not 0 < int(lens.max()) <= PAGED_ATTENTION_V1_MAX_LEN
+                or d not in PAGED_ATTENTION_HEAD_SIZES
+                or not 0 < max_len <= PAGED_ATTENTION_V1_MAX_LEN
                 or (layout := layout_for(query, kv_cache)) is None):
             return fallback_kernel("paged_decode", GCU_VENDOR)(
                 query, kv_cache, block_table, seq_lens, scale, **features)
-        return run(layout, query, kv_cache, block_table, lens, scale,
+        return run(layout, query, kv_cache, block_table, lens, max_len, scale,
                    features.get("alibi_slopes"))
 
     return gcu_paged_decode
