@@ -188,6 +188,67 @@ GCU_DISPATCH = textwrap.dedent("""
         assert got.dtype == dtype and torch.allclose(got.double(), want.double(), atol=tol), act
         vendor = "vllm_gcu._C" in sys.modules
         assert calls.get("fused_moe_kernel", 0) - before == (2 * n if vendor else 0), (dtype, act)
+    # Quantized experts through fused_moe_quant_kernel in vllm-gcu's layouts, converted at
+    # load (prepare_experts) from the generic resident layout, against the float64 oracle
+    # on the dequantized weights; layers its kernel does not take are declined
+    import vllm_accel.quant
+    from vllm_accel.quant.moe import PreparedExperts
+    from vllm_accel.quant.packed import InstalledWInt, resident_from_codes
+    def experts(e, n, k, bits, gs, asym, g):
+        groups = k // gs if gs > 0 else 1
+        res = [resident_from_codes(
+            torch.randint(0, 2 ** bits, (n, k), generator=g),
+            (torch.rand(n, groups, generator=g) + 0.5) * 2.0 ** -bits / k ** 0.5,
+            torch.randint(0, 2 ** bits, (n, groups), generator=g) if asym else None,
+            bits=bits, group_size=gs) for _ in range(e)]
+        return [InstalledWInt(r) for r in res], torch.stack([r.dequantize() for r in res])
+    kernel = registry.get_kernel("moe_quant_experts")
+    prepare = getattr(kernel, "prepare_experts", None)
+    assert (prepare is not None) == ("vllm_gcu._C" in sys.modules)
+    plain = dict(expert_map=None, apply_router_weight_on_input=False, biased=False)
+    for bits, gs, asym, dtype in ((8, -1, False, torch.bfloat16), (8, 64, False, torch.float16),
+                                  (4, 32, True, torch.bfloat16), (4, -1, False, torch.float16)):
+        g = torch.Generator().manual_seed(bits * 100 + gs)
+        m13, d13 = experts(8, 2 * 128, 128, bits, gs, asym, g)
+        m2, d2 = experts(8, 128, 128, bits, gs, asym, g)
+        x = torch.randn(70, 128, generator=g).to(dtype)
+        rw, rids = moe_ref.moe_route(torch.randn(70, 8, generator=g) + 4 * (torch.arange(8) == 3),
+                                     2, renormalize=True)
+        want = moe_ref.moe_experts(x.double(), d13, d2, rw, rids)
+        scale = want.abs().amax(dim=1, keepdim=True)
+        # per-expert modules: the next provider (float32 dequantization), no vendor call
+        before = calls.get("fused_moe_quant_kernel", 0)
+        got = kernel(x, m13, m2, rw, rids)
+        assert ((got.double() - want).abs() <= 2 ** -6 * scale).all(), (bits, gs, "modules")
+        assert calls.get("fused_moe_quant_kernel", 0) == before
+        if prepare is None:
+            continue
+        p13, p2 = prepare(m13, m2, act_dtype=dtype, **plain)
+        p13, p2 = PreparedExperts("gcu_vendor", p13), PreparedExperts("gcu_vendor", p2)
+        got = kernel(x, p13, p2, rw, rids)
+        # bf16/fp16 roundings: the scales (and zero terms), the gate/up products, the
+        # activation, the output: a few units of the format's 2**-8 / 2**-11
+        unit = 2 ** -8 if dtype == torch.bfloat16 else 2 ** -11
+        err = float(((got.double() - want).abs() / scale).max())
+        assert got.dtype == dtype and err <= 8 * unit, (bits, gs, asym, err)
+        assert calls.get("fused_moe_quant_kernel", 0) - before == 2
+        print("QUANT", bits, gs, asym, str(dtype), "relative error", round(err / unit, 2), "units")
+    if prepare is not None:
+        m13, _ = experts(2, 2 * 64, 128, 8, -1, True, g)  # 8-bit with zero points
+        m2, _ = experts(2, 128, 64, 8, -1, False, g)
+        assert prepare(m13, m2, act_dtype=torch.bfloat16, **plain) is None
+        m13, _ = experts(2, 2 * 64, 128, 4, 32, False, g)
+        m2, _ = experts(2, 128, 64, 4, 32, False, g)  # 4-bit down proj of 64 inputs
+        assert prepare(m13, m2, act_dtype=torch.bfloat16, **plain) is None
+        m13, _ = experts(2, 2 * 128, 128, 8, 32, False, g)  # 8-bit groups of 32
+        m2, _ = experts(2, 128, 128, 8, -1, False, g)
+        assert prepare(m13, m2, act_dtype=torch.bfloat16, **plain) is None
+        m13, _ = experts(2, 2 * 128, 128, 8, -1, False, g)
+        assert prepare(m13, m2, act_dtype=torch.bfloat16, **plain) is not None
+        assert prepare(m13, m2, act_dtype=torch.float32, **plain) is None
+        for feature in ({"expert_map": torch.tensor([0, -1])},
+                        {"apply_router_weight_on_input": True}, {"biased": True}):
+            assert prepare(m13, m2, act_dtype=torch.bfloat16, **{**plain, **feature}) is None
     print("CALLS", dict(calls))
 """)
 
@@ -198,15 +259,19 @@ def test_gcu_vendor_ops_are_used_when_registered(tmp_path):
     assert "xformers not usable on gcu" in out  # no xformers with GCU kernels here
     assert ("'flash_attn:paged_prefill,paged_decode': \"flash_attn.vllm_flash_attn not usable "
             "on gcu: not importable (ModuleNotFoundError") in out  # no Enflame build here
-    # one plain + one fused norm (the variance_size call fell back), two silu (one from
-    # the silu MoE experts), one rope (the key=None call fell back), two plain and two
-    # grouped routings
-    assert ("CALLS {'rms_norm': 1, 'fused_add_rms_norm': 1, 'silu_and_mul': 2, "
+    # one plain + one fused norm (the variance_size call fell back), six silu (one from
+    # the silu MoE experts, four from the quantized ones), one rope (the key=None call
+    # fell back), two plain and two grouped routings
+    assert ("CALLS {'rms_norm': 1, 'fused_add_rms_norm': 1, 'silu_and_mul': 6, "
             "'topk_softmax': 2, 'fused_grouped_topk': 2, 'rotary_embedding': 1, "
             "'concat_and_cache_mla': 3, 'fwd_kvcache_mla': 1, "
-            "'paged_attention_v1': 4, 'moe_align_block_size': 2, 'fused_moe_kernel': 4}") in out
+            "'paged_attention_v1': 4, 'moe_align_block_size': 6, 'fused_moe_kernel': 4, "
+            "'fused_moe_quant_kernel': 8}") in out
     assert ("'gcu_vendor:moe_experts': 'registered (_C::fused_moe_kernel, "
             "_moe_C::moe_align_block_size)'") in out
+    assert ("'gcu_vendor:moe_quant_experts': 'registered (_C::fused_moe_quant_kernel, "
+            "_moe_C::moe_align_block_size)'") in out
+    assert out.count("QUANT ") == 4
     assert "'gcu_vendor:paged_decode': 'registered (_C::paged_attention_v1)'" in out
     # Enflame's library has no metadata op (vllm-gcu passes None for it)
     assert "'gcu_vendor:mla_decode': 'registered (_flashmla_C::fwd_kvcache_mla)'" in out

@@ -6,6 +6,7 @@ through the whole plugin vs HF float64 on the dequantized checkpoint, on the sim
 and the virtual GCU."""
 
 import random
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -22,8 +23,8 @@ from vllm_accel.ops.reference import moe as reference_moe
 from vllm_accel.ops.registry import get_kernel
 from vllm_accel.ops.torch_fast import wint_gemm
 from vllm_accel.quant.gptq import gptq_to_resident
-from vllm_accel.quant.moe import native_layout
-from vllm_accel.quant.packed import InstalledWInt
+from vllm_accel.quant.moe import ExpertLinears, PreparedExperts, QuantMoEMethod, native_layout
+from vllm_accel.quant.packed import InstalledWInt, resident_from_signed
 from vllm_accel.quant.w8a8 import InstalledW8A8, resolve_mm_method, w8a8_to_resident
 
 PROVIDERS = ["reference", "torch_fast"]
@@ -191,6 +192,97 @@ def test_w8a8_experts_match_the_float64_oracle(path, simulator_providers):
     # per-token int8 codes: the kernel's float32 scale and the oracle's float64 one
     # round a code differently only at ties (none at these random values)
     _assert_close(got, _w8a8_oracle(x, deq["w13"], deq["w2"], weights, ids), 1e-5)
+
+
+class _ResidentExperts(QuantMoEMethod):
+    """A format whose experts are given as resident weights (the shared load path)."""
+
+    quant_name = "test"
+
+    def __init__(self, residents) -> None:  # (no vLLM MoE config: the load path only)
+        self.prefix, self.residents = "model.layers.0.mlp.experts", residents
+
+    def create_weights(self, *args, **kwargs):
+        raise AssertionError("not loaded from a checkpoint")
+
+    def expert_linears(self, layer, e):
+        return tuple(self.install_expert(r) for r in self.residents[e])
+
+    def checkpoint_tensors(self):
+        return ()
+
+    def describe(self):
+        return "8-bit per channel sym"
+
+
+def _resident_layer(e):
+    layer = torch.nn.Module()
+    layer.local_num_experts = layer.global_num_experts = e
+    layer.layer_name, layer.expert_map = "model.layers.0.mlp.experts", None
+    layer.apply_router_weight_on_input = False
+    layer.activation = SimpleNamespace(value="silu")
+    return layer
+
+
+@pytest.mark.parametrize("declines", [False, True], ids=["prepared", "declined"])
+def test_a_kernels_own_stacked_layout_replaces_the_expert_modules(declines, monkeypatch):
+    """A ``moe_quant_experts`` kernel with a ``prepare_experts`` hook (Enflame's) gets the
+    experts in the generic layout (not the int8 layout torch_fast would prepare for
+    bf16), and its stacked tensors replace the per-expert modules as parameters of the
+    layer; a hook that declines leaves the modules ``installed()`` picks."""
+    provider, seen = "test_stacking", {}
+
+    def prepare_experts(w13, w2, *, act_dtype, **features):
+        seen.update(generic=all(m.generic_layout for m in (*w13, *w2)), dtype=act_dtype,
+                    features=features)
+        if declines:
+            return None
+        return tuple({"codes": torch.stack([m.qweight.data for m in mods]),
+                      "scales": torch.stack([m.scales.data for m in mods]),
+                      "group_size": mods[0].group_size} for mods in (w13, w2))
+
+    def stacking_kernel(x, w13, w2, topk_weights, topk_ids, **kw):
+        deq = [(p.codes.double() - 128) * p.scales.double() for p in (w13, w2)]
+        return reference_moe.moe_experts(x.double(), *deq, topk_weights, topk_ids).to(x.dtype)
+
+    stacking_kernel.prepare_experts = prepare_experts
+    monkeypatch.setitem(registry._KERNELS["moe_quant_experts"], provider, stacking_kernel)
+    monkeypatch.setattr(registry, "_preferred_providers", (provider, "torch_fast", "reference"))
+    monkeypatch.delenv("ACCEL_KERNEL_PROVIDER", raising=False)
+    monkeypatch.setattr(registry, "_resolved", {})
+    e, h, i = 4, 64, 32
+    gen = torch.Generator().manual_seed(8)
+    residents = [[quantize_weight_int8(torch.randn(n, k, generator=gen)) for n, k in
+                  ((2 * i, h), (h, i))] for _ in range(e)]
+    method = _ResidentExperts([[resident_from_signed(c, s, bits=8) for c, s in pair]
+                               for pair in residents])
+    layer = _resident_layer(e)
+    layer.quant_method = method
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)  # vLLM loads under the model's dtype
+    try:
+        method.process_weights_after_loading(layer)
+    finally:
+        torch.set_default_dtype(previous)
+    assert seen == {"generic": True, "dtype": torch.bfloat16,
+                    "features": {"expert_map": None, "apply_router_weight_on_input": False,
+                                 "biased": False}}
+    assert method._prepare is None  # only while the experts are built
+    if declines:
+        assert isinstance(layer.w13_experts, ExpertLinears)
+        assert {m.provider for m in layer.w13_experts.experts} == {"torch_fast"}
+        assert "per expert, moe_quant_experts[test_stacking]" in method.layout
+        return
+    assert isinstance(layer.w13_experts, PreparedExperts) and layer.w13_experts.provider == provider
+    assert {n for n, _ in layer.named_parameters()} == {
+        f"{p}_experts.{t}" for p in ("w13", "w2") for t in ("codes", "scales")}
+    assert layer.w2_experts.group_size == i
+    deq13, deq2 = (torch.stack([c.double() * s.double().reshape(-1, 1) for c, s in
+                                (pair[j] for pair in residents)]) for j in (0, 1))
+    x = torch.randn(5, h, generator=gen)
+    weights, ids = _route(5, e, 2, gen)
+    got = method.experts(layer, x, weights, ids)
+    _assert_close(got, reference_moe.moe_experts(x, deq13, deq2, weights, ids), 1e-5)
 
 
 # -- engines ---------------------------------------------------------------------------

@@ -1,16 +1,27 @@
-"""The GCU vendor MoE experts adapter registers only over vllm-gcu's
-``_C::fused_moe_kernel`` schema (inferred from its C++ signature: C!, A, B, weights,
-ids, sorted ids, expert ids, padded count, mul_routed_weight, topk, block_size,
-bias?). Another fork's op of the same name -- e.g. one taking (A!, B!, C!, ...,
-tileConfig) -- must not be called with vllm-gcu's arguments. The vllm-gcu schema
-itself runs over the fake Enflame library in test_backend_faithful."""
+"""The GCU vendor MoE experts adapters register only over vllm-gcu's schemas of
+``_C::fused_moe_kernel`` (inferred from its C++ signature: C!, A, B, weights, ids,
+sorted ids, expert ids, padded count, mul_routed_weight, topk, block_size, bias?) and
+``_C::fused_moe_quant_kernel`` (C!, A, B, A_scale?, B_scale, group size, B_zp?, the
+same five routing tensors, mul_routed_weight, topk, block_size, bias?,
+real_token_num?). Another op of the same name -- another fork's (A!, B!, C!, ...,
+tileConfig), or the argument order of vllm-gcu's own ``fused_moe_quant_kernel_ex`` --
+must not be called with these arguments. The vllm-gcu schemas themselves run over the
+fake Enflame library in test_backend_faithful."""
 
 import torch
 
-from vllm_accel.ops.vendor.kernels import _gcu_moe_experts
+from vllm_accel.ops.vendor.kernels import _gcu_moe_experts, _gcu_moe_quant_experts
 
 VLLM_GCU = ("Tensor(a!) _0, Tensor _1, Tensor _2, Tensor _3, Tensor _4, Tensor _5, "
             "Tensor _6, Tensor _7, bool _8, int _9, int _10, Tensor? _11")
+VLLM_GCU_QUANT = ("Tensor(a!) _0, Tensor _1, Tensor _2, Tensor? _3, Tensor _4, int _5, "
+                  "Tensor? _6, Tensor _7, Tensor _8, Tensor _9, Tensor _10, Tensor _11, "
+                  "bool _12, int _13, int _14, Tensor? _15, Tensor? _16")
+QUANT_EX_ORDER = ("Tensor(a!) C, Tensor A, Tensor B, Tensor A_scale, Tensor B_scale, "
+                  "Tensor B_zero, Tensor? bias, Tensor topk_weights, Tensor topk_ids, "
+                  "Tensor sorted_token_ids, Tensor experts_ids, Tensor num_tokens_post_pad, "
+                  "Tensor? real_token_num, bool mul_routed_weight, int topk, int block_size, "
+                  "int group_k, int group_n")
 OTHER_FORK = ("Tensor(a!) A, Tensor(b!) B, Tensor(c!) C, Tensor(d!) topk_weights, "
               "Tensor(e!) topk_ids, Tensor(f!) sorted_token_ids, Tensor(g!) expert_ids, "
               "Tensor(h!) num_tokens_post_padded, bool mul_routed_weight, int top_k, "
@@ -18,18 +29,24 @@ OTHER_FORK = ("Tensor(a!) A, Tensor(b!) B, Tensor(c!) C, Tensor(d!) topk_weights
 _libraries = []  # the test namespaces' definitions live while the module does
 
 
-def _ops(tag: str, schema: str) -> dict:
+def _ops(tag: str, schema: str, name: str = "fused_moe_kernel") -> dict:
     ns = f"_accel_test_moe_{tag}"
     lib = torch.library.Library(ns, "DEF")
     _libraries.append(lib)
-    lib.define(f"fused_moe_kernel({schema}) -> ()")
+    lib.define(f"{name}({schema}) -> ()")
     lib.define("moe_align_block_size(Tensor topk_ids, int num_experts, int block_size, "
                "Tensor! sorted_token_ids, Tensor! experts_ids, Tensor! num_tokens_post_pad) -> ()")
     ops = getattr(torch.ops, ns)
-    return {"_C::fused_moe_kernel": ops.fused_moe_kernel.default,
+    return {f"_C::{name}": getattr(ops, name).default,
             "_moe_C::moe_align_block_size": ops.moe_align_block_size.default}
 
 
 def test_only_vllm_gcus_schema_is_registered():
     assert _gcu_moe_experts(_ops("vllm_gcu", VLLM_GCU)) is not None
     assert _gcu_moe_experts(_ops("other_fork", OTHER_FORK)) is None
+
+
+def test_only_vllm_gcus_quantized_schema_is_registered():
+    name = "fused_moe_quant_kernel"
+    assert _gcu_moe_quant_experts(_ops("vllm_gcu_quant", VLLM_GCU_QUANT, name)) is not None
+    assert _gcu_moe_quant_experts(_ops("quant_ex_order", QUANT_EX_ORDER, name)) is None

@@ -41,7 +41,7 @@ from vllm.model_executor.parameter import GroupQuantScaleParameter, PackedvLLMPa
 
 from vllm_accel.quant.base import AccelQuantConfig, is_moe
 from vllm_accel.quant.moe import QuantMoEMethod
-from vllm_accel.quant.packed import WIntResident, installed, resident_from_codes, unpack_int32
+from vllm_accel.quant.packed import WIntResident, resident_from_codes, unpack_int32
 from vllm_accel.quant.wint_method import WIntLinearMethod
 
 QUANT_NAME = "gcu_awq"
@@ -318,9 +318,9 @@ class AccelAWQMoEMethod(QuantMoEMethod):
     def expert_linears(self, layer, e: int):
         def one(proj: str, group_size: int):
             t = {name: getattr(layer, f"{proj}_{name}")[e] for name in self.TENSORS}
-            return installed(awq_to_resident(t["qweight"], t["qzeros"], t["scales"],
-                                             bits=self.config.weight_bits,
-                                             group_size=group_size))
+            return self.install_expert(awq_to_resident(
+                t["qweight"], t["qzeros"], t["scales"], bits=self.config.weight_bits,
+                group_size=group_size))
 
         return one("w13", self.group_sizes[0]), one("w2", self.group_sizes[1])
 

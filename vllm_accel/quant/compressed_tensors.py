@@ -54,7 +54,7 @@ from vllm.model_executor.parameter import (
 from vllm_accel.logger import init_logger
 from vllm_accel.quant.base import AccelQuantConfig, is_moe
 from vllm_accel.quant.moe import QuantMoEMethod
-from vllm_accel.quant.packed import WIntResident, installed, resident_from_codes, unpack_int32
+from vllm_accel.quant.packed import WIntResident, resident_from_codes, unpack_int32
 from vllm_accel.quant.w8a8 import AccelW8A8LinearMethod, AccelW8A8MoEMethod
 from vllm_accel.quant.wint_method import WIntLinearMethod
 
@@ -470,7 +470,7 @@ class AccelCTWNA16MoEMethod(QuantMoEMethod):
         def one(proj: str):
             in_features, group_size = self.sizes[proj]
             zp = getattr(layer, f"{proj}_weight_zero_point", None)
-            return installed(ct_to_resident(
+            return self.install_expert(ct_to_resident(
                 getattr(layer, f"{proj}_weight_packed")[e],
                 getattr(layer, f"{proj}_weight_scale")[e],
                 None if zp is None else zp[e], bits=self.params.bits,

@@ -49,7 +49,6 @@ from vllm_accel.quant.moe import QuantMoEMethod
 from vllm_accel.quant.packed import (
     WIntResident,
     compact_float,
-    installed,
     pack_nibbles,
     unpack_int32,
 )
@@ -487,7 +486,7 @@ class AccelGPTQMoEMethod(QuantMoEMethod):
 
         def one(proj: str, group_offset: int):
             t = {name: getattr(layer, f"{proj}_{name}")[e] for name in self.TENSORS}
-            return installed(gptq_to_resident(
+            return self.install_expert(gptq_to_resident(
                 t["qweight"], t["qzeros"], t["scales"], t["g_idx"], bits=p.bits,
                 group_size=p.group_size, checkpoint_format=p.checkpoint_format,
                 group_offset=group_offset, prefix=f"{self.prefix}.{e}.{proj}"))

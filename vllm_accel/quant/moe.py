@@ -9,13 +9,18 @@ into ``[E, ...]`` parameters with vLLM's names (``w13_qweight``, ``w2_scales``, 
 by the format (:meth:`QuantMoEMethod.expert_linears`) into the modules its dense
 linears use (``InstalledWInt`` for weight-only integers, the W8A8 module for int8).
 
-Experts run in one of two ways, chosen at load:
+Experts run in one of three ways, chosen at load:
 
 - **stacked** (the simulator's C++ op ``vllm_accel::cpu_moe_experts``): where every
   expert has a layout the op reads (int4 in torch's int4pack layout without an
   act-order permutation; int8 weights with per-channel scales and dynamic per-token
   int8 activations), the experts' tensors are stacked ``[E, ...]`` on the layer and
   the op runs them through the dense layers' int4 / int8 kernels;
+- **prepared** (a vendor kernel with a stacked layout of its own, e.g. Enflame's
+  ``fused_moe_quant_kernel``): where the resolved ``moe_quant_experts`` kernel has a
+  ``prepare_experts`` hook, the experts are built in the generic resident layout,
+  which the hook converts into its own ``[E, ...]`` tensors (:class:`PreparedExperts`,
+  the per-expert modules dropped) or declines (None: per expert then);
 - **per expert** (any device): the layer keeps one module per expert and projection;
   the registry's ``moe_quant_experts`` kernel buckets the tokens and calls them.
   Under torch.compile that runs inside the opaque op ``vllm_accel::moe_quant_experts``,
@@ -35,6 +40,7 @@ from vllm_accel.ops.cpu_native import moe as cpu_native_moe
 from vllm_accel.ops.moe import AccelMoERouting, check_supported
 from vllm_accel.ops.registry import get_kernel, resolve_provider
 from vllm_accel.quant.base import layer_error
+from vllm_accel.quant.packed import InstalledWInt, WIntResident, installed
 
 logger = init_logger(__name__)
 
@@ -71,12 +77,32 @@ class ExpertLinears(torch.nn.Module):
         self.experts = torch.nn.ModuleList(modules)
 
 
+class PreparedExperts(torch.nn.Module):
+    """One projection (``w13`` or ``w2``) of every local expert in ``provider``'s own
+    stacked layout (``prepare_experts``): its tensors become parameters of the layer,
+    its other entries (group size, ...) plain attributes."""
+
+    def __init__(self, provider: str, entries: dict) -> None:
+        super().__init__()
+        self.provider = provider
+        for name, value in entries.items():
+            if isinstance(value, torch.Tensor):
+                self.register_parameter(name, torch.nn.Parameter(value, requires_grad=False))
+            else:
+                setattr(self, name, value)
+
+
 class QuantMoEMethod(AccelMoERouting, FusedMoEMethodBase):
     """A format subclasses it with ``create_weights`` (vLLM's parameter names and
     shapes, the checks that name the fix), :meth:`expert_linears` and
     :meth:`describe`; ``quant_name`` starts its errors and logs."""
 
     quant_name: str
+    #: the resolved ``moe_quant_experts`` kernel's ``prepare_experts`` hook while the
+    #: experts are built (they then keep the generic layout the hook reads), and those
+    #: modules' resident weights (to install as usual if the hook declines)
+    _prepare = None
+    _generic: dict | None = None
 
     def __init__(self, moe, prefix: str) -> None:
         FusedMoEMethodBase.__init__(self, moe)
@@ -119,7 +145,8 @@ class QuantMoEMethod(AccelMoERouting, FusedMoEMethodBase):
     # -- what a format provides ---------------------------------------------
 
     def expert_linears(self, layer, e: int) -> tuple[torch.nn.Module, torch.nn.Module]:
-        """Local expert ``e``'s (``w13``, ``w2``) modules from the loaded tensors."""
+        """Local expert ``e``'s (``w13``, ``w2``) modules from the loaded tensors
+        (weight-only formats build them with :meth:`install_expert`)."""
         raise NotImplementedError
 
     def checkpoint_tensors(self) -> tuple[str, ...]:
@@ -132,25 +159,61 @@ class QuantMoEMethod(AccelMoERouting, FusedMoEMethodBase):
 
     # -- the shared part ------------------------------------------------------
 
+    def install_expert(self, res: WIntResident) -> InstalledWInt:
+        """One weight-only expert projection's module: the generic resident layout
+        while a ``prepare_experts`` hook is to stack it, else :func:`installed`'s."""
+        if self._prepare is None:
+            return installed(res)
+        module = InstalledWInt(res)
+        self._generic[module] = res
+        return module
+
     def process_weights_after_loading(self, layer) -> None:
+        native = self._native()
+        provider = resolve_provider("moe_quant_experts")
+        self._prepare = None if native else getattr(get_kernel("moe_quant_experts"),
+                                                    "prepare_experts", None)
+        self._generic = {}
         pairs = [self.expert_linears(layer, e) for e in range(layer.local_num_experts)]
         for name in self.checkpoint_tensors():
             if hasattr(layer, name):
                 delattr(layer, name)
-        stacked = self._stacked(pairs) if self._native() else None
+        stacked = self._stacked(pairs) if native else None
+        prepared = self._prepared(layer, pairs)
+        if self._prepare is not None and prepared is None:  # declined
+            pairs = [tuple(installed(self._generic[m]) if m in self._generic else m
+                           for m in pair) for pair in pairs]
+        self._prepare = self._generic = None
         if stacked is not None:
             for name, t in stacked.items():
                 layer.register_parameter(name, torch.nn.Parameter(t, requires_grad=False))
             self.layout = "stacked for vllm_accel::cpu_moe_experts"
+        elif prepared is not None:
+            layer.w13_experts = PreparedExperts(provider, prepared[0])
+            layer.w2_experts = PreparedExperts(provider, prepared[1])
+            _LAYERS[layer.layer_name] = layer
+            self.layout = f"stacked in {provider}'s layout, moe_quant_experts[{provider}]"
         else:
             layer.w13_experts = ExpertLinears([p[0] for p in pairs])
             layer.w2_experts = ExpertLinears([p[1] for p in pairs])
             _LAYERS[layer.layer_name] = layer
-            self.layout = f"per expert, moe_quant_experts[{resolve_provider('moe_quant_experts')}]"
+            self.layout = f"per expert, moe_quant_experts[{provider}]"
         logger.info_once(
             "%s MoE experts (e.g. %s): %s, %d of %d experts here, %s", self.quant_name,
             layer.layer_name, self.describe(), layer.local_num_experts,
             layer.global_num_experts, self.layout, scope="process")
+
+    def _prepared(self, layer, pairs) -> tuple[dict, dict] | None:
+        """The ``prepare_experts`` hook's (w13, w2) entries for these experts, or None
+        (no hook, or it declined). Called where vLLM loads, so the default dtype is the
+        activation dtype."""
+        if self._prepare is None:
+            return None
+        biased = any(getattr(layer, name, None) is not None for name in ("w13_bias", "w2_bias"))
+        return self._prepare([p[0] for p in pairs], [p[1] for p in pairs],
+                             act_dtype=torch.get_default_dtype(), expert_map=layer.expert_map,
+                             apply_router_weight_on_input=layer.apply_router_weight_on_input,
+                             biased=biased)
 
     def _native(self) -> bool:
         return (cpu_native_moe.NATIVE_DISPATCH
@@ -187,8 +250,10 @@ class QuantMoEMethod(AccelMoERouting, FusedMoEMethodBase):
 
     def experts_per_module(self, layer, x: torch.Tensor, topk_weights: torch.Tensor,
                            topk_ids: torch.Tensor) -> torch.Tensor:
+        w13, w2 = (m.experts if isinstance(m, ExpertLinears) else m
+                   for m in (layer.w13_experts, layer.w2_experts))
         return get_kernel("moe_quant_experts")(
-            x, layer.w13_experts.experts, layer.w2_experts.experts, topk_weights, topk_ids,
+            x, w13, w2, topk_weights, topk_ids,
             expert_map=layer.expert_map, activation=layer.activation.value,
             apply_router_weight_on_input=layer.apply_router_weight_on_input,
             w13_bias=getattr(layer, "w13_bias", None), w2_bias=getattr(layer, "w2_bias", None))

@@ -295,6 +295,11 @@ class InstalledWInt(torch.nn.Module):
                            group_size=self.group_size, perm=self.perm, g_idx=self.g_idx,
                            bias=bias)
 
+    @property
+    def generic_layout(self) -> bool:
+        """Whether this module holds the generic resident tensors without an act-order
+        permutation (what kernels that stack the experts of a MoE layer read)."""
+        return self.provider is None and self.perm is None and self.g_idx is None
 
     def cpp_operands(self) -> tuple[torch.Tensor, torch.Tensor] | None:
         """(int4 weight, scales and zeros) where the simulator's C++ ops (the decoder

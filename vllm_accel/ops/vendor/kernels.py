@@ -399,14 +399,37 @@ GCU_MOE_BLOCK = 64
 _FUSED_MOE_TYPES = ("Tensor",) * 8 + ("bool", "int", "int", "Optional[Tensor]")
 
 
+def _gcu_run_experts(align, gemm, x, topk_weights, topk_ids, num_experts, inter, hidden,
+                     activation):
+    """The routed experts as vllm-gcu runs them: ``align`` (``_moe_C::moe_align_block_size``)
+    sorts the (token, choice) pairs by expert into blocks of 64, ``gemm(out, a, proj,
+    weights, ids, sorted_ids, expert_ids, padded, mul_routed_weight, topk)`` runs each
+    block's pairs through their expert's projection (``w13``, then ``w2`` scaled by the
+    router weight), the gated activation between; the choices are summed in float32."""
+    m, top_k = topk_ids.shape
+    device = x.device
+    ids = topk_ids.to(torch.int32).contiguous()
+    weights = topk_weights.to(torch.float32).contiguous()
+    padded = ids.numel() + num_experts * (GCU_MOE_BLOCK - 1)
+    sorted_ids = torch.empty(padded, dtype=torch.int32, device=device)
+    expert_ids = torch.empty(padded // GCU_MOE_BLOCK, dtype=torch.int32, device=device)
+    num_padded = torch.empty(1, dtype=torch.int32, device=device)
+    align(ids, num_experts, GCU_MOE_BLOCK, sorted_ids, expert_ids, num_padded)
+    h = torch.empty(m, top_k, 2 * inter, dtype=x.dtype, device=device)
+    gemm(h, x.contiguous(), "w13", weights, ids, sorted_ids, expert_ids, num_padded, False, top_k)
+    h = h.view(m * top_k, -1)
+    act = (get_kernel("silu_and_mul")(h) if activation == "silu"
+           else gated_activation(h, activation))
+    y = torch.empty(m, top_k, hidden, dtype=x.dtype, device=device)
+    gemm(y, act.contiguous(), "w2", weights, ids, sorted_ids, expert_ids, num_padded, True, 1)
+    return y.float().sum(dim=1).to(x.dtype)
+
+
 def _gcu_moe_experts(ops):
-    """``moe_experts`` as vllm-gcu runs them: ``_moe_C::moe_align_block_size`` sorts the
-    (token, choice) pairs by expert into blocks of 64, ``_C::fused_moe_kernel`` runs
-    each block's pairs through their expert's ``w13`` (vLLM's ``[E, 2I, H]``, read in
-    place), the gated activation, then ``w2`` (``[E, H, I]``) scaled by the router
-    weight; the choices are summed here in float32. Expert maps (expert parallel),
-    biases and the router weight on the input go to the next provider. Returns None
-    (not registered) when the kernel's schema is not vllm-gcu's."""
+    """``moe_experts`` on ``_C::fused_moe_kernel`` (:func:`_gcu_run_experts`), reading
+    vLLM's ``w13`` ``[E, 2I, H]`` and ``w2`` ``[E, H, I]`` in place. Expert maps
+    (expert parallel), biases and the router weight on the input go to the next
+    provider. Returns None (not registered) when the kernel's schema is not vllm-gcu's."""
     align = ops["_moe_C::moe_align_block_size"]
     fused = ops["_C::fused_moe_kernel"]
     if tuple(str(a.type) for a in fused._schema.arguments) != _FUSED_MOE_TYPES:
@@ -421,27 +444,122 @@ def _gcu_moe_experts(ops):
                 x, w13, w2, topk_weights, topk_ids, expert_map=expert_map,
                 activation=activation, apply_router_weight_on_input=apply_router_weight_on_input,
                 w13_bias=w13_bias, w2_bias=w2_bias)
-        m, top_k = topk_ids.shape
-        num_experts, device = w13.shape[0], x.device
-        ids = topk_ids.to(torch.int32).contiguous()
-        weights = topk_weights.to(torch.float32).contiguous()
-        padded = ids.numel() + num_experts * (GCU_MOE_BLOCK - 1)
-        sorted_ids = torch.empty(padded, dtype=torch.int32, device=device)
-        expert_ids = torch.empty(padded // GCU_MOE_BLOCK, dtype=torch.int32, device=device)
-        num_padded = torch.empty(1, dtype=torch.int32, device=device)
-        align(ids, num_experts, GCU_MOE_BLOCK, sorted_ids, expert_ids, num_padded)
-        h = torch.empty(m, top_k, w13.shape[1], dtype=x.dtype, device=device)
-        fused(h, x.contiguous(), w13, weights, ids, sorted_ids, expert_ids, num_padded, False,
-              top_k, GCU_MOE_BLOCK, None)
-        h = h.view(m * top_k, -1)
-        act = (get_kernel("silu_and_mul")(h) if activation == "silu"
-               else gated_activation(h, activation))
-        y = torch.empty(m, top_k, w2.shape[1], dtype=x.dtype, device=device)
-        fused(y, act.contiguous(), w2, weights, ids, sorted_ids, expert_ids, num_padded, True,
-              1, GCU_MOE_BLOCK, None)
-        return y.float().sum(dim=1).to(x.dtype)
+        proj = {"w13": w13, "w2": w2}
+
+        def gemm(out, a, name, weights, ids, sorted_ids, expert_ids, padded, mul, top_k):
+            fused(out, a, proj[name], weights, ids, sorted_ids, expert_ids, padded, mul, top_k,
+                  GCU_MOE_BLOCK, None)
+
+        return _gcu_run_experts(align, gemm, x, topk_weights, topk_ids, w13.shape[0],
+                                w13.shape[1] // 2, w2.shape[1], activation)
 
     return gcu_moe_experts
+
+
+#: ``_C::fused_moe_quant_kernel``'s schema as vllm-gcu registers it (inferred from its
+#: C++ signature): C!, A, B, A_scale?, B_scale, group_size, B_zp?, topk_weights,
+#: topk_ids, sorted_token_ids, expert_ids, num_tokens_post_pad, mul_routed_weight,
+#: topk, block_size, bias?, real_token_num?
+_FUSED_MOE_QUANT_TYPES = (("Tensor",) * 3 + ("Optional[Tensor]", "Tensor", "int", "Optional[Tensor]")
+                          + ("Tensor",) * 5 + ("bool", "int", "int") + ("Optional[Tensor]",) * 2)
+#: input columns per block of vllm-gcu's 4-bit layout (``rearrange_uint4_int32_uint8_gptq``)
+GCU_INT4_BLOCK = 128
+#: the group sizes vllm-gcu's 8-bit experts take besides one scale per channel
+GCU_INT8_GROUP_SIZES = (64, 128)
+
+
+def _gcu_int8_experts(modules, act_dtype) -> dict:
+    """vllm-gcu's 8-bit experts (``moe_wna16``'s GPTQ conversion): signed codes ``[E, N,
+    K]`` (the generic unsigned code minus 128: symmetric only), scales ``[E, N]`` per
+    channel (group size -1) or ``[E, G, N]``, in the activation dtype."""
+    codes = torch.stack([m.qweight.data for m in modules])
+    scales = torch.stack([m.scales.data for m in modules]).to(act_dtype).transpose(1, 2)
+    per_channel = scales.shape[1] == 1
+    return {"weight": (codes ^ 0x80).view(torch.int8),
+            "scales": (scales[:, 0] if per_channel else scales).contiguous(),
+            "zeros": None, "group_size": -1 if per_channel else modules[0].group_size}
+
+
+def _gcu_int4_experts(modules, act_dtype) -> dict:
+    """vllm-gcu's 4-bit experts: bytes ``[E, N, K/2]`` where, per block of 128 input
+    columns, byte ``j`` holds column ``j`` in its low nibble and column ``64 + j`` in its
+    high one; scales ``[E, G, N]`` and zero points times scales ``[E, G, N]`` in the
+    activation dtype (vllm-gcu's asymmetric form, also for symmetric checkpoints: their
+    zero point 8 is passed rather than left to the kernel)."""
+    packed = torch.stack([m.qweight.data for m in modules])  # [E, N, K/2], even column low
+    e, n, half = packed.shape
+    codes = torch.stack((packed & 0xF, packed >> 4), dim=-1).view(e, n, -1, 2, 64)
+    weight = (codes[..., 0, :] | (codes[..., 1, :] << 4)).reshape(e, n, half)
+    scales = torch.stack([m.scales.data for m in modules]).float()  # [E, N, G]
+    zeros = (torch.full_like(scales, 8.0) if modules[0].zeros is None
+             else torch.stack([m.zeros.data for m in modules]).float())
+    return {"weight": weight.contiguous(),
+            "scales": scales.to(act_dtype).transpose(1, 2).contiguous(),
+            "zeros": (zeros * scales).to(act_dtype).transpose(1, 2).contiguous(),
+            "group_size": -1 if scales.shape[2] == 1 else modules[0].group_size}
+
+
+def _gcu_quant_layout(modules, act_dtype) -> dict | None:
+    """One projection of every expert in vllm-gcu's layout, or None where its kernel
+    takes none: the generic resident layout without act-order (uniform over the
+    experts); 8-bit symmetric per channel or in groups of 64/128; 4-bit with input
+    columns a multiple of 128."""
+    first = modules[0]
+    if not all(getattr(m, "generic_layout", False) for m in modules) or len(
+            {(m.bits, m.group_size, m.zeros is None, m.qweight.shape) for m in modules}) != 1:
+        return None
+    width = first.qweight.shape[1] * (8 // first.bits)
+    if first.bits == 8 and first.zeros is None and (
+            first.group_size == width or first.group_size in GCU_INT8_GROUP_SIZES):
+        return _gcu_int8_experts(modules, act_dtype)
+    if first.bits == 4 and width % GCU_INT4_BLOCK == 0:
+        return _gcu_int4_experts(modules, act_dtype)
+    return None
+
+
+def _gcu_moe_quant_experts(ops):
+    """``moe_quant_experts`` on ``_C::fused_moe_quant_kernel`` (weight-only 4/8-bit,
+    :func:`_gcu_run_experts`). ``prepare_experts`` converts a layer's experts at load
+    into vllm-gcu's layouts (:func:`_gcu_quant_layout`), for bf16/fp16 activations
+    (vllm-gcu's) without an expert map, biases or the router weight on the input;
+    it declines other layers, which keep per-expert modules and the next provider.
+    Returns None (not registered) when the kernel's schema is not vllm-gcu's."""
+    align = ops["_moe_C::moe_align_block_size"]
+    quant = ops["_C::fused_moe_quant_kernel"]
+    if tuple(str(a.type) for a in quant._schema.arguments) != _FUSED_MOE_QUANT_TYPES:
+        return None
+
+    def gcu_moe_quant_experts(x, w13, w2, topk_weights, topk_ids, *, expert_map=None,
+                              activation="silu", apply_router_weight_on_input=False,
+                              w13_bias=None, w2_bias=None):
+        if getattr(w13, "provider", None) != GCU_VENDOR:  # per-expert modules
+            return fallback_kernel("moe_quant_experts", GCU_VENDOR)(
+                x, w13, w2, topk_weights, topk_ids, expert_map=expert_map,
+                activation=activation, apply_router_weight_on_input=apply_router_weight_on_input,
+                w13_bias=w13_bias, w2_bias=w2_bias)
+        if not x.shape[0]:
+            return torch.zeros_like(x)
+        proj = {"w13": w13, "w2": w2}
+
+        def gemm(out, a, name, weights, ids, sorted_ids, expert_ids, padded, mul, top_k):
+            p = proj[name]
+            quant(out, a, p.weight, None, p.scales, p.group_size, p.zeros, weights, ids,
+                  sorted_ids, expert_ids, padded, mul, top_k, GCU_MOE_BLOCK, None, None)
+
+        return _gcu_run_experts(align, gemm, x, topk_weights, topk_ids, w13.weight.shape[0],
+                                w13.weight.shape[1] // 2, w2.weight.shape[1], activation)
+
+    def prepare_experts(w13, w2, *, act_dtype, expert_map, apply_router_weight_on_input,
+                        biased):
+        """(w13, w2) entries of vllm-gcu's layouts for these experts' modules, or None."""
+        if (act_dtype not in (torch.bfloat16, torch.float16) or expert_map is not None
+                or apply_router_weight_on_input or biased):
+            return None
+        layouts = (_gcu_quant_layout(w13, act_dtype), _gcu_quant_layout(w2, act_dtype))
+        return None if None in layouts else layouts
+
+    gcu_moe_quant_experts.prepare_experts = prepare_experts
+    return gcu_moe_quant_experts
 
 
 # ---------------------------------------------------------------------------
@@ -524,6 +642,9 @@ VENDOR_KERNELS: tuple[tuple[str, str, tuple[str, ...], str | Callable, Callable]
     (GCU_VENDOR, "paged_decode", ("_C::paged_attention_v1",), "all", _gcu_paged_decode),
     (GCU_VENDOR, "moe_experts", ("_moe_C::moe_align_block_size", "_C::fused_moe_kernel"),
      "all", _gcu_moe_experts),
+    (GCU_VENDOR, "moe_quant_experts", ("_moe_C::moe_align_block_size",
+                                       "_C::fused_moe_quant_kernel"), "all",
+     _gcu_moe_quant_experts),
     (GCU_VENDOR, "mla_cache_write", ("_C_cache_ops::concat_and_cache_mla",), "all",
      _gcu_mla_cache_write),
     (GCU_VENDOR, "mla_decode", ("_flashmla_C::fwd_kvcache_mla", "_flashmla_C::get_mla_metadata",

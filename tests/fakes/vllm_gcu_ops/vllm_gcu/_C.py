@@ -174,10 +174,10 @@ def moe_align_block_size(topk_ids, num_experts, block_size, sorted_token_ids, ex
     num_tokens_post_pad.fill_(pos)
 
 
-def fused_moe_kernel(C, A, B, topk_weights, topk_ids, sorted_token_ids, expert_ids,
-                     num_tokens_post_pad, mul_routed_weight, topk, block_size, bias):
-    CALLS["fused_moe_kernel"] += 1
-    assert bias is None and topk_weights.dtype == torch.float32
+def _expert_blocks(C, A, expert_weight, topk_weights, topk_ids, sorted_token_ids, expert_ids,
+                   num_tokens_post_pad, mul_routed_weight, topk, block_size):
+    """C[pair] = A[pair // topk] @ expert_weight(expert)^T (float64) per block of pairs."""
+    assert topk_weights.dtype == torch.float32
     assert sorted_token_ids.dtype == expert_ids.dtype == torch.int32
     n_pairs, total = topk_ids.numel(), int(num_tokens_post_pad)
     assert total % block_size == 0
@@ -186,13 +186,60 @@ def fused_moe_kernel(C, A, B, topk_weights, topk_ids, sorted_token_ids, expert_i
     for block in range(total // block_size):
         pairs = sorted_token_ids[block * block_size:(block + 1) * block_size].long()
         pairs = pairs[pairs < n_pairs]
-        expert = int(expert_ids[block])
-        out = A[pairs // topk].double() @ B[expert].double().T
+        out = A[pairs // topk].double() @ expert_weight(int(expert_ids[block])).T
         if mul_routed_weight:
             out = out * topk_weights.flatten()[pairs].double()[:, None]
         rows[pairs] = out.to(C.dtype)
         written[pairs] = True
     assert bool(written.all()), "pairs left unwritten"
+
+
+def fused_moe_kernel(C, A, B, topk_weights, topk_ids, sorted_token_ids, expert_ids,
+                     num_tokens_post_pad, mul_routed_weight, topk, block_size, bias):
+    CALLS["fused_moe_kernel"] += 1
+    assert bias is None
+    _expert_blocks(C, A, lambda e: B[e].double(), topk_weights, topk_ids, sorted_token_ids,
+                   expert_ids, num_tokens_post_pad, mul_routed_weight, topk, block_size)
+
+
+# _C::fused_moe_quant_kernel, weight-only (A_scale None), in the layouts vllm-gcu's
+# moe_wna16 method converts GPTQ experts to: 8-bit signed codes [E, N, K] with scales
+# [E, N] (group size -1) or [E, G, N]; 4-bit bytes [E, N, K/2] holding, per block of
+# 128 input columns, column j in the low nibble of byte j and column 64 + j in its
+# high nibble, scales [E, G, N] and zero points times scales [E, G, N] (weight =
+# code * scale - zero). Scales are in the activation dtype. vllm-gcu's symmetric 4-bit
+# call (no zero points) is not modelled: vllm_accel always passes them.
+def _dequant_gcu_expert(B, B_scale, gs, B_zp, e):
+    if B.dtype == torch.int8:
+        assert B_zp is None, "vllm-gcu's 8-bit experts are symmetric"
+        codes = B[e].double()
+        if gs == -1:
+            assert B_scale.dim() == 2
+            return codes * B_scale[e].double()[:, None]
+        assert B_scale.dim() == 3 and gs in (64, 128)
+        return codes * B_scale[e].double().T.repeat_interleave(gs, dim=1)
+    assert B.dtype == torch.uint8 and B_zp is not None and B_zp.dim() == 3
+    n, half = B[e].shape
+    blocks = B[e].view(n, half // 64, 64)
+    codes = torch.stack((blocks & 0xF, blocks >> 4), dim=2).reshape(n, 2 * half).double()
+    group = 2 * half if gs == -1 else gs
+    assert B_scale.shape[1] == 2 * half // group
+
+    def per_column(t):
+        return t[e].double().T.repeat_interleave(group, dim=1)
+
+    return codes * per_column(B_scale) - per_column(B_zp)
+
+
+def fused_moe_quant_kernel(C, A, B, A_scale, B_scale, gs, B_zp, topk_weights, topk_ids,
+                           sorted_token_ids, expert_ids, num_tokens_post_pad,
+                           mul_routed_weight, topk, block_size, bias, real_token_num):
+    CALLS["fused_moe_quant_kernel"] += 1
+    assert A_scale is None and bias is None and real_token_num is None
+    assert B_scale.dtype == A.dtype and (B_zp is None or B_zp.dtype == A.dtype)
+    _expert_blocks(C, A, lambda e: _dequant_gcu_expert(B, B_scale, gs, B_zp, e), topk_weights,
+                   topk_ids, sorted_token_ids, expert_ids, num_tokens_post_pad,
+                   mul_routed_weight, topk, block_size)
 
 
 _register("_moe_C", "moe_align_block_size(Tensor topk_ids, int num_experts, int block_size, "
@@ -201,6 +248,10 @@ _register("_moe_C", "moe_align_block_size(Tensor topk_ids, int num_experts, int 
 _register("_C", "fused_moe_kernel(Tensor(a!) _0, Tensor _1, Tensor _2, Tensor _3, Tensor _4, "
           "Tensor _5, Tensor _6, Tensor _7, bool _8, int _9, int _10, Tensor? _11) -> ()",
           fused_moe_kernel)
+_register("_C", "fused_moe_quant_kernel(Tensor(a!) _0, Tensor _1, Tensor _2, Tensor? _3, "
+          "Tensor _4, int _5, Tensor? _6, Tensor _7, Tensor _8, Tensor _9, Tensor _10, "
+          "Tensor _11, bool _12, int _13, int _14, Tensor? _15, Tensor? _16) -> ()",
+          fused_moe_quant_kernel)
 
 
 # Group-limited routing under _C (vllm-gcu's replacement for vLLM's grouped_topk):
