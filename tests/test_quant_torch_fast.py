@@ -97,6 +97,21 @@ def test_int4_layout_for_bf16_activations_only():
                for dtype in (torch.float32, torch.bfloat16, torch.float16))
 
 
+def test_weights_off_the_cpu_take_no_cpu_only_kernel():
+    """torch's int4 and int8pack kernels exist for the CPU only: weights a card holds
+    (here on the meta device) keep the generic layout at 4 bits and take the tiled
+    int8 op of plain torch ops at 8, also for bf16, where the CPU gets int8pack."""
+    res4, _ = make_resident(128, 256, 4, 64, False, False, seed=0)
+    res8, _ = make_resident(128, 256, 8, -1, True, False, seed=0)
+    for res in (res4, res8):
+        res.qweight, res.scales = res.qweight.to("meta"), res.scales.to("meta")
+        res.zeros = None if res.zeros is None else res.zeros.to("meta")
+    assert choose_layout(res4, torch.bfloat16) is None
+    prepared = choose_layout(res8, torch.bfloat16)
+    assert set(prepared) == {"int8_tile_weight", "int8_tile_scales"}
+    assert prepared["int8_tile_weight"].device.type == "meta"
+
+
 def test_prepared_weight_is_as_compact_as_generic():
     res, _ = make_resident(256, 1024, 4, 128, False, False, seed=1)
     prepared = prepare(res, torch.bfloat16)

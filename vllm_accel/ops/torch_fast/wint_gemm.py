@@ -93,7 +93,10 @@ def prepare(res, act_dtype: torch.dtype,
             ) -> dict[str, torch.Tensor] | None:
     """The fused kernel's layout of a :class:`~vllm_accel.quant.packed.WIntResident`,
     or None if it has none (non-uniform act-order groups, unsupported shapes, 4-bit
-    weights with activations not in ``int4_act_dtypes``)."""
+    weights with activations not in ``int4_act_dtypes``). torch's int4 and int8pack
+    kernels are CPU kernels, which a card's torch does not have: a weight on another
+    device keeps the generic layout at 4 bits and takes ``int8_weight_mm`` (plain
+    torch ops) at 8."""
     if res.g_idx is not None or act_dtype not in (torch.float32, torch.bfloat16,
                                                   torch.float16):
         return None
@@ -102,6 +105,9 @@ def prepare(res, act_dtype: torch.dtype,
     from vllm_accel.quant.packed import codes_of
 
     n, k = res.out_features, res.in_features
+    on_cpu = res.qweight.device.type == "cpu"
+    if res.bits == 4 and not on_cpu:
+        return None
     codes = codes_of(res.qweight, res.bits, 0, k)  # uint8 [N, K]
     scales = res.scales.to(torch.float32)  # [N, G]
     zeros = (torch.full_like(scales, float(2 ** (res.bits - 1))) if res.zeros is None
@@ -124,7 +130,7 @@ def prepare(res, act_dtype: torch.dtype,
         signed = (codes.to(torch.int16) - 128).to(torch.int8).contiguous()
         # torch 2.13's CPU _weight_int8pack_mm returns wrong values (or crashes)
         # unless K is a multiple of 16 (probed over 486 shapes), and is slow but for bf16.
-        if act_dtype == torch.bfloat16 and k % INT8_K_MULTIPLE == 0:
+        if on_cpu and act_dtype == torch.bfloat16 and k % INT8_K_MULTIPLE == 0:
             prepared["int8_weight"] = signed
             prepared["int8_scales"] = scales[:, 0].to(act_dtype).contiguous()
         else:
