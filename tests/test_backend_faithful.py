@@ -249,6 +249,56 @@ GCU_DISPATCH = textwrap.dedent("""
         for feature in ({"expert_map": torch.tensor([0, -1])},
                         {"apply_router_weight_on_input": True}, {"biased": True}):
             assert prepare(m13, m2, act_dtype=torch.bfloat16, **{**plain, **feature}) is None
+    # Dense weight-only linears through gptq_gemm_gcu (4-bit) and weight_only_quant
+    # (8-bit) in vllm-gcu's layouts, made at load (wint_prepare under the model's
+    # dtype), vs float64 on the dequantized weight
+    from vllm_accel.quant.packed import installed
+    vendor = "vllm_gcu._C" in sys.modules
+    def dense(bits, gs, asym, act_order, k, g):
+        groups = k // gs if gs > 0 else 1
+        return resident_from_codes(
+            torch.randint(0, 2 ** bits, (96, k), generator=g),
+            (torch.rand(96, groups, generator=g) + 0.5) * 2.0 ** -bits / k ** 0.5,
+            torch.randint(0, 2 ** bits, (96, groups), generator=g) if asym else None,
+            bits=bits, group_size=gs, perm=torch.randperm(k, generator=g) if act_order else None)
+    for bits, gs, asym, act_order, dtype in ((4, 32, True, False, torch.bfloat16),
+                                             (4, -1, False, False, torch.float16),
+                                             (4, 64, True, True, torch.bfloat16),
+                                             (8, -1, False, False, torch.bfloat16),
+                                             (8, 64, False, True, torch.float16)):
+        g = torch.Generator().manual_seed(bits * 10 + gs)
+        res = dense(bits, gs, asym, act_order, 256, g)
+        previous = torch.get_default_dtype()
+        torch.set_default_dtype(dtype)
+        try:
+            module = installed(res)
+        finally:
+            torch.set_default_dtype(previous)
+        assert (module.provider == "gcu_vendor") == vendor, module.provider
+        x, bias = torch.randn(3, 5, 256, generator=g).to(dtype), torch.randn(96).to(dtype)
+        want = x.double() @ res.dequantize().T + bias.double()
+        op = "gptq_gemm_gcu" if bits == 4 else "weight_only_quant"
+        before = calls.get(op, 0)
+        got = module(x, bias)
+        # what torch.compile traces with: the op's fake gives the output's shape
+        from torch._subclasses.fake_tensor import FakeTensorMode
+        with FakeTensorMode(allow_non_fake_inputs=True):
+            traced = module(torch.empty(7, 256, dtype=dtype), bias)
+        assert traced.shape == (7, 96) and traced.dtype == dtype
+        unit = 2 ** -8 if dtype == torch.bfloat16 else 2 ** -11
+        err = float(((got.double() - want).abs() / want.abs().amax()).max())
+        assert got.shape == (3, 5, 96) and got.dtype == dtype and err <= 8 * unit, (bits, gs, err)
+        assert calls.get(op, 0) - before == (1 if vendor else 0)
+        print("DENSE", bits, gs, asym, act_order, str(dtype), "error", round(err / unit, 2), "units")
+    if vendor:
+        prepare = registry.get_kernel("wint_prepare", "gcu_vendor")
+        g = torch.Generator().manual_seed(0)
+        assert prepare(dense(4, 32, True, False, 256, g), torch.float32) is None
+        assert prepare(dense(8, -1, True, False, 256, g), torch.bfloat16) is None  # zero points
+        assert prepare(dense(4, 32, True, False, 64, g), torch.bfloat16) is None  # 64 inputs
+        scattered = dense(4, 32, True, False, 256, g)
+        scattered.g_idx = torch.arange(256, dtype=torch.int32) % 8
+        assert prepare(scattered, torch.bfloat16) is None
     print("CALLS", dict(calls))
 """)
 
@@ -266,12 +316,14 @@ def test_gcu_vendor_ops_are_used_when_registered(tmp_path):
             "'topk_softmax': 2, 'fused_grouped_topk': 2, 'rotary_embedding': 1, "
             "'concat_and_cache_mla': 3, 'fwd_kvcache_mla': 1, "
             "'paged_attention_v1': 4, 'moe_align_block_size': 6, 'fused_moe_kernel': 4, "
-            "'fused_moe_quant_kernel': 8}") in out
+            "'fused_moe_quant_kernel': 8, 'gptq_gemm_gcu': 3, 'weight_only_quant': 2}") in out
     assert ("'gcu_vendor:moe_experts': 'registered (_C::fused_moe_kernel, "
             "_moe_C::moe_align_block_size)'") in out
     assert ("'gcu_vendor:moe_quant_experts': 'registered (_C::fused_moe_quant_kernel, "
             "_moe_C::moe_align_block_size)'") in out
-    assert out.count("QUANT ") == 4
+    assert out.count("QUANT ") == 4 and out.count("DENSE ") == 5
+    assert ("'gcu_vendor:wint_prepare': 'registered (_C::gptq_gemm_gcu, "
+            "_C::weight_only_quant)'") in out
     assert "'gcu_vendor:paged_decode': 'registered (_C::paged_attention_v1)'" in out
     # Enflame's library has no metadata op (vllm-gcu passes None for it)
     assert "'gcu_vendor:mla_decode': 'registered (_flashmla_C::fwd_kvcache_mla)'" in out

@@ -468,35 +468,53 @@ GCU_INT4_BLOCK = 128
 GCU_INT8_GROUP_SIZES = (64, 128)
 
 
+def _gcu_int8_codes(codes: torch.Tensor) -> torch.Tensor:
+    """vllm-gcu's 8-bit weights: signed codes, the generic unsigned code minus 128
+    (symmetric checkpoints only: vllm-gcu keeps no zero points at 8 bits)."""
+    return (codes ^ 0x80).view(torch.int8)
+
+
+def _gcu_int4_bytes(packed: torch.Tensor) -> torch.Tensor:
+    """Generic 4-bit bytes ``[..., N, K/2]`` (even column in the low nibble) ->
+    vllm-gcu's (``rearrange_uint4_int32_uint8_gptq``): per block of 128 input columns,
+    byte ``j`` holds column ``j`` in its low nibble and column ``64 + j`` in its high one."""
+    *lead, n, half = packed.shape
+    codes = torch.stack((packed & 0xF, packed >> 4), dim=-1).view(*lead, n, -1, 2, 64)
+    return (codes[..., 0, :] | (codes[..., 1, :] << 4)).reshape(*lead, n, half)
+
+
+def _gcu_int4_scales(scales: torch.Tensor, zeros: torch.Tensor | None, act_dtype):
+    """Generic scales and zero points ``[..., N, G]`` -> vllm-gcu's scales and zero
+    points times scales, ``[..., G, N]`` in the activation dtype (its asymmetric form,
+    also for symmetric weights: their zero point 8 is passed, not left to the kernel)."""
+    s = scales.float()
+    z = torch.full_like(s, 8.0) if zeros is None else zeros.float()
+    return (s.to(act_dtype).transpose(-1, -2).contiguous(),
+            (z * s).to(act_dtype).transpose(-1, -2).contiguous())
+
+
 def _gcu_int8_experts(modules, act_dtype) -> dict:
     """vllm-gcu's 8-bit experts (``moe_wna16``'s GPTQ conversion): signed codes ``[E, N,
-    K]`` (the generic unsigned code minus 128: symmetric only), scales ``[E, N]`` per
-    channel (group size -1) or ``[E, G, N]``, in the activation dtype."""
+    K]``, scales ``[E, N]`` per channel (group size -1) or ``[E, G, N]``, in the
+    activation dtype."""
     codes = torch.stack([m.qweight.data for m in modules])
     scales = torch.stack([m.scales.data for m in modules]).to(act_dtype).transpose(1, 2)
     per_channel = scales.shape[1] == 1
-    return {"weight": (codes ^ 0x80).view(torch.int8),
+    return {"weight": _gcu_int8_codes(codes),
             "scales": (scales[:, 0] if per_channel else scales).contiguous(),
             "zeros": None, "group_size": -1 if per_channel else modules[0].group_size}
 
 
 def _gcu_int4_experts(modules, act_dtype) -> dict:
-    """vllm-gcu's 4-bit experts: bytes ``[E, N, K/2]`` where, per block of 128 input
-    columns, byte ``j`` holds column ``j`` in its low nibble and column ``64 + j`` in its
-    high one; scales ``[E, G, N]`` and zero points times scales ``[E, G, N]`` in the
-    activation dtype (vllm-gcu's asymmetric form, also for symmetric checkpoints: their
-    zero point 8 is passed rather than left to the kernel)."""
-    packed = torch.stack([m.qweight.data for m in modules])  # [E, N, K/2], even column low
-    e, n, half = packed.shape
-    codes = torch.stack((packed & 0xF, packed >> 4), dim=-1).view(e, n, -1, 2, 64)
-    weight = (codes[..., 0, :] | (codes[..., 1, :] << 4)).reshape(e, n, half)
-    scales = torch.stack([m.scales.data for m in modules]).float()  # [E, N, G]
-    zeros = (torch.full_like(scales, 8.0) if modules[0].zeros is None
-             else torch.stack([m.zeros.data for m in modules]).float())
-    return {"weight": weight.contiguous(),
-            "scales": scales.to(act_dtype).transpose(1, 2).contiguous(),
-            "zeros": (zeros * scales).to(act_dtype).transpose(1, 2).contiguous(),
-            "group_size": -1 if scales.shape[2] == 1 else modules[0].group_size}
+    """vllm-gcu's 4-bit experts: bytes ``[E, N, K/2]`` (:func:`_gcu_int4_bytes`), scales
+    and zero terms ``[E, G, N]`` (:func:`_gcu_int4_scales`)."""
+    packed = torch.stack([m.qweight.data for m in modules])
+    zeros = None if modules[0].zeros is None else torch.stack([m.zeros.data for m in modules])
+    scales, zero_terms = _gcu_int4_scales(torch.stack([m.scales.data for m in modules]),
+                                          zeros, act_dtype)
+    return {"weight": _gcu_int4_bytes(packed).contiguous(), "scales": scales,
+            "zeros": zero_terms,
+            "group_size": -1 if scales.shape[1] == 1 else modules[0].group_size}
 
 
 def _gcu_quant_layout(modules, act_dtype) -> dict | None:
@@ -560,6 +578,103 @@ def _gcu_moe_quant_experts(ops):
 
     gcu_moe_quant_experts.prepare_experts = prepare_experts
     return gcu_moe_quant_experts
+
+
+#: ``_C::gptq_gemm_gcu``'s and ``_C::weight_only_quant``'s arguments as vllm-gcu
+#: defines them (name, type)
+_GCU_WINT_ARGS = {
+    "_C::gptq_gemm_gcu": (("a", "Tensor"), ("b_q_weight", "Tensor"),
+                          ("b_gptq_qzeros", "Tensor"), ("b_gptq_scales", "Tensor"),
+                          ("b_g_idx", "Tensor"), ("bit", "int"), ("bias", "Optional[Tensor]"),
+                          ("group_size", "int")),
+    "_C::weight_only_quant": (("output", "Tensor"), ("input", "Tensor"), ("qweight", "Tensor"),
+                              ("bias", "Optional[Tensor]"), ("scale", "Tensor"),
+                              ("group_size", "int")),
+}
+
+# The dense GEMMs as one opaque op of ours, so torch.compile traces through its fake
+# (vllm-gcu registers the vendor ops' fakes in its Python package, which is not loaded).
+_LIB = torch.library.Library("vllm_accel", "FRAGMENT")
+_LIB.define("gcu_wint_linear(Tensor x, Tensor weight, Tensor scales, Tensor? zeros, "
+            "Tensor? group_index, Tensor? bias) -> Tensor")
+
+
+def _gcu_wint_linear(x, weight, scales, zeros, group_index, bias):
+    """``x`` ``[M, K]`` through vllm-gcu's 4-bit (``zeros`` given) or 8-bit GEMM."""
+    groups = scales.shape[0] if scales.dim() == 2 else 1
+    group_size = -1 if groups == 1 else x.shape[1] // groups
+    if zeros is not None:
+        return torch.ops._C.gptq_gemm_gcu(x, weight, zeros, scales, group_index, 4, bias,
+                                          group_size)
+    out = torch.empty(x.shape[0], weight.shape[0], dtype=x.dtype, device=x.device)
+    torch.ops._C.weight_only_quant(out, x, weight, bias, scales, group_size)
+    return out
+
+
+_LIB.impl("gcu_wint_linear", _gcu_wint_linear, "CompositeExplicitAutograd")
+
+
+@torch.library.register_fake("vllm_accel::gcu_wint_linear", lib=_LIB)
+def _gcu_wint_linear_shape(x, weight, scales, zeros, group_index, bias):
+    return x.new_empty(x.shape[0], weight.shape[1] if zeros is not None else weight.shape[0])
+
+
+def _gcu_wint_schemas(ops) -> bool:
+    """Whether every vllm-gcu dense GEMM found has vllm-gcu's schema."""
+    return all(tuple((a.name, str(a.type)) for a in op._schema.arguments) == _GCU_WINT_ARGS[q]
+               for q, op in ops.items())
+
+
+def _gcu_wint_prepare(ops):
+    """``wint_prepare``: a weight-only layer in vllm-gcu's layouts, for bf16/fp16
+    activations (vllm-gcu's): 4-bit (``_C::gptq_gemm_gcu``) bytes ``[K/2, N]`` in its
+    128-column blocks, scales and zero terms ``[G, N]``, with input widths a multiple of
+    128; 8-bit symmetric (``_C::weight_only_quant``) signed codes ``[N, K]`` with scales
+    ``[N]`` or ``[G, N]``. Act-order keeps its permutation (the input is gathered per
+    call). Other layers: None (the generic layout). Returns None (not registered) when
+    a GEMM's schema is not vllm-gcu's."""
+    if not _gcu_wint_schemas(ops):
+        return None
+
+    def gcu_wint_prepare(res, act_dtype):
+        if act_dtype not in (torch.bfloat16, torch.float16) or res.g_idx is not None:
+            return None
+        if res.bits == 4 and "_C::gptq_gemm_gcu" in ops and res.in_features % GCU_INT4_BLOCK == 0:
+            scales, zero_terms = _gcu_int4_scales(res.scales, res.zeros, act_dtype)
+            prepared = {"gcu_weight": _gcu_int4_bytes(res.qweight).t().contiguous(),
+                        "gcu_scales": scales, "gcu_zeros": zero_terms,
+                        "gcu_group_index": torch.arange(scales.shape[0], dtype=torch.int32,
+                                                        device=scales.device)}
+        elif res.bits == 8 and "_C::weight_only_quant" in ops and res.zeros is None:
+            scales = res.scales.to(act_dtype)
+            prepared = {"gcu_weight": _gcu_int8_codes(res.qweight).contiguous(),
+                        "gcu_scales": (scales[:, 0] if scales.shape[1] == 1
+                                       else scales.t()).contiguous()}
+        else:
+            return None
+        if res.perm is not None:
+            prepared["perm"] = res.perm
+        return prepared
+
+    return gcu_wint_prepare
+
+
+def _gcu_wint_prepared_linear(ops):
+    """``wint_prepared_linear`` on :func:`_gcu_wint_prepare`'s layouts."""
+    if not _gcu_wint_schemas(ops):
+        return None
+
+    def gcu_wint_prepared_linear(x, prepared, bias=None):
+        perm = prepared.get("perm")
+        if perm is not None:
+            x = x.index_select(-1, perm)
+        out = torch.ops.vllm_accel.gcu_wint_linear(
+            x.reshape(-1, x.shape[-1]).contiguous(), prepared["gcu_weight"],
+            prepared["gcu_scales"], prepared.get("gcu_zeros"), prepared.get("gcu_group_index"),
+            bias)
+        return out.view(*x.shape[:-1], out.shape[-1])
+
+    return gcu_wint_prepared_linear
 
 
 # ---------------------------------------------------------------------------
@@ -642,6 +757,10 @@ VENDOR_KERNELS: tuple[tuple[str, str, tuple[str, ...], str | Callable, Callable]
     (GCU_VENDOR, "paged_decode", ("_C::paged_attention_v1",), "all", _gcu_paged_decode),
     (GCU_VENDOR, "moe_experts", ("_moe_C::moe_align_block_size", "_C::fused_moe_kernel"),
      "all", _gcu_moe_experts),
+    (GCU_VENDOR, "wint_prepare", ("_C::gptq_gemm_gcu", "_C::weight_only_quant"), "any",
+     _gcu_wint_prepare),
+    (GCU_VENDOR, "wint_prepared_linear", ("_C::gptq_gemm_gcu", "_C::weight_only_quant"),
+     "any", _gcu_wint_prepared_linear),
     (GCU_VENDOR, "moe_quant_experts", ("_moe_C::moe_align_block_size",
                                        "_C::fused_moe_quant_kernel"), "all",
      _gcu_moe_quant_experts),

@@ -202,33 +202,45 @@ def fused_moe_kernel(C, A, B, topk_weights, topk_ids, sorted_token_ids, expert_i
                    expert_ids, num_tokens_post_pad, mul_routed_weight, topk, block_size)
 
 
-# _C::fused_moe_quant_kernel, weight-only (A_scale None), in the layouts vllm-gcu's
-# moe_wna16 method converts GPTQ experts to: 8-bit signed codes [E, N, K] with scales
-# [E, N] (group size -1) or [E, G, N]; 4-bit bytes [E, N, K/2] holding, per block of
-# 128 input columns, column j in the low nibble of byte j and column 64 + j in its
-# high nibble, scales [E, G, N] and zero points times scales [E, G, N] (weight =
-# code * scale - zero). Scales are in the activation dtype. vllm-gcu's symmetric 4-bit
-# call (no zero points) is not modelled: vllm_accel always passes them.
+# vllm-gcu's weight-only layouts (its moe_wna16 and gptq methods' conversions of GPTQ
+# weights): 8-bit signed codes [N, K] with scales [N] (group size -1) or [G, N]; 4-bit
+# bytes [N, K/2] (experts) or [K/2, N] (dense) holding, per block of 128 input columns,
+# column j in the low nibble of byte j and column 64 + j in its high nibble, with scales
+# [G, N] and zero points times scales [G, N] (weight = code * scale - zero term).
+# Scales are in the activation dtype. vllm-gcu's symmetric 4-bit experts call (no zero
+# points) is not modelled: vllm_accel always passes them.
+def _per_column(t, group):
+    return t.double().T.repeat_interleave(group, dim=1)
+
+
+def _dequant_int8(codes, scales, gs):
+    assert codes.dtype == torch.int8
+    if gs == -1:
+        assert scales.dim() == 1
+        return codes.double() * scales.double()[:, None]
+    assert scales.dim() == 2 and codes.shape[1] == gs * scales.shape[0]
+    return codes.double() * _per_column(scales, gs)
+
+
+def _dequant_int4(packed, scales, zero_terms, gs):
+    """packed [N, K/2] bytes in the 128-column blocks -> float64 [N, K]."""
+    assert packed.dtype == torch.uint8 and zero_terms is not None
+    n, half = packed.shape
+    blocks = packed.reshape(n, half // 64, 64)
+    codes = torch.stack((blocks & 0xF, blocks >> 4), dim=2).reshape(n, 2 * half).double()
+    group = 2 * half if gs == -1 else gs
+    assert scales.shape == zero_terms.shape == (2 * half // group, n)
+    return codes * _per_column(scales, group) - _per_column(zero_terms, group)
+
+
 def _dequant_gcu_expert(B, B_scale, gs, B_zp, e):
     if B.dtype == torch.int8:
         assert B_zp is None, "vllm-gcu's 8-bit experts are symmetric"
-        codes = B[e].double()
-        if gs == -1:
-            assert B_scale.dim() == 2
-            return codes * B_scale[e].double()[:, None]
-        assert B_scale.dim() == 3 and gs in (64, 128)
-        return codes * B_scale[e].double().T.repeat_interleave(gs, dim=1)
-    assert B.dtype == torch.uint8 and B_zp is not None and B_zp.dim() == 3
-    n, half = B[e].shape
-    blocks = B[e].view(n, half // 64, 64)
-    codes = torch.stack((blocks & 0xF, blocks >> 4), dim=2).reshape(n, 2 * half).double()
-    group = 2 * half if gs == -1 else gs
-    assert B_scale.shape[1] == 2 * half // group
-
-    def per_column(t):
-        return t[e].double().T.repeat_interleave(group, dim=1)
-
-    return codes * per_column(B_scale) - per_column(B_zp)
+        if gs != -1:
+            assert gs in (64, 128)
+        return _dequant_int8(B[e], B_scale[e], gs)
+    assert B_zp.dim() == 3
+    return _dequant_int4(B[e], B_scale[e], B_zp[e], gs)
 
 
 def fused_moe_quant_kernel(C, A, B, A_scale, B_scale, gs, B_zp, topk_weights, topk_ids,
@@ -252,6 +264,30 @@ _register("_C", "fused_moe_quant_kernel(Tensor(a!) _0, Tensor _1, Tensor _2, Ten
           "Tensor _4, int _5, Tensor? _6, Tensor _7, Tensor _8, Tensor _9, Tensor _10, "
           "Tensor _11, bool _12, int _13, int _14, Tensor? _15, Tensor? _16) -> ()",
           fused_moe_quant_kernel)
+
+
+# Dense weight-only GEMMs: gptq_gemm_gcu (4-bit; vllm-gcu passes a per-group index its
+# kernel does not read) and weight_only_quant (8-bit, symmetric).
+def gptq_gemm_gcu(a, b_q_weight, b_gptq_qzeros, b_gptq_scales, b_g_idx, bit, bias, group_size):
+    CALLS["gptq_gemm_gcu"] += 1
+    assert bit == 4 and a.dim() == 2 and b_gptq_scales.dtype == b_gptq_qzeros.dtype == a.dtype
+    w = _dequant_int4(b_q_weight.T, b_gptq_scales, b_gptq_qzeros, group_size)
+    out = a.double() @ w.T
+    return (out if bias is None else out + bias.double()).to(a.dtype)
+
+
+def weight_only_quant(output, input, qweight, bias, scale, group_size):
+    CALLS["weight_only_quant"] += 1
+    assert scale.dtype == input.dtype
+    out = input.double() @ _dequant_int8(qweight, scale, group_size).T
+    output.copy_(out if bias is None else out + bias.double())
+
+
+_register("_C", "gptq_gemm_gcu(Tensor a, Tensor b_q_weight, Tensor b_gptq_qzeros, "
+          "Tensor b_gptq_scales, Tensor b_g_idx, int bit, Tensor? bias, int group_size) "
+          "-> Tensor", gptq_gemm_gcu)
+_register("_C", "weight_only_quant(Tensor! output, Tensor input, Tensor qweight, Tensor? bias, "
+          "Tensor scale, int group_size) -> ()", weight_only_quant)
 
 
 # Group-limited routing under _C (vllm-gcu's replacement for vLLM's grouped_topk):
