@@ -206,13 +206,17 @@ GCU_DISPATCH = textwrap.dedent("""
     prepare = getattr(kernel, "prepare_experts", None)
     assert (prepare is not None) == ("vllm_gcu._C" in sys.modules)
     plain = dict(expert_map=None, apply_router_weight_on_input=False, biased=False)
-    for bits, gs, asym, dtype in ((8, -1, False, torch.bfloat16), (8, 64, False, torch.float16),
-                                  (4, 32, True, torch.bfloat16), (4, -1, False, torch.float16)):
-        g = torch.Generator().manual_seed(bits * 100 + gs)
-        m13, d13 = experts(8, 2 * 128, 128, bits, gs, asym, g)
-        m2, d2 = experts(8, 128, 128, bits, gs, asym, g)
+    # (224 experts: aligned by sgl_moe_align_block_size, as vllm-gcu does from 224)
+    for e, bits, gs, asym, dtype in ((8, 8, -1, False, torch.bfloat16),
+                                     (8, 8, 64, False, torch.float16),
+                                     (8, 4, 32, True, torch.bfloat16),
+                                     (8, 4, 64, False, torch.float16),
+                                     (224, 8, -1, False, torch.bfloat16)):
+        g = torch.Generator().manual_seed(bits * 100 + gs + e)
+        m13, d13 = experts(e, 2 * 256, 128, bits, gs, asym, g)
+        m2, d2 = experts(e, 128, 256, bits, gs, asym, g)
         x = torch.randn(70, 128, generator=g).to(dtype)
-        rw, rids = moe_ref.moe_route(torch.randn(70, 8, generator=g) + 4 * (torch.arange(8) == 3),
+        rw, rids = moe_ref.moe_route(torch.randn(70, e, generator=g) + 4 * (torch.arange(e) == 3),
                                      2, renormalize=True)
         want = moe_ref.moe_experts(x.double(), d13, d2, rw, rids)
         scale = want.abs().amax(dim=1, keepdim=True)
@@ -232,7 +236,7 @@ GCU_DISPATCH = textwrap.dedent("""
         err = float(((got.double() - want).abs() / scale).max())
         assert got.dtype == dtype and err <= 8 * unit, (bits, gs, asym, err)
         assert calls.get("fused_moe_quant_kernel", 0) - before == 2
-        print("QUANT", bits, gs, asym, str(dtype), "relative error", round(err / unit, 2), "units")
+        print("QUANT", e, bits, gs, asym, str(dtype), "relative error", round(err / unit, 2), "units")
     if prepare is not None:
         m13, _ = experts(2, 2 * 64, 128, 8, -1, True, g)  # 8-bit with zero points
         m2, _ = experts(2, 128, 64, 8, -1, False, g)
@@ -242,6 +246,8 @@ GCU_DISPATCH = textwrap.dedent("""
         assert prepare(m13, m2, act_dtype=torch.bfloat16, **plain) is None
         m13, _ = experts(2, 2 * 128, 128, 8, 32, False, g)  # 8-bit groups of 32
         m2, _ = experts(2, 128, 128, 8, -1, False, g)
+        assert prepare(m13, m2, act_dtype=torch.bfloat16, **plain) is None
+        m13, _ = experts(2, 2 * 128, 128, 4, -1, False, g)  # 4-bit per channel
         assert prepare(m13, m2, act_dtype=torch.bfloat16, **plain) is None
         m13, _ = experts(2, 2 * 128, 128, 8, -1, False, g)
         assert prepare(m13, m2, act_dtype=torch.bfloat16, **plain) is not None
@@ -262,7 +268,7 @@ GCU_DISPATCH = textwrap.dedent("""
             torch.randint(0, 2 ** bits, (96, groups), generator=g) if asym else None,
             bits=bits, group_size=gs, perm=torch.randperm(k, generator=g) if act_order else None)
     for bits, gs, asym, act_order, dtype in ((4, 32, True, False, torch.bfloat16),
-                                             (4, -1, False, False, torch.float16),
+                                             (4, 128, False, False, torch.float16),
                                              (4, 64, True, True, torch.bfloat16),
                                              (8, -1, False, False, torch.bfloat16),
                                              (8, 64, False, True, torch.float16)):
@@ -285,6 +291,7 @@ GCU_DISPATCH = textwrap.dedent("""
         with FakeTensorMode(allow_non_fake_inputs=True):
             traced = module(torch.empty(7, 256, dtype=dtype), bias)
         assert traced.shape == (7, 96) and traced.dtype == dtype
+        assert module(x[:, :0], bias).shape == (3, 0, 96)  # no GEMM for no rows
         unit = 2 ** -8 if dtype == torch.bfloat16 else 2 ** -11
         err = float(((got.double() - want).abs() / want.abs().amax()).max())
         assert got.shape == (3, 5, 96) and got.dtype == dtype and err <= 8 * unit, (bits, gs, err)
@@ -296,6 +303,7 @@ GCU_DISPATCH = textwrap.dedent("""
         assert prepare(dense(4, 32, True, False, 256, g), torch.float32) is None
         assert prepare(dense(8, -1, True, False, 256, g), torch.bfloat16) is None  # zero points
         assert prepare(dense(4, 32, True, False, 64, g), torch.bfloat16) is None  # 64 inputs
+        assert prepare(dense(4, -1, True, False, 256, g), torch.bfloat16) is None  # per channel
         scattered = dense(4, 32, True, False, 256, g)
         scattered.g_idx = torch.arange(256, dtype=torch.int32) % 8
         assert prepare(scattered, torch.bfloat16) is None
@@ -309,19 +317,20 @@ def test_gcu_vendor_ops_are_used_when_registered(tmp_path):
     assert "xformers not usable on gcu" in out  # no xformers with GCU kernels here
     assert ("'flash_attn:paged_prefill,paged_decode': \"flash_attn.vllm_flash_attn not usable "
             "on gcu: not importable (ModuleNotFoundError") in out  # no Enflame build here
-    # one plain + one fused norm (the variance_size call fell back), six silu (one from
-    # the silu MoE experts, four from the quantized ones), one rope (the key=None call
+    # one plain + one fused norm (the variance_size call fell back), seven silu (one from
+    # the silu MoE experts, five from the quantized ones), one rope (the key=None call
     # fell back), two plain and two grouped routings
-    assert ("CALLS {'rms_norm': 1, 'fused_add_rms_norm': 1, 'silu_and_mul': 6, "
+    assert ("CALLS {'rms_norm': 1, 'fused_add_rms_norm': 1, 'silu_and_mul': 7, "
             "'topk_softmax': 2, 'fused_grouped_topk': 2, 'rotary_embedding': 1, "
             "'concat_and_cache_mla': 3, 'fwd_kvcache_mla': 1, "
             "'paged_attention_v1': 4, 'moe_align_block_size': 6, 'fused_moe_kernel': 4, "
-            "'fused_moe_quant_kernel': 8, 'gptq_gemm_gcu': 3, 'weight_only_quant': 2}") in out
+            "'fused_moe_quant_kernel': 10, 'sgl_moe_align_block_size': 1, 'gptq_gemm_gcu': 3, "
+            "'weight_only_quant': 2}") in out
     assert ("'gcu_vendor:moe_experts': 'registered (_C::fused_moe_kernel, "
-            "_moe_C::moe_align_block_size)'") in out
+            "_moe_C::moe_align_block_size, _moe_C::sgl_moe_align_block_size)'") in out
     assert ("'gcu_vendor:moe_quant_experts': 'registered (_C::fused_moe_quant_kernel, "
-            "_moe_C::moe_align_block_size)'") in out
-    assert out.count("QUANT ") == 4 and out.count("DENSE ") == 5
+            "_moe_C::moe_align_block_size, _moe_C::sgl_moe_align_block_size)'") in out
+    assert out.count("QUANT ") == 5 and out.count("DENSE ") == 5
     assert ("'gcu_vendor:wint_prepare': 'registered (_C::gptq_gemm_gcu, "
             "_C::weight_only_quant)'") in out
     assert "'gcu_vendor:paged_decode': 'registered (_C::paged_attention_v1)'" in out

@@ -50,3 +50,13 @@ def test_only_vllm_gcus_quantized_schema_is_registered():
     name = "fused_moe_quant_kernel"
     assert _gcu_moe_quant_experts(_ops("vllm_gcu_quant", VLLM_GCU_QUANT, name)) is not None
     assert _gcu_moe_quant_experts(_ops("quant_ex_order", QUANT_EX_ORDER, name)) is None
+
+
+def test_without_sgls_alignment_224_experts_are_declined():
+    """vllm-gcu aligns 224 experts or more with ``_moe_C::sgl_moe_align_block_size``; a
+    library without it keeps those layers on the next provider."""
+    name = "fused_moe_quant_kernel"
+    adapter = _gcu_moe_quant_experts(_ops("no_sgl", VLLM_GCU_QUANT, name))
+    plain = dict(act_dtype=torch.bfloat16, expert_map=None, apply_router_weight_on_input=False,
+                 biased=False)
+    assert adapter.prepare_experts([None] * 224, [None] * 224, **plain) is None

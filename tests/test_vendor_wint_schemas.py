@@ -34,8 +34,8 @@ def _ops(tag: str, *defs) -> dict:
 def _resident(bits):
     g = torch.Generator().manual_seed(bits)
     return resident_from_codes(torch.randint(0, 2 ** bits, (32, 128), generator=g),
-                               torch.rand(32, 1, generator=g), None, bits=bits,
-                               group_size=-1)
+                               torch.rand(32, 2, generator=g), None, bits=bits,
+                               group_size=64)
 
 
 def test_only_vllm_gcus_schemas_are_registered():

@@ -250,9 +250,12 @@ class QuantMoEMethod(AccelMoERouting, FusedMoEMethodBase):
 
     def experts_per_module(self, layer, x: torch.Tensor, topk_weights: torch.Tensor,
                            topk_ids: torch.Tensor) -> torch.Tensor:
-        w13, w2 = (m.experts if isinstance(m, ExpertLinears) else m
-                   for m in (layer.w13_experts, layer.w2_experts))
-        return get_kernel("moe_quant_experts")(
+        w13, w2 = layer.w13_experts, layer.w2_experts
+        if isinstance(w13, PreparedExperts):  # the provider whose layout it is
+            kernel = get_kernel("moe_quant_experts", w13.provider)
+        else:
+            kernel, w13, w2 = get_kernel("moe_quant_experts"), w13.experts, w2.experts
+        return kernel(
             x, w13, w2, topk_weights, topk_ids,
             expert_map=layer.expert_map, activation=layer.activation.value,
             apply_router_weight_on_input=layer.apply_router_weight_on_input,

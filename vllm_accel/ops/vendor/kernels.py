@@ -392,6 +392,16 @@ def _gcu_paged_decode(ops):
 
 #: tokens per block of vllm-gcu's MoE alignment (its ``get_default_config``)
 GCU_MOE_BLOCK = 64
+#: from this many experts vllm-gcu aligns with ``_moe_C::sgl_moe_align_block_size``
+GCU_SGL_ALIGN_EXPERTS = 224
+#: the alignment ops (the first is required, the second used from 224 experts)
+_GCU_ALIGN_OPS = ("_moe_C::moe_align_block_size", "_moe_C::sgl_moe_align_block_size")
+
+
+def _gcu_align(ops, num_experts: int):
+    """The alignment op vllm-gcu uses for ``num_experts``, or None where the library
+    registers none (sgl's, from 224 experts)."""
+    return ops.get(_GCU_ALIGN_OPS[num_experts >= GCU_SGL_ALIGN_EXPERTS])
 #: ``_C::fused_moe_kernel``'s schema as vllm-gcu registers it (inferred from its C++
 #: signature, so the arguments are unnamed): C!, A, B, topk_weights, topk_ids,
 #: sorted_token_ids, expert_ids, num_tokens_post_pad, mul_routed_weight, topk,
@@ -401,8 +411,8 @@ _FUSED_MOE_TYPES = ("Tensor",) * 8 + ("bool", "int", "int", "Optional[Tensor]")
 
 def _gcu_run_experts(align, gemm, x, topk_weights, topk_ids, num_experts, inter, hidden,
                      activation):
-    """The routed experts as vllm-gcu runs them: ``align`` (``_moe_C::moe_align_block_size``)
-    sorts the (token, choice) pairs by expert into blocks of 64, ``gemm(out, a, proj,
+    """The routed experts as vllm-gcu runs them: ``align`` (:func:`_gcu_align`) sorts
+    the (token, choice) pairs by expert into blocks of 64, ``gemm(out, a, proj,
     weights, ids, sorted_ids, expert_ids, padded, mul_routed_weight, topk)`` runs each
     block's pairs through their expert's projection (``w13``, then ``w2`` scaled by the
     router weight), the gated activation between; the choices are summed in float32."""
@@ -429,8 +439,8 @@ def _gcu_moe_experts(ops):
     """``moe_experts`` on ``_C::fused_moe_kernel`` (:func:`_gcu_run_experts`), reading
     vLLM's ``w13`` ``[E, 2I, H]`` and ``w2`` ``[E, H, I]`` in place. Expert maps
     (expert parallel), biases and the router weight on the input go to the next
-    provider. Returns None (not registered) when the kernel's schema is not vllm-gcu's."""
-    align = ops["_moe_C::moe_align_block_size"]
+    provider, and so do 224 experts or more where the library lacks sgl's alignment.
+    Returns None (not registered) when the kernel's schema is not vllm-gcu's."""
     fused = ops["_C::fused_moe_kernel"]
     if tuple(str(a.type) for a in fused._schema.arguments) != _FUSED_MOE_TYPES:
         return None
@@ -438,8 +448,10 @@ def _gcu_moe_experts(ops):
     def gcu_moe_experts(x, w13, w2, topk_weights, topk_ids, *, expert_map=None,
                         activation="silu", apply_router_weight_on_input=False,
                         w13_bias=None, w2_bias=None):
+        align = _gcu_align(ops, w13.shape[0])
         if (expert_map is not None or apply_router_weight_on_input or w13_bias is not None
-                or w2_bias is not None or x.dtype != w13.dtype or not x.shape[0]):
+                or w2_bias is not None or x.dtype != w13.dtype or not x.shape[0]
+                or align is None):
             return fallback_kernel("moe_experts", GCU_VENDOR)(
                 x, w13, w2, topk_weights, topk_ids, expert_map=expert_map,
                 activation=activation, apply_router_weight_on_input=apply_router_weight_on_input,
@@ -486,42 +498,54 @@ def _gcu_int4_bytes(packed: torch.Tensor) -> torch.Tensor:
 def _gcu_int4_scales(scales: torch.Tensor, zeros: torch.Tensor | None, act_dtype):
     """Generic scales and zero points ``[..., N, G]`` -> vllm-gcu's scales and zero
     points times scales, ``[..., G, N]`` in the activation dtype (its asymmetric form,
-    also for symmetric weights: their zero point 8 is passed, not left to the kernel)."""
-    s = scales.float()
-    z = torch.full_like(s, 8.0) if zeros is None else zeros.float()
-    return (s.to(act_dtype).transpose(-1, -2).contiguous(),
-            (z * s).to(act_dtype).transpose(-1, -2).contiguous())
+    also for symmetric weights: their zero point 8 is passed, not left to the kernel).
+    The product is of the rounded scales, as vllm-gcu computes it."""
+    s = scales.to(act_dtype)
+    z = torch.full_like(s, 8.0) if zeros is None else zeros.to(act_dtype)
+    return s.transpose(-1, -2).contiguous(), (z * s).transpose(-1, -2).contiguous()
+
+
+def _stacked(modules, convert) -> list[torch.Tensor]:
+    """``convert(module)``'s tensors for every expert, stacked ``[E, ...]``: converted
+    one expert at a time into the stacks (the temporaries of one expert at a time)."""
+    stacks = None
+    for e, module in enumerate(modules):
+        parts = convert(module)
+        if stacks is None:
+            stacks = [t.new_empty((len(modules), *t.shape)) for t in parts]
+        for stack, t in zip(stacks, parts):
+            stack[e] = t
+    return stacks
 
 
 def _gcu_int8_experts(modules, act_dtype) -> dict:
     """vllm-gcu's 8-bit experts (``moe_wna16``'s GPTQ conversion): signed codes ``[E, N,
     K]``, scales ``[E, N]`` per channel (group size -1) or ``[E, G, N]``, in the
     activation dtype."""
-    codes = torch.stack([m.qweight.data for m in modules])
-    scales = torch.stack([m.scales.data for m in modules]).to(act_dtype).transpose(1, 2)
-    per_channel = scales.shape[1] == 1
-    return {"weight": _gcu_int8_codes(codes),
-            "scales": (scales[:, 0] if per_channel else scales).contiguous(),
-            "zeros": None, "group_size": -1 if per_channel else modules[0].group_size}
+    per_channel = modules[0].scales.shape[1] == 1
+    weight, scales = _stacked(modules, lambda m: (
+        _gcu_int8_codes(m.qweight.data),
+        m.scales.data[:, 0].to(act_dtype) if per_channel else m.scales.data.t().to(act_dtype)))
+    return {"weight": weight, "scales": scales, "zeros": None,
+            "group_size": -1 if per_channel else modules[0].group_size}
 
 
 def _gcu_int4_experts(modules, act_dtype) -> dict:
     """vllm-gcu's 4-bit experts: bytes ``[E, N, K/2]`` (:func:`_gcu_int4_bytes`), scales
     and zero terms ``[E, G, N]`` (:func:`_gcu_int4_scales`)."""
-    packed = torch.stack([m.qweight.data for m in modules])
-    zeros = None if modules[0].zeros is None else torch.stack([m.zeros.data for m in modules])
-    scales, zero_terms = _gcu_int4_scales(torch.stack([m.scales.data for m in modules]),
-                                          zeros, act_dtype)
-    return {"weight": _gcu_int4_bytes(packed).contiguous(), "scales": scales,
-            "zeros": zero_terms,
-            "group_size": -1 if scales.shape[1] == 1 else modules[0].group_size}
+    weight, scales, zero_terms = _stacked(modules, lambda m: (
+        _gcu_int4_bytes(m.qweight.data),
+        *_gcu_int4_scales(m.scales.data, None if m.zeros is None else m.zeros.data,
+                          act_dtype)))
+    return {"weight": weight, "scales": scales, "zeros": zero_terms,
+            "group_size": modules[0].group_size}
 
 
 def _gcu_quant_layout(modules, act_dtype) -> dict | None:
     """One projection of every expert in vllm-gcu's layout, or None where its kernel
     takes none: the generic resident layout without act-order (uniform over the
-    experts); 8-bit symmetric per channel or in groups of 64/128; 4-bit with input
-    columns a multiple of 128."""
+    experts); 8-bit symmetric per channel or in groups of 64/128; 4-bit in groups
+    (vllm-gcu loads no per-channel 4-bit weights) with input columns a multiple of 128."""
     first = modules[0]
     if not all(getattr(m, "generic_layout", False) for m in modules) or len(
             {(m.bits, m.group_size, m.zeros is None, m.qweight.shape) for m in modules}) != 1:
@@ -530,7 +554,7 @@ def _gcu_quant_layout(modules, act_dtype) -> dict | None:
     if first.bits == 8 and first.zeros is None and (
             first.group_size == width or first.group_size in GCU_INT8_GROUP_SIZES):
         return _gcu_int8_experts(modules, act_dtype)
-    if first.bits == 4 and width % GCU_INT4_BLOCK == 0:
+    if first.bits == 4 and width % GCU_INT4_BLOCK == 0 and first.group_size < width:
         return _gcu_int4_experts(modules, act_dtype)
     return None
 
@@ -539,10 +563,10 @@ def _gcu_moe_quant_experts(ops):
     """``moe_quant_experts`` on ``_C::fused_moe_quant_kernel`` (weight-only 4/8-bit,
     :func:`_gcu_run_experts`). ``prepare_experts`` converts a layer's experts at load
     into vllm-gcu's layouts (:func:`_gcu_quant_layout`), for bf16/fp16 activations
-    (vllm-gcu's) without an expert map, biases or the router weight on the input;
-    it declines other layers, which keep per-expert modules and the next provider.
+    (vllm-gcu's) without an expert map, biases or the router weight on the input
+    (or 224 experts and more without sgl's alignment op); it declines other layers,
+    which keep per-expert modules and the next provider.
     Returns None (not registered) when the kernel's schema is not vllm-gcu's."""
-    align = ops["_moe_C::moe_align_block_size"]
     quant = ops["_C::fused_moe_quant_kernel"]
     if tuple(str(a.type) for a in quant._schema.arguments) != _FUSED_MOE_QUANT_TYPES:
         return None
@@ -555,9 +579,14 @@ def _gcu_moe_quant_experts(ops):
                 x, w13, w2, topk_weights, topk_ids, expert_map=expert_map,
                 activation=activation, apply_router_weight_on_input=apply_router_weight_on_input,
                 w13_bias=w13_bias, w2_bias=w2_bias)
+        if expert_map is not None or apply_router_weight_on_input or w13_bias is not None:
+            raise RuntimeError("gcu_vendor: experts prepared for fused_moe_quant_kernel got "
+                               "an expert map, biases or the router weight on the input, "
+                               "which prepare_experts declines")
         if not x.shape[0]:
             return torch.zeros_like(x)
         proj = {"w13": w13, "w2": w2}
+        align = _gcu_align(ops, w13.weight.shape[0])
 
         def gemm(out, a, name, weights, ids, sorted_ids, expert_ids, padded, mul, top_k):
             p = proj[name]
@@ -571,7 +600,8 @@ def _gcu_moe_quant_experts(ops):
                         biased):
         """(w13, w2) entries of vllm-gcu's layouts for these experts' modules, or None."""
         if (act_dtype not in (torch.bfloat16, torch.float16) or expert_map is not None
-                or apply_router_weight_on_input or biased):
+                or apply_router_weight_on_input or biased
+                or _gcu_align(ops, len(w13)) is None):
             return None
         layouts = (_gcu_quant_layout(w13, act_dtype), _gcu_quant_layout(w2, act_dtype))
         return None if None in layouts else layouts
@@ -628,8 +658,8 @@ def _gcu_wint_schemas(ops) -> bool:
 def _gcu_wint_prepare(ops):
     """``wint_prepare``: a weight-only layer in vllm-gcu's layouts, for bf16/fp16
     activations (vllm-gcu's): 4-bit (``_C::gptq_gemm_gcu``) bytes ``[K/2, N]`` in its
-    128-column blocks, scales and zero terms ``[G, N]``, with input widths a multiple of
-    128; 8-bit symmetric (``_C::weight_only_quant``) signed codes ``[N, K]`` with scales
+    128-column blocks, scales and zero terms ``[G, N]``, in groups (vllm-gcu loads no
+    per-channel 4-bit weights) with input widths a multiple of 128; 8-bit symmetric (``_C::weight_only_quant``) signed codes ``[N, K]`` with scales
     ``[N]`` or ``[G, N]``. Act-order keeps its permutation (the input is gathered per
     call). Other layers: None (the generic layout). Returns None (not registered) when
     a GEMM's schema is not vllm-gcu's."""
@@ -639,7 +669,8 @@ def _gcu_wint_prepare(ops):
     def gcu_wint_prepare(res, act_dtype):
         if act_dtype not in (torch.bfloat16, torch.float16) or res.g_idx is not None:
             return None
-        if res.bits == 4 and "_C::gptq_gemm_gcu" in ops and res.in_features % GCU_INT4_BLOCK == 0:
+        if (res.bits == 4 and "_C::gptq_gemm_gcu" in ops and res.group_size < res.in_features
+                and res.in_features % GCU_INT4_BLOCK == 0):
             scales, zero_terms = _gcu_int4_scales(res.scales, res.zeros, act_dtype)
             prepared = {"gcu_weight": _gcu_int4_bytes(res.qweight).t().contiguous(),
                         "gcu_scales": scales, "gcu_zeros": zero_terms,
@@ -665,6 +696,10 @@ def _gcu_wint_prepared_linear(ops):
         return None
 
     def gcu_wint_prepared_linear(x, prepared, bias=None):
+        if not x.numel():  # (vllm-gcu returns before its GEMMs too)
+            width = prepared["gcu_scales"].shape[-1] if "gcu_zeros" in prepared else (
+                prepared["gcu_weight"].shape[0])
+            return x.new_empty(*x.shape[:-1], width)
         perm = prepared.get("perm")
         if perm is not None:
             x = x.index_select(-1, perm)
@@ -755,14 +790,15 @@ VENDOR_KERNELS: tuple[tuple[str, str, tuple[str, ...], str | Callable, Callable]
     (GCU_VENDOR, "moe_route", ("_moe_C::topk_softmax", "_C::fused_grouped_topk"), "any",
      _gcu_moe_route),
     (GCU_VENDOR, "paged_decode", ("_C::paged_attention_v1",), "all", _gcu_paged_decode),
-    (GCU_VENDOR, "moe_experts", ("_moe_C::moe_align_block_size", "_C::fused_moe_kernel"),
-     "all", _gcu_moe_experts),
+    (GCU_VENDOR, "moe_experts", ("_C::fused_moe_kernel", *_GCU_ALIGN_OPS),
+     lambda ops: len(ops.keys() & {"_C::fused_moe_kernel", _GCU_ALIGN_OPS[0]}) == 2,
+     _gcu_moe_experts),
     (GCU_VENDOR, "wint_prepare", ("_C::gptq_gemm_gcu", "_C::weight_only_quant"), "any",
      _gcu_wint_prepare),
     (GCU_VENDOR, "wint_prepared_linear", ("_C::gptq_gemm_gcu", "_C::weight_only_quant"),
      "any", _gcu_wint_prepared_linear),
-    (GCU_VENDOR, "moe_quant_experts", ("_moe_C::moe_align_block_size",
-                                       "_C::fused_moe_quant_kernel"), "all",
+    (GCU_VENDOR, "moe_quant_experts", ("_C::fused_moe_quant_kernel", *_GCU_ALIGN_OPS),
+     lambda ops: len(ops.keys() & {"_C::fused_moe_quant_kernel", _GCU_ALIGN_OPS[0]}) == 2,
      _gcu_moe_quant_experts),
     (GCU_VENDOR, "mla_cache_write", ("_C_cache_ops::concat_and_cache_mla",), "all",
      _gcu_mla_cache_write),

@@ -158,8 +158,8 @@ _register("_moe_C", "topk_softmax(Tensor! topk_weights, Tensor! topk_indices, "
 # pair's router weight when asked. The contract is checked (int32 ids, whole blocks,
 # float32 weights, no bias), and so is that every pair was written.
 def moe_align_block_size(topk_ids, num_experts, block_size, sorted_token_ids, experts_ids,
-                         num_tokens_post_pad):
-    CALLS["moe_align_block_size"] += 1
+                         num_tokens_post_pad, op="moe_align_block_size"):
+    CALLS[op] += 1
     assert topk_ids.dtype == sorted_token_ids.dtype == experts_ids.dtype == torch.int32
     flat, pos = topk_ids.flatten().tolist(), 0
     for e in range(num_experts):
@@ -206,7 +206,8 @@ def fused_moe_kernel(C, A, B, topk_weights, topk_ids, sorted_token_ids, expert_i
 # weights): 8-bit signed codes [N, K] with scales [N] (group size -1) or [G, N]; 4-bit
 # bytes [N, K/2] (experts) or [K/2, N] (dense) holding, per block of 128 input columns,
 # column j in the low nibble of byte j and column 64 + j in its high nibble, with scales
-# [G, N] and zero points times scales [G, N] (weight = code * scale - zero term).
+# [G, N] and zero points times scales [G, N] (weight = code * scale - zero term), in
+# groups (vllm-gcu loads no per-channel 4-bit weights, so never passes -1 there).
 # Scales are in the activation dtype. vllm-gcu's symmetric 4-bit experts call (no zero
 # points) is not modelled: vllm_accel always passes them.
 def _per_column(t, group):
@@ -224,13 +225,12 @@ def _dequant_int8(codes, scales, gs):
 
 def _dequant_int4(packed, scales, zero_terms, gs):
     """packed [N, K/2] bytes in the 128-column blocks -> float64 [N, K]."""
-    assert packed.dtype == torch.uint8 and zero_terms is not None
+    assert packed.dtype == torch.uint8 and zero_terms is not None and gs > 0
     n, half = packed.shape
     blocks = packed.reshape(n, half // 64, 64)
     codes = torch.stack((blocks & 0xF, blocks >> 4), dim=2).reshape(n, 2 * half).double()
-    group = 2 * half if gs == -1 else gs
-    assert scales.shape == zero_terms.shape == (2 * half // group, n)
-    return codes * _per_column(scales, group) - _per_column(zero_terms, group)
+    assert scales.shape == zero_terms.shape == (2 * half // gs, n)
+    return codes * _per_column(scales, gs) - _per_column(zero_terms, gs)
 
 
 def _dequant_gcu_expert(B, B_scale, gs, B_zp, e):
@@ -257,6 +257,11 @@ def fused_moe_quant_kernel(C, A, B, A_scale, B_scale, gs, B_zp, topk_weights, to
 _register("_moe_C", "moe_align_block_size(Tensor topk_ids, int num_experts, int block_size, "
           "Tensor! sorted_token_ids, Tensor! experts_ids, "
           "Tensor! num_tokens_post_pad) -> ()", moe_align_block_size)
+# (vllm-gcu aligns with this one from 224 experts; the same contract)
+_register("_moe_C", "sgl_moe_align_block_size(Tensor topk_ids, int num_experts, "
+          "int block_size, Tensor! sorted_token_ids, Tensor! experts_ids, "
+          "Tensor! num_tokens_post_pad) -> ()",
+          lambda *args: moe_align_block_size(*args, op="sgl_moe_align_block_size"))
 _register("_C", "fused_moe_kernel(Tensor(a!) _0, Tensor _1, Tensor _2, Tensor _3, Tensor _4, "
           "Tensor _5, Tensor _6, Tensor _7, bool _8, int _9, int _10, Tensor? _11) -> ()",
           fused_moe_kernel)
@@ -271,6 +276,7 @@ _register("_C", "fused_moe_quant_kernel(Tensor(a!) _0, Tensor _1, Tensor _2, Ten
 def gptq_gemm_gcu(a, b_q_weight, b_gptq_qzeros, b_gptq_scales, b_g_idx, bit, bias, group_size):
     CALLS["gptq_gemm_gcu"] += 1
     assert bit == 4 and a.dim() == 2 and b_gptq_scales.dtype == b_gptq_qzeros.dtype == a.dtype
+    assert torch.equal(b_g_idx, torch.arange(b_gptq_scales.shape[0], dtype=torch.int32))
     w = _dequant_int4(b_q_weight.T, b_gptq_scales, b_gptq_qzeros, group_size)
     out = a.double() @ w.T
     return (out if bias is None else out + bias.double()).to(a.dtype)
