@@ -307,6 +307,33 @@ GCU_DISPATCH = textwrap.dedent("""
         scattered = dense(4, 32, True, False, 256, g)
         scattered.g_idx = torch.arange(256, dtype=torch.int32) % 8
         assert prepare(scattered, torch.bfloat16) is None
+    # W8A8 linears: the GEMM and its epilogue in cutlass_scaled_mm (the weight read as
+    # its column-major transpose), vs float64 on the same int8 activations
+    from vllm_accel.quant.w8a8 import InstalledW8A8, resolve_mm_method, w8a8_to_resident
+    for dtype, static, n, k, used in ((torch.bfloat16, False, 96, 256, True),
+                                      (torch.float16, True, 96, 256, True),
+                                      (torch.bfloat16, False, 40, 256, False),  # N % 16
+                                      (torch.float32, False, 96, 256, False)):
+        g = torch.Generator().manual_seed(n + k)
+        codes = torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8)
+        w_scale = torch.rand(n, generator=g) * 0.01 + 0.001
+        s_in = torch.tensor(0.02) if static else None
+        res = w8a8_to_resident(codes, w_scale, [n], strategy="channel", input_scale=s_in)
+        module = InstalledW8A8(res, True, resolve_mm_method(torch.device("cpu")))
+        x, bias = torch.randn(3, 4, k, generator=g).to(dtype), torch.randn(n).to(dtype)
+        q, xs, _ = registry.get_kernel("int8_quant_act", "reference")(x.reshape(-1, k), s_in)
+        want = ((q.double() @ codes.double().T) * xs.double() * w_scale.double()
+                + bias.double()).reshape(3, 4, n)
+        before = calls.get("cutlass_scaled_mm", 0)
+        got = module(x, bias)
+        unit = {torch.bfloat16: 2 ** -8, torch.float16: 2 ** -11, torch.float32: 2 ** -23}[dtype]
+        err = float(((got.double() - want).abs() / want.abs().amax()).max())
+        assert got.shape == (3, 4, n) and got.dtype == dtype and err <= 4 * unit, (dtype, err)
+        assert calls.get("cutlass_scaled_mm", 0) - before == (1 if vendor and used else 0)
+        with FakeTensorMode(allow_non_fake_inputs=True):  # the opaque op's fake
+            assert module(torch.empty(5, k, dtype=dtype), bias).shape == (5, n)
+        print("W8A8", str(dtype), "static" if static else "dynamic", n, "error",
+              round(err / unit, 2), "units")
     print("CALLS", dict(calls))
 """)
 
@@ -325,12 +352,13 @@ def test_gcu_vendor_ops_are_used_when_registered(tmp_path):
             "'concat_and_cache_mla': 3, 'fwd_kvcache_mla': 1, "
             "'paged_attention_v1': 4, 'moe_align_block_size': 6, 'fused_moe_kernel': 4, "
             "'fused_moe_quant_kernel': 10, 'sgl_moe_align_block_size': 1, 'gptq_gemm_gcu': 3, "
-            "'weight_only_quant': 2}") in out
+            "'weight_only_quant': 2, 'cutlass_scaled_mm': 2}") in out
     assert ("'gcu_vendor:moe_experts': 'registered (_C::fused_moe_kernel, "
             "_moe_C::moe_align_block_size, _moe_C::sgl_moe_align_block_size)'") in out
     assert ("'gcu_vendor:moe_quant_experts': 'registered (_C::fused_moe_quant_kernel, "
             "_moe_C::moe_align_block_size, _moe_C::sgl_moe_align_block_size)'") in out
-    assert out.count("QUANT ") == 5 and out.count("DENSE ") == 5
+    assert out.count("QUANT ") == 5 and out.count("DENSE ") == 5 and out.count("W8A8 ") == 4
+    assert "'gcu_vendor:int8_linear': 'registered (_C::cutlass_scaled_mm)'" in out
     assert ("'gcu_vendor:wint_prepare': 'registered (_C::gptq_gemm_gcu, "
             "_C::weight_only_quant)'") in out
     assert "'gcu_vendor:paged_decode': 'registered (_C::paged_attention_v1)'" in out

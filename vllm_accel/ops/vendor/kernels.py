@@ -712,6 +712,67 @@ def _gcu_wint_prepared_linear(ops):
     return gcu_wint_prepared_linear
 
 
+#: ``_C::cutlass_scaled_mm``'s arguments as vllm-gcu defines it (vLLM's CPU build has
+#: none): out!, the int8 activations ``[M, K]``, the int8 weight ``[K, N]`` column-major
+#: (upstream's CUTLASS contract, which vllm-gcu's W8A8 kernel class keeps), the float32
+#: activation scales ``[M, 1]`` or ``[1]``, the weight's ``[N, 1]`` or ``[1]``, bias?
+_CUTLASS_SCALED_MM_ARGS = (("out", "Tensor"), ("x", "Tensor"), ("weight", "Tensor"),
+                           ("x_scale", "Tensor"), ("w_scale", "Tensor"),
+                           ("bias", "Optional[Tensor]"))
+#: upstream's wrapper sends other widths to a Triton kernel, which vllm-gcu lacks
+GCU_SCALED_MM_MULTIPLE = 16
+
+_LIB.define("gcu_scaled_mm(Tensor a, Tensor b, Tensor a_scale, Tensor b_scale, Tensor? bias, "
+            "ScalarType out_dtype) -> Tensor")
+
+
+def _gcu_scaled_mm(a, b, a_scale, b_scale, bias, out_dtype):
+    out = torch.empty(a.shape[0], b.shape[1], dtype=out_dtype, device=a.device)
+    torch.ops._C.cutlass_scaled_mm(out, a, b, a_scale, b_scale, bias)
+    return out
+
+
+_LIB.impl("gcu_scaled_mm", _gcu_scaled_mm, "CompositeExplicitAutograd")
+
+
+@torch.library.register_fake("vllm_accel::gcu_scaled_mm", lib=_LIB)
+def _gcu_scaled_mm_shape(a, b, a_scale, b_scale, bias, out_dtype):
+    return a.new_empty(a.shape[0], b.shape[1], dtype=out_dtype)
+
+
+def _gcu_int8_linear(ops):
+    """``int8_linear`` (W8A8) with its int8 GEMM and epilogue in vllm-gcu's
+    ``_C::cutlass_scaled_mm`` (run inside the opaque op ``vllm_accel::gcu_scaled_mm``,
+    so torch.compile traces its fake): the activations quantized by the registry's
+    ``int8_quant_act``, the weight read in place as its ``[K, N]`` column-major
+    transpose. Asymmetric activations, float32 outputs and widths that are not
+    multiples of 16 go to the next provider. Returns None (not registered) when the
+    op's schema is not vllm-gcu's."""
+    op = ops["_C::cutlass_scaled_mm"]
+    if tuple((a.name, str(a.type)) for a in op._schema.arguments) != _CUTLASS_SCALED_MM_ARGS:
+        return None
+
+    def gcu_int8_linear(x, weight, weight_scale, *, input_scale=None, input_zero_point=None,
+                        input_symmetric=True, weight_col_sums=None, bias=None,
+                        mm_method="auto"):
+        n, k = weight.shape
+        if (input_zero_point is not None or not input_symmetric or k % GCU_SCALED_MM_MULTIPLE
+                or n % GCU_SCALED_MM_MULTIPLE or x.dtype not in (torch.bfloat16, torch.float16)
+                or not x.numel()):
+            return fallback_kernel("int8_linear", GCU_VENDOR)(
+                x, weight, weight_scale, input_scale=input_scale,
+                input_zero_point=input_zero_point, input_symmetric=input_symmetric,
+                weight_col_sums=weight_col_sums, bias=bias, mm_method=mm_method)
+        q, x_scale, _ = get_kernel("int8_quant_act")(x.reshape(-1, k), input_scale)
+        y = torch.ops.vllm_accel.gcu_scaled_mm(
+            q, weight.t(), x_scale.to(torch.float32).reshape(-1, 1),
+            weight_scale.to(torch.float32).reshape(n, 1),
+            None if bias is None else bias.to(x.dtype), x.dtype)
+        return y.reshape(*x.shape[:-1], n)
+
+    return gcu_int8_linear
+
+
 # ---------------------------------------------------------------------------
 # Sophgo (torch_tpu my_ops) adapters.
 # ---------------------------------------------------------------------------
@@ -797,6 +858,7 @@ VENDOR_KERNELS: tuple[tuple[str, str, tuple[str, ...], str | Callable, Callable]
      _gcu_wint_prepare),
     (GCU_VENDOR, "wint_prepared_linear", ("_C::gptq_gemm_gcu", "_C::weight_only_quant"),
      "any", _gcu_wint_prepared_linear),
+    (GCU_VENDOR, "int8_linear", ("_C::cutlass_scaled_mm",), "all", _gcu_int8_linear),
     (GCU_VENDOR, "moe_quant_experts", ("_C::fused_moe_quant_kernel", *_GCU_ALIGN_OPS),
      lambda ops: len(ops.keys() & {"_C::fused_moe_quant_kernel", _GCU_ALIGN_OPS[0]}) == 2,
      _gcu_moe_quant_experts),

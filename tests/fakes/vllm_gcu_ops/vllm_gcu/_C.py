@@ -296,6 +296,25 @@ _register("_C", "weight_only_quant(Tensor! output, Tensor input, Tensor qweight,
           "Tensor scale, int group_size) -> ()", weight_only_quant)
 
 
+
+# W8A8: cutlass_scaled_mm with upstream vLLM's CUTLASS contract (vllm-gcu keeps its
+# kernel class): int8 x [M, K] row-major, int8 weight [K, N] column-major, float32
+# scales [M, 1] / [1] and [N, 1] / [1], K and N multiples of 16, bf16/fp16 out.
+def cutlass_scaled_mm(out, x, weight, x_scale, w_scale, bias):
+    CALLS["cutlass_scaled_mm"] += 1
+    (m, k), n = x.shape, weight.shape[1]
+    assert x.dtype == weight.dtype == torch.int8 and weight.stride(0) == 1
+    assert k % 16 == 0 and n % 16 == 0 and out.dtype in (torch.bfloat16, torch.float16)
+    assert x_scale.dtype == w_scale.dtype == torch.float32
+    assert x_scale.numel() in (1, m) and w_scale.numel() in (1, n)
+    y = (x.double() @ weight.double()) * x_scale.double().reshape(-1, 1) * (
+        w_scale.double().reshape(1, -1))
+    out.copy_(y if bias is None else y + bias.double())
+
+
+_register("_C", "cutlass_scaled_mm(Tensor! out, Tensor x, Tensor weight, Tensor x_scale, "
+          "Tensor w_scale, Tensor? bias) -> ()", cutlass_scaled_mm)
+
 # Group-limited routing under _C (vllm-gcu's replacement for vLLM's grouped_topk):
 # scores by softmax or sigmoid; a correction bias moves the choice, not the weights;
 # groups scored by their best expert (with a bias: their best two).
