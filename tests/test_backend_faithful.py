@@ -237,6 +237,41 @@ GCU_DISPATCH = textwrap.dedent("""
         assert got.dtype == dtype and err <= 8 * unit, (bits, gs, asym, err)
         assert calls.get("fused_moe_quant_kernel", 0) - before == 2
         print("QUANT", e, bits, gs, asym, str(dtype), "relative error", round(err / unit, 2), "units")
+    # W8A8 experts (dynamic per-token int8 activations before each GEMM), vs float64
+    # with the same per-token quantization of the inputs of both GEMMs
+    from vllm_accel.quant.w8a8 import InstalledW8A8, resolve_mm_method, w8a8_to_resident
+    g = torch.Generator().manual_seed(88)
+    def w8a8_experts(n, k):
+        layers = [(torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8),
+                   torch.rand(n, generator=g) * 0.02 / k ** 0.5 + 0.01 / k ** 0.5)
+                  for _ in range(8)]
+        return ([InstalledW8A8(w8a8_to_resident(c, sc, [n], strategy="channel"), True,
+                               resolve_mm_method(torch.device("cpu"))) for c, sc in layers],
+                [c.double() * sc.double()[:, None] for c, sc in layers])
+    (m13, d13), (m2, d2) = w8a8_experts(2 * 256, 128), w8a8_experts(128, 256)
+    x = torch.randn(70, 128, generator=g).to(torch.bfloat16)
+    rw, rids = moe_ref.moe_route(torch.randn(70, 8, generator=g), 2, renormalize=True)
+    fake_quant = registry.get_kernel("int8_quant_act", "reference")
+    def dq(t):
+        q, sc, _ = fake_quant(t)
+        return q.double() * sc.double()
+    want = torch.zeros(70, 128, dtype=torch.float64)
+    for t, c in ((t, c) for t in range(70) for c in range(2)):
+        e = int(rids[t, c])
+        h = dq(x[t:t + 1]) @ d13[e].T
+        act = torch.nn.functional.silu(h[:, :256]) * h[:, 256:]
+        want[t] += float(rw[t, c]) * (dq(act) @ d2[e].T)[0]
+    if prepare is not None:
+        before = calls.get("fused_moe_quant_kernel", 0)
+        p13, p2 = prepare(m13, m2, act_dtype=torch.bfloat16, **plain)
+        got = kernel(x, PreparedExperts("gcu_vendor", p13), PreparedExperts("gcu_vendor", p2),
+                     rw, rids)
+        # bf16 roundings of the gate/up products and the activation before their
+        # per-token quantization, and of the output: a few units of 2**-8
+        err = float(((got.double() - want).abs() / want.abs().amax(dim=1, keepdim=True)).max())
+        assert got.dtype == torch.bfloat16 and err <= 8 * 2 ** -8, err
+        assert calls.get("fused_moe_quant_kernel", 0) - before == 2
+        print("QUANT W8A8 dynamic bf16 relative error", round(err / 2 ** -8, 2), "units")
     if prepare is not None:
         m13, _ = experts(2, 2 * 64, 128, 8, -1, True, g)  # 8-bit with zero points
         m2, _ = experts(2, 128, 64, 8, -1, False, g)
@@ -344,20 +379,20 @@ def test_gcu_vendor_ops_are_used_when_registered(tmp_path):
     assert "xformers not usable on gcu" in out  # no xformers with GCU kernels here
     assert ("'flash_attn:paged_prefill,paged_decode': \"flash_attn.vllm_flash_attn not usable "
             "on gcu: not importable (ModuleNotFoundError") in out  # no Enflame build here
-    # one plain + one fused norm (the variance_size call fell back), seven silu (one from
-    # the silu MoE experts, five from the quantized ones), one rope (the key=None call
+    # one plain + one fused norm (the variance_size call fell back), eight silu (one from
+    # the silu MoE experts, six from the quantized ones), one rope (the key=None call
     # fell back), two plain and two grouped routings
-    assert ("CALLS {'rms_norm': 1, 'fused_add_rms_norm': 1, 'silu_and_mul': 7, "
+    assert ("CALLS {'rms_norm': 1, 'fused_add_rms_norm': 1, 'silu_and_mul': 8, "
             "'topk_softmax': 2, 'fused_grouped_topk': 2, 'rotary_embedding': 1, "
             "'concat_and_cache_mla': 3, 'fwd_kvcache_mla': 1, "
-            "'paged_attention_v1': 4, 'moe_align_block_size': 6, 'fused_moe_kernel': 4, "
-            "'fused_moe_quant_kernel': 10, 'sgl_moe_align_block_size': 1, 'gptq_gemm_gcu': 3, "
+            "'paged_attention_v1': 4, 'moe_align_block_size': 7, 'fused_moe_kernel': 4, "
+            "'fused_moe_quant_kernel': 12, 'sgl_moe_align_block_size': 1, 'gptq_gemm_gcu': 3, "
             "'weight_only_quant': 2, 'cutlass_scaled_mm': 2}") in out
     assert ("'gcu_vendor:moe_experts': 'registered (_C::fused_moe_kernel, "
             "_moe_C::moe_align_block_size, _moe_C::sgl_moe_align_block_size)'") in out
     assert ("'gcu_vendor:moe_quant_experts': 'registered (_C::fused_moe_quant_kernel, "
             "_moe_C::moe_align_block_size, _moe_C::sgl_moe_align_block_size)'") in out
-    assert out.count("QUANT ") == 5 and out.count("DENSE ") == 5 and out.count("W8A8 ") == 4
+    assert out.count("QUANT ") == 6 and out.count("DENSE ") == 5 and out.count("\nW8A8 ") == 4
     assert "'gcu_vendor:int8_linear': 'registered (_C::cutlass_scaled_mm)'" in out
     assert ("'gcu_vendor:wint_prepare': 'registered (_C::gptq_gemm_gcu, "
             "_C::weight_only_quant)'") in out

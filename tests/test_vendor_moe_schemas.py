@@ -10,7 +10,10 @@ fake Enflame library in test_backend_faithful."""
 
 import torch
 
+import vllm_accel.quant  # noqa: F401  (registers the quant kernels)
+from vllm_accel.ops.reference.moe import moe_experts, moe_route
 from vllm_accel.ops.vendor.kernels import _gcu_moe_experts, _gcu_moe_quant_experts
+from vllm_accel.quant.packed import InstalledWInt, resident_from_codes
 
 VLLM_GCU = ("Tensor(a!) _0, Tensor _1, Tensor _2, Tensor _3, Tensor _4, Tensor _5, "
             "Tensor _6, Tensor _7, bool _8, int _9, int _10, Tensor? _11")
@@ -52,11 +55,24 @@ def test_only_vllm_gcus_quantized_schema_is_registered():
     assert _gcu_moe_quant_experts(_ops("quant_ex_order", QUANT_EX_ORDER, name)) is None
 
 
-def test_without_sgls_alignment_224_experts_are_declined():
+def test_without_sgls_alignment_224_experts_go_to_the_next_provider():
     """vllm-gcu aligns 224 experts or more with ``_moe_C::sgl_moe_align_block_size``; a
-    library without it keeps those layers on the next provider."""
-    name = "fused_moe_quant_kernel"
-    adapter = _gcu_moe_quant_experts(_ops("no_sgl", VLLM_GCU_QUANT, name))
+    library without it keeps those layers on the next provider: quantized layers are
+    declined at load (223 experts are prepared), unquantized calls handed on (the test
+    namespace's fused kernel has no implementation: calling it would raise)."""
+    adapter = _gcu_moe_quant_experts(_ops("no_sgl", VLLM_GCU_QUANT, "fused_moe_quant_kernel"))
     plain = dict(act_dtype=torch.bfloat16, expert_map=None, apply_router_weight_on_input=False,
                  biased=False)
-    assert adapter.prepare_experts([None] * 224, [None] * 224, **plain) is None
+    res = resident_from_codes(torch.randint(0, 256, (4, 16)), torch.rand(4, 1), None, bits=8,
+                              group_size=-1)
+    for experts, prepared in ((223, True), (224, False)):
+        modules = [InstalledWInt(res) for _ in range(experts)]
+        got = adapter.prepare_experts(modules, modules, **plain)
+        assert (got is not None) == prepared, experts
+    unquantized = _gcu_moe_experts(_ops("no_sgl_plain", VLLM_GCU))
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(5, 16, generator=g)
+    w13, w2 = torch.randn(224, 32, 16, generator=g), torch.randn(224, 16, 16, generator=g)
+    weights, ids = moe_route(torch.randn(5, 224, generator=g), 2, renormalize=True)
+    assert torch.allclose(unquantized(x, w13, w2, weights, ids),
+                          moe_experts(x, w13, w2, weights, ids))

@@ -22,6 +22,9 @@ OTHER_WEIGHT_ONLY = ("weight_only_quant", "Tensor! output, Tensor input, Tensor 
                      "Tensor qweight, int group_size", "()")
 SCALED_MM = ("cutlass_scaled_mm", "Tensor! out, Tensor x, Tensor weight, Tensor x_scale, "
              "Tensor w_scale, Tensor? bias", "()")
+# upstream vLLM's names for the same arguments (kept where vLLM defines the op first)
+UPSTREAM_SCALED_MM = ("cutlass_scaled_mm", "Tensor! out, Tensor a, Tensor b, Tensor a_scales, "
+                      "Tensor b_scales, Tensor? bias", "()")
 # e.g. a scaled GEMM taking the output dtype instead of the output tensor
 OTHER_SCALED_MM = ("cutlass_scaled_mm", "Tensor x, Tensor weight, Tensor x_scale, "
                    "Tensor w_scale, ScalarType out_dtype, Tensor? bias", "Tensor")
@@ -64,4 +67,5 @@ def test_each_bit_width_needs_its_gemm():
 
 def test_only_vllm_gcus_scaled_mm_is_registered():
     assert _gcu_int8_linear(_ops("scaled_mm", SCALED_MM)) is not None
+    assert _gcu_int8_linear(_ops("upstream_scaled_mm", UPSTREAM_SCALED_MM)) is not None
     assert _gcu_int8_linear(_ops("other_scaled_mm", OTHER_SCALED_MM)) is None

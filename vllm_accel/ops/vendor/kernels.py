@@ -541,12 +541,32 @@ def _gcu_int4_experts(modules, act_dtype) -> dict:
             "group_size": modules[0].group_size}
 
 
+def _dynamic_w8a8(module) -> bool:
+    """A W8A8 module (``InstalledW8A8``) with dynamic symmetric per-token activations."""
+    return (getattr(module, "weight_scale", None) is not None
+            and module.weight.dtype == torch.int8 and module.input_scale is None
+            and module.input_symmetric)
+
+
+def _gcu_w8a8_experts(modules) -> dict:
+    """vllm-gcu's W8A8 experts (compressed-tensors' int8 method): int8 weights ``[E, N,
+    K]``, float32 per-channel scales ``[E, 1, N]``, group size 1 as vllm-gcu passes it;
+    the activations are quantized per token before each GEMM (``act_quant``)."""
+    weight, scales = _stacked(modules, lambda m: (
+        m.weight.data, m.weight_scale.data.to(torch.float32).reshape(1, -1)))
+    return {"weight": weight, "scales": scales, "zeros": None, "group_size": 1,
+            "act_quant": True}
+
+
 def _gcu_quant_layout(modules, act_dtype) -> dict | None:
     """One projection of every expert in vllm-gcu's layout, or None where its kernel
-    takes none: the generic resident layout without act-order (uniform over the
-    experts); 8-bit symmetric per channel or in groups of 64/128; 4-bit in groups
-    (vllm-gcu loads no per-channel 4-bit weights) with input columns a multiple of 128."""
+    takes none: W8A8 with dynamic symmetric activations; or the generic weight-only
+    resident layout without act-order (uniform over the experts), 8-bit symmetric per
+    channel or in groups of 64/128, 4-bit in groups (vllm-gcu loads no per-channel
+    4-bit weights) with input columns a multiple of 128."""
     first = modules[0]
+    if all(_dynamic_w8a8(m) for m in modules) and len({m.weight.shape for m in modules}) == 1:
+        return _gcu_w8a8_experts(modules)
     if not all(getattr(m, "generic_layout", False) for m in modules) or len(
             {(m.bits, m.group_size, m.zeros is None, m.qweight.shape) for m in modules}) != 1:
         return None
@@ -560,8 +580,8 @@ def _gcu_quant_layout(modules, act_dtype) -> dict | None:
 
 
 def _gcu_moe_quant_experts(ops):
-    """``moe_quant_experts`` on ``_C::fused_moe_quant_kernel`` (weight-only 4/8-bit,
-    :func:`_gcu_run_experts`). ``prepare_experts`` converts a layer's experts at load
+    """``moe_quant_experts`` on ``_C::fused_moe_quant_kernel`` (weight-only 4/8-bit and
+    W8A8, :func:`_gcu_run_experts`). ``prepare_experts`` converts a layer's experts at load
     into vllm-gcu's layouts (:func:`_gcu_quant_layout`), for bf16/fp16 activations
     (vllm-gcu's) without an expert map, biases or the router weight on the input
     (or 224 experts and more without sgl's alignment op); it declines other layers,
@@ -579,7 +599,8 @@ def _gcu_moe_quant_experts(ops):
                 x, w13, w2, topk_weights, topk_ids, expert_map=expert_map,
                 activation=activation, apply_router_weight_on_input=apply_router_weight_on_input,
                 w13_bias=w13_bias, w2_bias=w2_bias)
-        if expert_map is not None or apply_router_weight_on_input or w13_bias is not None:
+        if (expert_map is not None or apply_router_weight_on_input or w13_bias is not None
+                or w2_bias is not None):
             raise RuntimeError("gcu_vendor: experts prepared for fused_moe_quant_kernel got "
                                "an expert map, biases or the router weight on the input, "
                                "which prepare_experts declines")
@@ -590,7 +611,10 @@ def _gcu_moe_quant_experts(ops):
 
         def gemm(out, a, name, weights, ids, sorted_ids, expert_ids, padded, mul, top_k):
             p = proj[name]
-            quant(out, a, p.weight, None, p.scales, p.group_size, p.zeros, weights, ids,
+            a_scale = None
+            if getattr(p, "act_quant", False):  # W8A8: int8 activations, per-token scales
+                a, a_scale, _ = get_kernel("int8_quant_act")(a)
+            quant(out, a, p.weight, a_scale, p.scales, p.group_size, p.zeros, weights, ids,
                   sorted_ids, expert_ids, padded, mul, top_k, GCU_MOE_BLOCK, None, None)
 
         return _gcu_run_experts(align, gemm, x, topk_weights, topk_ids, w13.weight.shape[0],
@@ -719,6 +743,11 @@ def _gcu_wint_prepared_linear(ops):
 _CUTLASS_SCALED_MM_ARGS = (("out", "Tensor"), ("x", "Tensor"), ("weight", "Tensor"),
                            ("x_scale", "Tensor"), ("w_scale", "Tensor"),
                            ("bias", "Optional[Tensor]"))
+#: the same arguments as upstream vLLM names them (a vLLM build that defines the op
+#: first keeps its names; vllm-gcu then only adds its implementation)
+_UPSTREAM_SCALED_MM_ARGS = (("out", "Tensor"), ("a", "Tensor"), ("b", "Tensor"),
+                            ("a_scales", "Tensor"), ("b_scales", "Tensor"),
+                            ("bias", "Optional[Tensor]"))
 #: upstream's wrapper sends other widths to a Triton kernel, which vllm-gcu lacks
 GCU_SCALED_MM_MULTIPLE = 16
 
@@ -749,7 +778,8 @@ def _gcu_int8_linear(ops):
     multiples of 16 go to the next provider. Returns None (not registered) when the
     op's schema is not vllm-gcu's."""
     op = ops["_C::cutlass_scaled_mm"]
-    if tuple((a.name, str(a.type)) for a in op._schema.arguments) != _CUTLASS_SCALED_MM_ARGS:
+    if tuple((a.name, str(a.type)) for a in op._schema.arguments) not in (
+            _CUTLASS_SCALED_MM_ARGS, _UPSTREAM_SCALED_MM_ARGS):
         return None
 
     def gcu_int8_linear(x, weight, weight_scale, *, input_scale=None, input_zero_point=None,
@@ -764,8 +794,11 @@ def _gcu_int8_linear(ops):
                 input_zero_point=input_zero_point, input_symmetric=input_symmetric,
                 weight_col_sums=weight_col_sums, bias=bias, mm_method=mm_method)
         q, x_scale, _ = get_kernel("int8_quant_act")(x.reshape(-1, k), input_scale)
+        # per token [M, 1]; a static scale [1], as vllm-gcu's own path sends it
+        x_scale = x_scale.to(torch.float32)
+        x_scale = x_scale.reshape(-1, 1) if input_scale is None else x_scale.reshape(1)
         y = torch.ops.vllm_accel.gcu_scaled_mm(
-            q, weight.t(), x_scale.to(torch.float32).reshape(-1, 1),
+            q, weight.t(), x_scale,
             weight_scale.to(torch.float32).reshape(n, 1),
             None if bias is None else bias.to(x.dtype), x.dtype)
         return y.reshape(*x.shape[:-1], n)

@@ -209,7 +209,9 @@ def fused_moe_kernel(C, A, B, topk_weights, topk_ids, sorted_token_ids, expert_i
 # [G, N] and zero points times scales [G, N] (weight = code * scale - zero term), in
 # groups (vllm-gcu loads no per-channel 4-bit weights, so never passes -1 there).
 # Scales are in the activation dtype. vllm-gcu's symmetric 4-bit experts call (no zero
-# points) is not modelled: vllm_accel always passes them.
+# points) is not modelled: vllm_accel always passes them. W8A8 experts: int8 weights
+# [E, N, K] with float32 scales [E, 1, N] (compressed-tensors' [E, N, 1] transposed),
+# int8 activations with float32 per-token scales, group size 1.
 def _per_column(t, group):
     return t.double().T.repeat_interleave(group, dim=1)
 
@@ -247,7 +249,16 @@ def fused_moe_quant_kernel(C, A, B, A_scale, B_scale, gs, B_zp, topk_weights, to
                            sorted_token_ids, expert_ids, num_tokens_post_pad,
                            mul_routed_weight, topk, block_size, bias, real_token_num):
     CALLS["fused_moe_quant_kernel"] += 1
-    assert A_scale is None and bias is None and real_token_num is None
+    assert bias is None and real_token_num is None
+    if A_scale is not None:  # W8A8: int8 A [M, K] with per-token scales, as vllm-gcu sends it
+        assert A.dtype == B.dtype == torch.int8 and B_zp is None and gs == 1
+        assert A_scale.dtype == B_scale.dtype == torch.float32 and A_scale.shape == (A.shape[0], 1)
+        assert B_scale.shape == (B.shape[0], 1, B.shape[1])
+        _expert_blocks(C, A.double() * A_scale.double(),
+                       lambda e: B[e].double() * B_scale[e].double().reshape(-1, 1),
+                       topk_weights, topk_ids, sorted_token_ids, expert_ids,
+                       num_tokens_post_pad, mul_routed_weight, topk, block_size)
+        return
     assert B_scale.dtype == A.dtype and (B_zp is None or B_zp.dtype == A.dtype)
     _expert_blocks(C, A, lambda e: _dequant_gcu_expert(B, B_scale, gs, B_zp, e), topk_weights,
                    topk_ids, sorted_token_ids, expert_ids, num_tokens_post_pad,
@@ -306,7 +317,8 @@ def cutlass_scaled_mm(out, x, weight, x_scale, w_scale, bias):
     assert x.dtype == weight.dtype == torch.int8 and weight.stride(0) == 1
     assert k % 16 == 0 and n % 16 == 0 and out.dtype in (torch.bfloat16, torch.float16)
     assert x_scale.dtype == w_scale.dtype == torch.float32
-    assert x_scale.numel() in (1, m) and w_scale.numel() in (1, n)
+    assert x_scale.shape in ((m, 1), (1,)) and w_scale.shape in ((n, 1), (1,))
+    assert bias is None or bias.dtype == out.dtype
     y = (x.double() @ weight.double()) * x_scale.double().reshape(-1, 1) * (
         w_scale.double().reshape(1, -1))
     out.copy_(y if bias is None else y + bias.double())
