@@ -472,7 +472,8 @@ def _gcu_moe_experts(ops):
 #: C++ signature): C!, A, B, A_scale?, B_scale, group_size, B_zp?, topk_weights,
 #: topk_ids, sorted_token_ids, expert_ids, num_tokens_post_pad, mul_routed_weight,
 #: topk, block_size, bias?, real_token_num?
-_FUSED_MOE_QUANT_TYPES = (("Tensor",) * 3 + ("Optional[Tensor]", "Tensor", "int", "Optional[Tensor]")
+_FUSED_MOE_QUANT_TYPES = (("Tensor",) * 3
+                          + ("Optional[Tensor]", "Tensor", "int", "Optional[Tensor]")
                           + ("Tensor",) * 5 + ("bool", "int", "int") + ("Optional[Tensor]",) * 2)
 #: input columns per block of vllm-gcu's 4-bit layout (``rearrange_uint4_int32_uint8_gptq``)
 GCU_INT4_BLOCK = 128
@@ -683,8 +684,8 @@ def _gcu_wint_prepare(ops):
     """``wint_prepare``: a weight-only layer in vllm-gcu's layouts, for bf16/fp16
     activations (vllm-gcu's): 4-bit (``_C::gptq_gemm_gcu``) bytes ``[K/2, N]`` in its
     128-column blocks, scales and zero terms ``[G, N]``, in groups (vllm-gcu loads no
-    per-channel 4-bit weights) with input widths a multiple of 128; 8-bit symmetric (``_C::weight_only_quant``) signed codes ``[N, K]`` with scales
-    ``[N]`` or ``[G, N]``. Act-order keeps its permutation (the input is gathered per
+    per-channel 4-bit weights) with input widths a multiple of 128; 8-bit symmetric
+    (``_C::weight_only_quant``) signed codes ``[N, K]`` with scales ``[N]`` or ``[G, N]``. Act-order keeps its permutation (the input is gathered per
     call). Other layers: None (the generic layout). Returns None (not registered) when
     a GEMM's schema is not vllm-gcu's."""
     if not _gcu_wint_schemas(ops):
