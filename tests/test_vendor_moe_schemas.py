@@ -76,3 +76,22 @@ def test_without_sgls_alignment_224_experts_go_to_the_next_provider():
     weights, ids = moe_route(torch.randn(5, 224, generator=g), 2, renormalize=True)
     assert torch.allclose(unquantized(x, w13, w2, weights, ids),
                           moe_experts(x, w13, w2, weights, ids))
+
+
+def test_the_report_names_only_the_ops_a_kernel_needs():
+    """sgl's alignment op is optional: a library with it alone lacks exactly the fused
+    kernel and vLLM's alignment op, and the report says so."""
+    from vllm_accel.ops.vendor.kernels import install_vendor_kernels
+
+    class Backend:
+        kernel_providers = ("gcu_vendor",)
+
+        def op(self, qualname):
+            return object() if qualname == "_moe_C::sgl_moe_align_block_size" else None
+
+    report = install_vendor_kernels(Backend())
+    assert report["gcu_vendor:moe_experts"] == (
+        "not registered by the vendor library: _C::fused_moe_kernel, "
+        "_moe_C::moe_align_block_size")
+    assert report["gcu_vendor:rms_norm"] == (
+        "not registered by the vendor library: _C::fused_add_rms_norm, _C::rms_norm")

@@ -685,9 +685,10 @@ def _gcu_wint_prepare(ops):
     activations (vllm-gcu's): 4-bit (``_C::gptq_gemm_gcu``) bytes ``[K/2, N]`` in its
     128-column blocks, scales and zero terms ``[G, N]``, in groups (vllm-gcu loads no
     per-channel 4-bit weights) with input widths a multiple of 128; 8-bit symmetric
-    (``_C::weight_only_quant``) signed codes ``[N, K]`` with scales ``[N]`` or ``[G, N]``. Act-order keeps its permutation (the input is gathered per
-    call). Other layers: None (the generic layout). Returns None (not registered) when
-    a GEMM's schema is not vllm-gcu's."""
+    (``_C::weight_only_quant``) signed codes ``[N, K]`` with scales ``[N]`` or ``[G, N]``.
+    Act-order keeps its permutation (the input is gathered per call). Other layers:
+    None (the generic layout). Returns None (not registered) when a GEMM's schema is
+    not vllm-gcu's."""
     if not _gcu_wint_schemas(ops):
         return None
 
@@ -876,9 +877,9 @@ def _sophgo_moe_experts(ops):
     return sophgo_moe_experts
 
 
-# (provider, kernel name, vendor ops it needs -- any one suffices for "any", all
-#  for "all", or a predicate of the ops found --, adapter factory)
-VENDOR_KERNELS: tuple[tuple[str, str, tuple[str, ...], str | Callable, Callable], ...] = (
+# (provider, kernel name, vendor ops it uses, which it needs -- any one of them for
+#  "any", all for "all", or those listed, the rest optional --, adapter factory)
+VENDOR_KERNELS: tuple[tuple[str, str, tuple[str, ...], str | tuple[str, ...], Callable], ...] = (
     (GCU_VENDOR, "rms_norm", ("_C::rms_norm", "_C::fused_add_rms_norm"), "any", _gcu_rms_norm),
     (GCU_VENDOR, "silu_and_mul", ("_C::silu_and_mul",), "all", _gcu_silu_and_mul),
     (GCU_VENDOR, "rotary_embedding", ("_C::rotary_embedding",), "all", _gcu_rotary_embedding),
@@ -886,21 +887,19 @@ VENDOR_KERNELS: tuple[tuple[str, str, tuple[str, ...], str | Callable, Callable]
      _gcu_moe_route),
     (GCU_VENDOR, "paged_decode", ("_C::paged_attention_v1",), "all", _gcu_paged_decode),
     (GCU_VENDOR, "moe_experts", ("_C::fused_moe_kernel", *_GCU_ALIGN_OPS),
-     lambda ops: len(ops.keys() & {"_C::fused_moe_kernel", _GCU_ALIGN_OPS[0]}) == 2,
-     _gcu_moe_experts),
+     ("_C::fused_moe_kernel", _GCU_ALIGN_OPS[0]), _gcu_moe_experts),
     (GCU_VENDOR, "wint_prepare", ("_C::gptq_gemm_gcu", "_C::weight_only_quant"), "any",
      _gcu_wint_prepare),
     (GCU_VENDOR, "wint_prepared_linear", ("_C::gptq_gemm_gcu", "_C::weight_only_quant"),
      "any", _gcu_wint_prepared_linear),
     (GCU_VENDOR, "int8_linear", ("_C::cutlass_scaled_mm",), "all", _gcu_int8_linear),
     (GCU_VENDOR, "moe_quant_experts", ("_C::fused_moe_quant_kernel", *_GCU_ALIGN_OPS),
-     lambda ops: len(ops.keys() & {"_C::fused_moe_quant_kernel", _GCU_ALIGN_OPS[0]}) == 2,
-     _gcu_moe_quant_experts),
+     ("_C::fused_moe_quant_kernel", _GCU_ALIGN_OPS[0]), _gcu_moe_quant_experts),
     (GCU_VENDOR, "mla_cache_write", ("_C_cache_ops::concat_and_cache_mla",), "all",
      _gcu_mla_cache_write),
     (GCU_VENDOR, "mla_decode", ("_flashmla_C::fwd_kvcache_mla", "_flashmla_C::get_mla_metadata",
                                 "_flashmla_C::get_mla_decoding_metadata"),
-     lambda ops: "_flashmla_C::fwd_kvcache_mla" in ops, _gcu_mla_decode),
+     ("_flashmla_C::fwd_kvcache_mla",), _gcu_mla_decode),
     (SOPHGO_VENDOR, "rms_norm", ("my_ops::rmsnorm_forward",), "all", _sophgo_rms_norm),
     (SOPHGO_VENDOR, "moe_experts", ("my_ops::fused_moe_fused_experts",), "all",
      _sophgo_moe_experts),
@@ -999,8 +998,8 @@ def install_vendor_kernels(backend) -> dict[str, str]:
         if provider not in providers:
             continue
         ops = {q: op for q in qualnames if (op := backend.op(q)) is not None}
-        ok = (need(ops) if callable(need) else bool(ops) if need == "any"
-              else len(ops) == len(qualnames))
+        required = qualnames if need == "all" else () if need == "any" else need
+        ok = bool(ops) and set(required) <= set(ops)
         key = f"{provider}:{name}"
         adapter = factory(ops) if ok else None
         if adapter is not None:
@@ -1010,7 +1009,7 @@ def install_vendor_kernels(backend) -> dict[str, str]:
             report[key] = ("not registered: schemas the adapter does not know: "
                            + "; ".join(str(op._schema) for op in ops.values()))
         else:
-            missing = sorted(set(qualnames) - set(ops))
+            missing = sorted(set(required or qualnames) - set(ops))
             report[key] = "not registered by the vendor library: " + ", ".join(missing)
     if FLASH_ATTN in providers:
         kernels, why = probe_flash_attn(backend.torch_device())
