@@ -496,6 +496,13 @@ def _gcu_int4_bytes(packed: torch.Tensor) -> torch.Tensor:
     return (codes[..., 0, :] | (codes[..., 1, :] << 4)).reshape(*lead, n, half)
 
 
+def _gcu_int8_scales(scales: torch.Tensor, act_dtype) -> torch.Tensor:
+    """Generic 8-bit scales ``[N, G]`` -> vllm-gcu's: ``[N]`` per channel, else ``[G, N]``,
+    in the activation dtype."""
+    s = scales.to(act_dtype)
+    return (s[:, 0] if s.shape[1] == 1 else s.t()).contiguous()
+
+
 def _gcu_int4_scales(scales: torch.Tensor, zeros: torch.Tensor | None, act_dtype):
     """Generic scales and zero points ``[..., N, G]`` -> vllm-gcu's scales and zero
     points times scales, ``[..., G, N]`` in the activation dtype (its asymmetric form,
@@ -523,12 +530,10 @@ def _gcu_int8_experts(modules, act_dtype) -> dict:
     """vllm-gcu's 8-bit experts (``moe_wna16``'s GPTQ conversion): signed codes ``[E, N,
     K]``, scales ``[E, N]`` per channel (group size -1) or ``[E, G, N]``, in the
     activation dtype."""
-    per_channel = modules[0].scales.shape[1] == 1
     weight, scales = _stacked(modules, lambda m: (
-        _gcu_int8_codes(m.qweight.data),
-        m.scales.data[:, 0].to(act_dtype) if per_channel else m.scales.data.t().to(act_dtype)))
+        _gcu_int8_codes(m.qweight.data), _gcu_int8_scales(m.scales.data, act_dtype)))
     return {"weight": weight, "scales": scales, "zeros": None,
-            "group_size": -1 if per_channel else modules[0].group_size}
+            "group_size": -1 if scales.dim() == 2 else modules[0].group_size}
 
 
 def _gcu_int4_experts(modules, act_dtype) -> dict:
@@ -703,10 +708,8 @@ def _gcu_wint_prepare(ops):
                         "gcu_group_index": torch.arange(scales.shape[0], dtype=torch.int32,
                                                         device=scales.device)}
         elif res.bits == 8 and "_C::weight_only_quant" in ops and res.zeros is None:
-            scales = res.scales.to(act_dtype)
             prepared = {"gcu_weight": _gcu_int8_codes(res.qweight).contiguous(),
-                        "gcu_scales": (scales[:, 0] if scales.shape[1] == 1
-                                       else scales.t()).contiguous()}
+                        "gcu_scales": _gcu_int8_scales(res.scales, act_dtype)}
         else:
             return None
         if res.perm is not None:
