@@ -476,6 +476,84 @@ def test_sophgo_fused_moe_experts_vendor_op(tmp_path):
     assert "CALLS {'fused_moe_fused_experts': 1}" in out
 
 
+def test_sophgo_paged_attention_v3(tmp_path):
+    """``my_ops::paged_attention_v3`` serves decode and prefill (fresh prompts and after
+    cached context) from our cache, gathered per call into Sophgo's contiguous
+    ``[nb, bs, Hkv, D]`` K/V with the new tokens' slots in that copy, against the float64
+    oracle (bf16 and float32, GQA, block- and head-major pages, a padding request); the
+    first call per shape also runs the op once as its probe. Features the op lacks go
+    to the next provider uncalled, and a build that reads another cache order fails
+    its probe: the next provider serves, still right."""
+    out = _ok(run_faithful(textwrap.dedent("""
+        import os, torch
+        from vllm_accel.backends import get_backend
+        import vllm_accel.ops.attention
+        from vllm_accel.ops import registry
+        from vllm_accel.ops.reference import attention as attn_ref
+        from vllm_accel.ops.vendor.kernels import install_vendor_kernels
+        b = get_backend(); b.load()
+        print("REPORT", install_vendor_kernels(b))
+        registry.set_preferred_providers(b.kernel_providers)
+        from torch_tpu import ops
+        decode, prefill = registry.get_kernel("paged_decode"), registry.get_kernel("paged_prefill")
+        g = torch.Generator().manual_seed(0)
+        table = torch.tensor([[6, 2, 9], [0, 0, 0], [4, 0, 0], [1, 7, 0]], dtype=torch.int32)
+
+        def cache_of(dtype, d, head_major):
+            shape = (2, 10, 16, 2 * d) if head_major else (10, 2, 16, 2 * d)
+            cache = torch.randn(shape, generator=g).to(dtype)
+            return cache.transpose(0, 1) if head_major else cache
+
+        def check(got, want, dtype, what):
+            tol = 2e-2 if dtype == torch.bfloat16 else 1e-5
+            assert got.dtype == dtype and torch.allclose(got.double(), want, atol=tol), what
+
+        def calls():
+            return ops.CALLS["paged_attention_v3"]
+
+        lens = torch.tensor([37, 0, 5, 16])
+        for dtype, d, head_major, features, n in (
+                (torch.bfloat16, 64, False, {}, 2), (torch.bfloat16, 64, True, {}, 1),
+                (torch.float32, 128, False, {}, 2),
+                (torch.float32, 128, False, {"sliding_window": 8}, 0),
+                (torch.float32, 128, False, {"logits_soft_cap": 5.0}, 0)):
+            before, cache = calls(), cache_of(dtype, d, head_major)
+            q = torch.randn(4, 4, d, generator=g).to(dtype)
+            got = decode(q, cache, table, lens, 0.3, **features)
+            want = attn_ref.paged_decode(q.double(), cache.double(), table, lens, 0.3, **features)
+            check(got, want, dtype, ("decode", dtype, features))
+            assert not got[1].any()
+            assert calls() - before == n, ("decode", dtype, features)
+        # prefill: fresh prompts (a request with nothing scheduled between them), then
+        # prompts after cached context (chunked prefill / prefix caching)
+        for q_lens, seq_lens, n in (([37, 0, 5, 16], [37, 0, 5, 16], 2),
+                                    ([3, 0, 5, 10], [37, 0, 5, 16], 2),
+                                    ([20, 0, 1, 16], [37, 0, 5, 16], 1)):
+            for dtype in (torch.bfloat16, torch.float32):
+                before, cache = calls(), cache_of(dtype, 64, False)
+                qsl = torch.tensor([0] + q_lens).cumsum(0)
+                q = torch.randn(int(qsl[-1]), 4, 64, generator=g).to(dtype)
+                got = prefill(q, cache, table, qsl, torch.tensor(seq_lens), 0.3)
+                want = attn_ref.paged_attention(q.double(), cache.double(), table, qsl,
+                                                torch.tensor(seq_lens), 0.3)
+                check(got, want, dtype, ("prefill", q_lens, dtype))
+                assert calls() - before == n, ("prefill", q_lens, dtype)
+        # a build reading another cache order: the probe (one call) refuses it
+        os.environ["FAKE_SOPHGO_CACHE_ORDER"] = "heads"
+        for _ in range(2):
+            before, cache = calls(), cache_of(torch.float32, 32, False)
+            q = torch.randn(4, 4, 32, generator=g)
+            got = decode(q, cache, table, lens, 0.3)
+            check(got, attn_ref.paged_decode(q.double(), cache.double(), table, lens, 0.3),
+                  torch.float32, "refused build")
+            refused = calls() - before
+            print("REFUSED", refused)
+    """), "sophgo", tmp_path))
+    for kernel in ("paged_decode", "paged_prefill"):
+        assert f"'sophgo_vendor:{kernel}': 'registered (my_ops::paged_attention_v3)'" in out
+    assert "REFUSED 1\nREFUSED 0" in out
+
+
 DIST = textwrap.dedent("""
     import os, sys, torch, torch.distributed as dist
     from vllm_accel.backends import get_backend

@@ -149,3 +149,58 @@ def test_contexts_past_vllm_gcus_v1_limit_go_to_the_next_provider():
 
 def test_unknown_schema_is_not_registered():
     assert _gcu_paged_decode(_define("unknown")[1]) is None
+
+
+# --- Sophgo's paged_attention_v3 ---------------------------------------------------
+
+V3_ARGS = ("Tensor(a!) output, Tensor query, Tensor key, Tensor value, Tensor kcache, "
+           "Tensor vcache, Tensor? pos_cos, Tensor? pos_sin, Tensor input_lengths, "
+           "Tensor cache_lengths, Tensor save_slots, Tensor block_tables, Tensor? mask, "
+           "float softmax_scale")
+_v3_lib = torch.library.Library("_accel_test_sophgo_v3", "DEF")
+_v3_lib.define(f"v3({V3_ARGS}, int max_seqlen, int stage) -> Tensor")
+_v3_lib.define(f"v2({V3_ARGS}) -> Tensor")  # the v2 signature under the v3 name
+
+
+V3_CALLS = []
+
+
+def _refusing_v3(*args):
+    V3_CALLS.append(args[-1])
+    raise RuntimeError("tpudnn: unsupported head size")
+
+
+_v3_lib.impl("v3", _refusing_v3, "CPU")
+
+
+def test_sophgo_v3_registers_only_over_torch_tpus_schema():
+    from vllm_accel.ops.vendor.sophgo_attention import sophgo_paged_kernel
+
+    ns = torch.ops._accel_test_sophgo_v3
+    for name in ("paged_decode", "paged_prefill"):
+        assert sophgo_paged_kernel(name)({"my_ops::paged_attention_v3": ns.v3.default})
+        assert sophgo_paged_kernel(name)({"my_ops::paged_attention_v3": ns.v2.default}) is None
+
+
+def test_sophgo_v3_that_raises_in_its_probe_is_not_used():
+    """A build that refuses the shapes (raises in the probe) leaves decode and prefill to
+    the next provider, right against the oracle, and is not tried again."""
+    from vllm_accel.ops.vendor.sophgo_attention import sophgo_paged_kernel
+
+    op = {"my_ops::paged_attention_v3": torch.ops._accel_test_sophgo_v3.v3.default}
+    decode = sophgo_paged_kernel("paged_decode")(op)
+    prefill = sophgo_paged_kernel("paged_prefill")(op)
+    g = torch.Generator().manual_seed(3)
+    cache = torch.randn(6, 2, 16, 64, generator=g)
+    table = torch.tensor([[3, 1], [2, 0]], dtype=torch.int32)
+    lens = torch.tensor([20, 5])
+    for _ in range(2):
+        q = torch.randn(2, 4, 32, generator=g)
+        want = attn_ref.paged_decode(q.double(), cache.double(), table, lens, 0.2)
+        assert torch.allclose(decode(q, cache, table, lens, 0.2).double(), want, atol=1e-5)
+        qsl = torch.tensor([0, 20, 25])
+        q = torch.randn(25, 4, 32, generator=g)
+        want = attn_ref.paged_attention(q.double(), cache.double(), table, qsl, lens, 0.2)
+        got = prefill(q, cache, table, qsl, lens, 0.2)
+        assert torch.allclose(got.double(), want, atol=1e-5)
+    assert V3_CALLS == [3, 2]  # one probe each (decode stage 3, prefill stage 2)

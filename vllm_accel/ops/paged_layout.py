@@ -68,6 +68,24 @@ def page_rows(block_ids: torch.Tensor, num_kv_heads: int, block_step: int, head_
     return heads[:, None] * head_step + block_ids.reshape(1, -1).long() * block_step
 
 
+def gather_request_pages(kv_cache: torch.Tensor, block_table: torch.Tensor,
+                         lens: torch.Tensor, num_blocks: int):
+    """The blocks each request reads (its first ``ceil(len / bs)`` table columns, never
+    the stale ones after) -> K and V pages ``[n, Hkv, BS, D]`` (contiguous, n the blocks
+    read) and a compact table ``[B, num_blocks]`` over them (0 past a request's own)."""
+    _, num_kv_heads, block_size, width = kv_cache.shape
+    counts = (lens.long() + block_size - 1) // block_size
+    cols = torch.arange(num_blocks, device=lens.device)
+    valid = cols[None, :] < counts[:, None]
+    ids = block_table[:, :num_blocks][valid.to(block_table.device)]
+    compact = torch.where(valid, (counts.cumsum(0) - counts)[:, None] + cols[None, :], 0)
+    pages, block_step, head_step = half_pages(kv_cache)
+    k_rows = page_rows(ids, num_kv_heads, block_step, head_step).t()  # [n, Hkv]
+    kv = torch.index_select(pages, 0, torch.stack((k_rows, k_rows + 1)).reshape(-1))
+    k, v = kv.view(2, ids.numel(), num_kv_heads, block_size, width // 2).unbind(0)
+    return k, v, compact.to(torch.int32)
+
+
 def slot_index(slot_mapping: torch.Tensor, num_kv_heads: int, block_size: int,
                 block_step: int, head_step: int):
     """Slots ``[n]`` -> (valid mask ``[n]``, page rows ``[T, Hkv]``, offsets ``[T, 1]``).

@@ -28,12 +28,13 @@ Providers:
   contract: bf16/fp16, 512 + 64 latent, pages of 64, which is our default).
 * ``sophgo_vendor``: Sophgo's ``my_ops::rmsnorm_forward`` and the MoE experts
   ``my_ops::fused_moe_fused_experts`` (SiLU-gated bf16/fp16 experts without biases;
-  each (token, choice) pair's unweighted output, weighted and summed here). Its
-  attention ops fuse RoPE and use their own cache layout, so they are not plugged in;
-  its MLA op (``paged_latent_attention``) is a whole MLA layer -- the query and KV
-  up-projections, RoPE, writes to separate latent and rope caches -- so it would
-  replace vLLM's MLA layer rather than its attention, with weight layouts Sophgo does
-  not document: not plugged in either.
+  each (token, choice) pair's unweighted output, weighted and summed here). Decode
+  and prefill attention through ``my_ops::paged_attention_v3``, which reads and
+  writes its own cache layout: the pages a batch reads are gathered into it per call
+  (``sophgo_attention.py``). Its MLA op (``paged_latent_attention``) is a whole MLA
+  layer -- the query and KV up-projections, RoPE, writes to separate latent and rope
+  caches -- so it would replace vLLM's MLA layer rather than its attention, with
+  weight layouts Sophgo does not document: not plugged in.
 * ``flash_attn``: Enflame's FlashAttention build (what vllm-gcu's V1 engine uses),
   prefill and decode reading our cache in place, registered for the features a probe
   on the device matched (``flash_attn.py``).
@@ -49,16 +50,16 @@ from collections.abc import Callable
 import torch
 
 from vllm_accel.logger import init_logger
-from vllm_accel.ops.paged_layout import half_pages, page_rows
+from vllm_accel.ops.paged_layout import gather_request_pages
 from vllm_accel.ops.reference.moe import gated_activation
 from vllm_accel.ops.registry import fallback_kernel, get_kernel, register_kernel
 from vllm_accel.ops.vendor.flash_attn import FLASH_ATTN, probe_flash_attn
+from vllm_accel.ops.vendor.sophgo_attention import SOPHGO_VENDOR, sophgo_paged_kernel
 from vllm_accel.ops.triton.provider import TRITON, install_triton_kernels
 
 logger = init_logger(__name__)
 
 GCU_VENDOR = "gcu_vendor"
-SOPHGO_VENDOR = "sophgo_vendor"
 XFORMERS = "xformers"
 
 
@@ -255,24 +256,6 @@ _PAGED_ATTENTION_HEAD = ("Tensor",) * 4 + ("int", "float", "Tensor", "Tensor", "
 PAGED_ATTENTION_V1_MAX_LEN = 8192
 
 
-def _gather_pages(kv_cache: torch.Tensor, block_table: torch.Tensor, lens: torch.Tensor,
-                  num_blocks: int):
-    """The blocks each request reads (its first ``ceil(len / bs)`` table columns, never
-    the stale ones after) -> K and V pages ``[n, Hkv, BS, D]`` (contiguous, n the blocks
-    read) and a compact table ``[B, num_blocks]`` over them (0 past a request's own)."""
-    _, num_kv_heads, block_size, width = kv_cache.shape
-    counts = (lens.long() + block_size - 1) // block_size
-    cols = torch.arange(num_blocks, device=lens.device)
-    valid = cols[None, :] < counts[:, None]
-    ids = block_table[:, :num_blocks][valid.to(block_table.device)]
-    compact = torch.where(valid, (counts.cumsum(0) - counts)[:, None] + cols[None, :], 0)
-    pages, block_step, head_step = half_pages(kv_cache)
-    k_rows = page_rows(ids, num_kv_heads, block_step, head_step).t()  # [n, Hkv]
-    kv = torch.index_select(pages, 0, torch.stack((k_rows, k_rows + 1)).reshape(-1))
-    k, v = kv.view(2, ids.numel(), num_kv_heads, block_size, width // 2).unbind(0)
-    return k, v, compact.to(torch.int32)
-
-
 def _paged_layout(k: torch.Tensor, v: torch.Tensor, layout: str):
     """Pages ``[n, Hkv, BS, D]`` as ``paged_attention_v1``'s K ``[n, Hkv, D/x, BS, x]``
     (``x`` elements make 16 bytes) and V ``[n, Hkv, D, BS]``. ``"vllm"``: those shapes'
@@ -334,7 +317,7 @@ def _gcu_paged_decode(ops):
     def run(layout, query, kv_cache, block_table, lens, max_len, scale, slopes):
         b = query.shape[0]
         nblk = -(-max_len // kv_cache.shape[2])
-        k, v, compact = _gather_pages(kv_cache, block_table, lens, nblk)
+        k, v, compact = gather_request_pages(kv_cache, block_table, lens, nblk)
         key_cache, value_cache = _paged_layout(k, v, layout)
         out = torch.empty_like(query)
         op(out, query.contiguous(), key_cache, value_cache, kv_cache.shape[1], scale, compact,
@@ -906,6 +889,10 @@ VENDOR_KERNELS: tuple[tuple[str, str, tuple[str, ...], str | tuple[str, ...], Ca
     (SOPHGO_VENDOR, "rms_norm", ("my_ops::rmsnorm_forward",), "all", _sophgo_rms_norm),
     (SOPHGO_VENDOR, "moe_experts", ("my_ops::fused_moe_fused_experts",), "all",
      _sophgo_moe_experts),
+    (SOPHGO_VENDOR, "paged_decode", ("my_ops::paged_attention_v3",), "all",
+     sophgo_paged_kernel("paged_decode")),
+    (SOPHGO_VENDOR, "paged_prefill", ("my_ops::paged_attention_v3",), "all",
+     sophgo_paged_kernel("paged_prefill")),
 )
 
 

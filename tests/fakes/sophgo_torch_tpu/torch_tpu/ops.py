@@ -1,7 +1,8 @@
-"""Fake torch.ops.my_ops: profiling hooks, rmsnorm_forward and fused_moe_fused_experts
-(the schema of torch_tpu's C++ signature; calls counted)."""
+"""Fake torch.ops.my_ops: profiling hooks, rmsnorm_forward, fused_moe_fused_experts and
+paged_attention_v3 (the schemas of torch_tpu's C++ signatures; calls counted)."""
 
 import collections
+import os
 
 import torch
 
@@ -26,6 +27,11 @@ if not _REGISTERED:
                 "int num_experts_per_tok, bool use_grouped_topk, int num_expert_group, "
                 "int topk_group, Tensor? silu, Tensor? sigmoid, Tensor? m0, "
                 "bool save_mid_res) -> ()")
+    _lib.define("paged_attention_v3(Tensor(a!) output, Tensor query, Tensor key, Tensor value, "
+                "Tensor kcache, Tensor vcache, Tensor? pos_cos, Tensor? pos_sin, "
+                "Tensor input_lengths, Tensor cache_lengths, Tensor save_slots, "
+                "Tensor block_tables, Tensor? mask, float softmax_scale, int max_seqlen, "
+                "int stage) -> ()")
 
 
 def enable_profile(max_record_num=None, mode=None):
@@ -67,9 +73,55 @@ def fused_moe_fused_experts(output, input, output_sample, input_sample, gate_wei
             output[t, j] = (torch.nn.functional.silu(g) * u) @ down_weights[e].float()
 
 
+def paged_attention_v3(output, query, key, value, kcache, vcache, pos_cos, pos_sin,
+                       input_lengths, cache_lengths, save_slots, block_tables, mask,
+                       softmax_scale, max_seqlen, stage):
+    """torch_tpu's contract as its C++ and vllm-tpu's caller show it: K/V caches
+    ``[num_blocks, block_size, Hkv, D]`` (non-contiguous ones are copied first, so
+    writes to them are lost); each request's ``input_lengths`` new tokens (K/V written
+    at ``save_slots``) attend causally after its ``cache_lengths`` cached ones (read
+    through ``block_tables``; the new ones from ``key``/``value``); lengths int32 on
+    the host. No RoPE or mask here: the
+    adapter passes neither. ``FAKE_SOPHGO_CACHE_ORDER=heads`` reads the caches as
+    ``[num_blocks, Hkv, block_size, D]`` instead (a build the probe must refuse)."""
+    CALLS["paged_attention_v3"] += 1
+    assert pos_cos is None and pos_sin is None and mask is None, "the fake models no RoPE/mask"
+    for t in (input_lengths, cache_lengths):
+        assert t.device.type == "cpu" and t.dtype == torch.int32, "lengths: int32 on the host"
+    assert block_tables.dtype == torch.int32, "block_tables must be int32 dtype"
+    inputs, cached = input_lengths.tolist(), cache_lengths.tolist()
+    assert stage in (2, 3) and (stage == 2 or set(inputs) == {1}), stage
+    if not (kcache.is_contiguous() and vcache.is_contiguous()):
+        kcache, vcache = kcache.contiguous(), vcache.contiguous()
+    nb, bs, hkv, d = kcache.shape
+    assert nb >= sum(-(-n // bs) for n in inputs), "KVCache block_num too small"
+    if os.environ.get("FAKE_SOPHGO_CACHE_ORDER") == "heads":
+        kcache, vcache = (c.view(nb, hkv, bs, d).transpose(1, 2) for c in (kcache, vcache))
+    slots = save_slots.long().flatten()
+    kcache.view(-1, hkv, d)[slots] = key.to(kcache.dtype)
+    vcache.view(-1, hkv, d)[slots] = value.to(vcache.dtype)
+    group = query.shape[1] // hkv
+    start = 0
+    for i, (n, c) in enumerate(zip(inputs, cached)):
+        total = n + c
+        blocks = block_tables[i, :-(-total // bs)].long()
+        # cached tokens from the cache, the new ones from key/value (as a fused kernel
+        # would take them): slots that miss the new tokens' places show
+        k = torch.cat((kcache[blocks].reshape(-1, hkv, d)[:c], key[start:start + n]))
+        v = torch.cat((vcache[blocks].reshape(-1, hkv, d)[:c], value[start:start + n]))
+        k, v = (t.float().repeat_interleave(group, 1) for t in (k, v))
+        q = query[start:start + n].float()
+        s = torch.einsum("qhd,khd->hqk", q, k) * softmax_scale
+        later = torch.arange(total)[None, :] > (c + torch.arange(n))[:, None]
+        p = s.masked_fill(later, float("-inf")).softmax(-1)
+        output[start:start + n] = torch.einsum("hqk,khd->qhd", p, v).to(output.dtype)
+        start += n
+
+
 if not _REGISTERED:
     _lib.impl("enable_profile", enable_profile, "CompositeExplicitAutograd")
     _lib.impl("disable_profile", disable_profile, "CompositeExplicitAutograd")
     for _key in ("PrivateUse1", "CPU"):
         _lib.impl("rmsnorm_forward", rmsnorm_forward, _key)
         _lib.impl("fused_moe_fused_experts", fused_moe_fused_experts, _key)
+        _lib.impl("paged_attention_v3", paged_attention_v3, _key)
