@@ -170,6 +170,41 @@ GCU_DISPATCH = textwrap.dedent("""
         vendor = "vllm_gcu._C" in sys.modules
         new_calls = calls.get("paged_attention_v1", 0) - before
         assert new_calls == (n if vendor else 0), (dtype, features)
+        if n:  # used, not refused by its probe (which also calls it twice): once more
+            registry.get_kernel("paged_decode")(q, cache, table, lens, 0.3, **features)
+            assert calls.get("paged_attention_v1", 0) - before == (n + 1 if vendor else 0)
+    # prefill after cached context through context_attention_forward over the same
+    # gathered tensors (a fresh prompt, a padding request, prompts after context; plain,
+    # ALiBi, a window), against the float64 oracle; the first call per feature also
+    # finds the memory order (2 calls); another scale or a soft-cap falls back
+    seq_lens = torch.tensor([37, 0, 5, 16])
+    cases = ((torch.bfloat16, 64, False, [3, 0, 5, 10], {}, None, 2),
+             (torch.bfloat16, 64, True, [37, 0, 5, 16], {}, None, 1),
+             (torch.float32, 128, True, [3, 0, 5, 10], {"alibi_slopes": slopes}, None, 2),
+             (torch.float32, 64, False, [20, 0, 2, 16], {"sliding_window": 8}, None, 2),
+             (torch.float32, 64, False, [3, 0, 5, 10], {}, 0.3, 0),
+             (torch.float32, 64, False, [3, 0, 5, 10], {"logits_soft_cap": 5.0}, None, 0))
+    for dtype, d, head_major, q_lens, features, scale, n in cases:
+        before = calls.get("context_attention_forward", 0)
+        shape = (2, 10, 16, 2 * d) if head_major else (10, 2, 16, 2 * d)
+        cache = torch.randn(shape).to(dtype)
+        cache = cache.transpose(0, 1) if head_major else cache
+        qsl = torch.tensor([0] + q_lens).cumsum(0)
+        q = torch.randn(int(qsl[-1]), 4, d).to(dtype)
+        scale = d ** -0.5 if scale is None else scale
+        got = registry.get_kernel("paged_prefill")(q, cache, table, qsl, seq_lens, scale,
+                                                   **features)
+        want = attn_ref.paged_attention(q.double(), cache.double(), table, qsl, seq_lens,
+                                        scale, **features)
+        tol = 2e-2 if dtype == torch.bfloat16 else 1e-5
+        assert got.dtype == dtype, dtype
+        assert torch.allclose(got.double(), want, atol=tol), (dtype, q_lens, features)
+        new_calls = calls.get("context_attention_forward", 0) - before
+        assert new_calls == (n if vendor else 0), (dtype, q_lens, features)
+        if n:  # used, not refused by its probe (which also calls it twice): once more
+            registry.get_kernel("paged_prefill")(q, cache, table, qsl, seq_lens, scale,
+                                                 **features)
+            assert calls.get("context_attention_forward", 0) - before == (n + 1 if vendor else 0)
     # MoE experts through moe_align_block_size + fused_moe_kernel (8 experts, top-2, 70
     # tokens), against the float64 oracle; an expert map (expert parallel) falls back
     for dtype, act, emap, n in ((torch.bfloat16, "silu", None, 1),
@@ -385,7 +420,8 @@ def test_gcu_vendor_ops_are_used_when_registered(tmp_path):
     assert ("CALLS {'rms_norm': 1, 'fused_add_rms_norm': 1, 'silu_and_mul': 8, "
             "'topk_softmax': 2, 'fused_grouped_topk': 2, 'rotary_embedding': 1, "
             "'concat_and_cache_mla': 3, 'fwd_kvcache_mla': 1, "
-            "'paged_attention_v1': 4, 'moe_align_block_size': 7, 'fused_moe_kernel': 4, "
+            "'paged_attention_v1': 6, 'context_attention_forward': 11, "
+            "'moe_align_block_size': 7, 'fused_moe_kernel': 4, "
             "'fused_moe_quant_kernel': 12, 'sgl_moe_align_block_size': 1, 'gptq_gemm_gcu': 3, "
             "'weight_only_quant': 2, 'cutlass_scaled_mm': 2}") in out
     assert ("'gcu_vendor:moe_experts': 'registered (_C::fused_moe_kernel, "
@@ -397,6 +433,7 @@ def test_gcu_vendor_ops_are_used_when_registered(tmp_path):
     assert ("'gcu_vendor:wint_prepare': 'registered (_C::gptq_gemm_gcu, "
             "_C::weight_only_quant)'") in out
     assert "'gcu_vendor:paged_decode': 'registered (_C::paged_attention_v1)'" in out
+    assert "'gcu_vendor:paged_prefill': 'registered (_C::context_attention_forward)'" in out
     # Enflame's library has no metadata op (vllm-gcu passes None for it)
     assert "'gcu_vendor:mla_decode': 'registered (_flashmla_C::fwd_kvcache_mla)'" in out
     assert ("'gcu_vendor:moe_route': 'registered (_C::fused_grouped_topk, "

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from vllm_accel.ops.reference import attention as attn_ref
-from vllm_accel.ops.vendor.kernels import PAGED_ATTENTION_V1_MAX_LEN, _gcu_paged_decode
+from vllm_accel.ops.vendor.gcu_attention import PAGED_ATTENTION_V1_MAX_LEN, _gcu_paged_decode
 
 HEAD = ("Tensor! out, Tensor query, Tensor key_cache, Tensor value_cache, int num_kv_heads, "
         "float scale, Tensor block_tables, Tensor seq_lens, int block_size, int max_seq_len, "
@@ -204,3 +204,22 @@ def test_sophgo_v3_that_raises_in_its_probe_is_not_used():
         got = prefill(q, cache, table, qsl, lens, 0.2)
         assert torch.allclose(got.double(), want, atol=1e-5)
     assert V3_CALLS == [3, 2]  # one probe each (decode stage 3, prefill stage 2)
+
+
+# --- Enflame's context_attention_forward ------------------------------------------
+
+_caf_lib = torch.library.Library("_accel_test_gcu_caf", "DEF")
+_CAF_ARGS = ("Tensor q, Tensor k, Tensor v, Tensor(a!) o, Tensor key_cache, Tensor value_cache, "
+             "Tensor block_tables, Tensor subquery_start_loc, Tensor seq_lens_tensor, "
+             "Tensor context_lens, int max_query_len, Tensor? alibi_slopes")
+_caf_lib.define(f"enflame({_CAF_ARGS}, int? sliding_window) -> ()")
+# e.g. upstream's Triton prefix prefill, which takes a scale and the cache dtype
+_caf_lib.define(f"scaled({_CAF_ARGS}, float sm_scale, str kv_cache_dtype) -> ()")
+
+
+def test_context_attention_registers_only_over_vllm_gcus_schema():
+    from vllm_accel.ops.vendor.gcu_attention import _gcu_context_attention
+
+    ns = torch.ops._accel_test_gcu_caf
+    assert _gcu_context_attention({"_C::context_attention_forward": ns.enflame.default})
+    assert _gcu_context_attention({"_C::context_attention_forward": ns.scaled.default}) is None

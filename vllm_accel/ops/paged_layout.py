@@ -86,6 +86,18 @@ def gather_request_pages(kv_cache: torch.Tensor, block_table: torch.Tensor,
     return k, v, compact.to(torch.int32)
 
 
+def new_token_slots(compact: torch.Tensor, seq_lens: torch.Tensor, q_lens: torch.Tensor,
+                    block_size: int) -> torch.Tensor:
+    """The slots of each request's newest ``q_len`` tokens (host ``q_lens``/``seq_lens``)
+    in pages gathered by :func:`gather_request_pages` (its ``compact`` table), request
+    after request: int32 ``[sum(q_lens)]``, ``block * block_size + offset``."""
+    req = torch.repeat_interleave(torch.arange(len(q_lens)), q_lens)
+    first = (seq_lens - q_lens).repeat_interleave(q_lens)
+    pos = first + torch.arange(len(req)) - (q_lens.cumsum(0) - q_lens).repeat_interleave(q_lens)
+    blocks = compact.cpu()[req, pos // block_size].long()
+    return (blocks * block_size + pos % block_size).to(torch.int32)
+
+
 def slot_index(slot_mapping: torch.Tensor, num_kv_heads: int, block_size: int,
                 block_step: int, head_step: int):
     """Slots ``[n]`` -> (valid mask ``[n]``, page rows ``[T, Hkv]``, offsets ``[T, 1]``).

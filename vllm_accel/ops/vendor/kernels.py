@@ -14,8 +14,10 @@ Providers:
   namespace for PrivateUse1): ``rms_norm``, ``fused_add_rms_norm``,
   ``silu_and_mul``, ``rotary_embedding``. Decode attention through
   ``paged_attention_v1`` (with ALiBi), which reads vLLM's paged-attention tensors:
-  the pages a batch reads are gathered into them per call. Prefill and the cache
-  writes stay ours (Enflame's ``reshape_and_cache`` writes vLLM's layout too).
+  the pages a batch reads are gathered into them per call; prefill after cached
+  context through ``context_attention_forward`` (vllm-gcu's V0 prefix prefill) over
+  the same tensors (``gcu_attention.py``). The cache writes stay ours (Enflame's
+  ``reshape_and_cache`` writes vLLM's layout too).
   Routing for MoE: ``_moe_C::topk_softmax`` (softmax top-k; vLLM's schema, with or
   without its ``renormalize`` argument, which older forks lack) and
   ``_C::fused_grouped_topk`` (softmax or sigmoid scores, DeepSeek's correction bias
@@ -50,16 +52,16 @@ from collections.abc import Callable
 import torch
 
 from vllm_accel.logger import init_logger
-from vllm_accel.ops.paged_layout import gather_request_pages
 from vllm_accel.ops.reference.moe import gated_activation
 from vllm_accel.ops.registry import fallback_kernel, get_kernel, register_kernel
 from vllm_accel.ops.vendor.flash_attn import FLASH_ATTN, probe_flash_attn
+from vllm_accel.ops.vendor.gcu_attention import (GCU_VENDOR, _gcu_context_attention,
+                                                 _gcu_paged_decode)
 from vllm_accel.ops.vendor.sophgo_attention import SOPHGO_VENDOR, sophgo_paged_kernel
 from vllm_accel.ops.triton.provider import TRITON, install_triton_kernels
 
 logger = init_logger(__name__)
 
-GCU_VENDOR = "gcu_vendor"
 XFORMERS = "xformers"
 
 
@@ -233,144 +235,6 @@ def _gcu_mla_decode(ops):
         return torch.where(lens.view(b, 1, 1) > 0, out.view(b, n, lora), 0)
 
     return gcu_mla_decode
-
-
-#: head sizes vLLM's paged-attention kernels are built for (Enflame's fork keeps the list)
-PAGED_ATTENTION_HEAD_SIZES = (32, 64, 80, 96, 112, 120, 128, 192, 256)
-#: the values the adapter passes for ``paged_attention_v1``'s arguments after
-#: ``kv_cache_dtype``, by name: no KV scaling (Enflame's float scales and zero-points,
-#: or upstream's tensor scales), rank 0's heads, no block-sparse layout
-_PAGED_ATTENTION_TAIL = {"k_scale": 1.0, "v_scale": 1.0, "tp_rank": 0,
-                         "blocksparse_local_blocks": 0, "blocksparse_vert_stride": 0,
-                         "blocksparse_block_size": 64, "blocksparse_head_sliding_step": 0,
-                         "k_zero": 0.0, "v_zero": 0.0}
-#: the types of ``paged_attention_v1``'s first arguments (out!, query, key_cache,
-#: value_cache, num_kv_heads, scale, block_tables, seq_lens -- ``context_lens`` in some
-#: forks --, block_size, max_seq_len, alibi_slopes, kv_cache_dtype)
-_PAGED_ATTENTION_HEAD = ("Tensor",) * 4 + ("int", "float", "Tensor", "Tensor", "int", "int",
-                                           "Optional[Tensor]", "str")
-
-
-#: vllm-gcu calls ``paged_attention_v1`` up to this context only (``paged_attn.py``;
-#: ``_v2`` beyond): longer contexts go to the next provider
-PAGED_ATTENTION_V1_MAX_LEN = 8192
-
-
-def _paged_layout(k: torch.Tensor, v: torch.Tensor, layout: str):
-    """Pages ``[n, Hkv, BS, D]`` as ``paged_attention_v1``'s K ``[n, Hkv, D/x, BS, x]``
-    (``x`` elements make 16 bytes) and V ``[n, Hkv, D, BS]``. ``"vllm"``: those shapes'
-    memory order (upstream's CUDA kernel); ``"gcu"``: the same shapes over
-    ``[n, Hkv, BS, D]`` memory, the order Enflame's cache writer stores (vllm-gcu's
-    FlashAttention backend reads the very tensors it hands this op as
-    ``[num_blocks, num_kv_heads, block_size, head_size]``)."""
-    n, hkv, block_size, d = k.shape
-    x = 16 // k.element_size()
-    if layout == "gcu":
-        return k.view(n, hkv, d // x, block_size, x), v.view(n, hkv, d, block_size)
-    key = k.view(n, hkv, block_size, d // x, x).permute(0, 1, 3, 2, 4).contiguous()
-    return key, v.transpose(2, 3).contiguous()
-
-
-def _gcu_paged_decode(ops):
-    """``paged_decode`` on ``_C::paged_attention_v1``, which reads vLLM's paged-attention
-    tensors (K ``[nb, H, D/x, bs, x]``, V ``[nb, H, D, bs]``), not our cache.
-
-    Each call gathers the pages the batch reads (one read and write of them) into
-    those tensors and hands the op a compact block table over them. Which memory order
-    the build reads behind those shapes (upstream's, or the ``[nb, H, bs, D]`` that
-    vllm-gcu's sources show) is decided on the first call on each device: a small
-    decode in both orders against the float64 oracle; neither matching sends every
-    call to the next provider (logged). ALiBi is the op's own (``alibi_slopes``);
-    windows, soft-caps, sinks, head sizes outside vLLM's list and contexts past
-    :data:`PAGED_ATTENTION_V1_MAX_LEN` go to the next provider. The first twelve
-    arguments are matched by type (forks name the lengths differently), those after
-    ``kv_cache_dtype`` filled by name, so Enflame's schema (float scales with
-    zero-points, ``out_scales``, ``query_scales``) and upstream vLLM's (tensor scales),
-    which the library keeps when vLLM defined the op first, both work. Returns None
-    (not registered) for any other schema.
-    """
-    op = ops["_C::paged_attention_v1"]
-    args = op._schema.arguments
-    if tuple(str(a.type) for a in args[:len(_PAGED_ATTENTION_HEAD)]) != _PAGED_ATTENTION_HEAD:
-        return None
-    tail_spec = []
-    for a in args[len(_PAGED_ATTENTION_HEAD):]:
-        if a.name in _PAGED_ATTENTION_TAIL:
-            tail_spec.append((a.name, a.type == torch._C.TensorType.get()))
-        elif isinstance(a.type, torch._C.OptionalType):
-            tail_spec.append((a.name, None))
-        else:
-            return None
-    tails: dict[torch.device, list] = {}  # the tail's values, built once per device
-    layouts: dict[tuple, str | None] = {}  # (device, dtype, D, BS) -> the order it reads
-
-    def tail(device):
-        if device not in tails:
-            tails[device] = [
-                None if as_tensor is None
-                else torch.tensor(_PAGED_ATTENTION_TAIL[name], dtype=torch.float32,
-                                  device=device) if as_tensor
-                else _PAGED_ATTENTION_TAIL[name]
-                for name, as_tensor in tail_spec]
-        return tails[device]
-
-    def run(layout, query, kv_cache, block_table, lens, max_len, scale, slopes):
-        b = query.shape[0]
-        nblk = -(-max_len // kv_cache.shape[2])
-        k, v, compact = gather_request_pages(kv_cache, block_table, lens, nblk)
-        key_cache, value_cache = _paged_layout(k, v, layout)
-        out = torch.empty_like(query)
-        op(out, query.contiguous(), key_cache, value_cache, kv_cache.shape[1], scale, compact,
-           lens, kv_cache.shape[2], max_len, slopes, "auto", *tail(query.device))
-        # requests without cached tokens (batch padding) read nothing: zeros
-        return out.masked_fill_((lens == 0).view(b, 1, 1), 0)
-
-    def layout_for(query, kv_cache):
-        """The memory order the op reads on this device, from a small decode in each."""
-        from vllm_accel.ops.reference.attention import paged_decode
-
-        key = (query.device, query.dtype, query.shape[-1], kv_cache.shape[2])
-        if key not in layouts:
-            g = torch.Generator().manual_seed(0)
-            hkv, bs, d = kv_cache.shape[1], kv_cache.shape[2], query.shape[-1]
-            cache = torch.randn(4, hkv, bs, 2 * d, generator=g).to(query.dtype)
-            q = torch.randn(2, query.shape[1], d, generator=g).to(query.dtype)
-            table = torch.tensor([[3, 1, 0], [2, 0, 0]], dtype=torch.int32)
-            lens = torch.tensor([bs + 3, 5], dtype=torch.int32)
-            want = paged_decode(q.double(), cache.double(), table, lens, 0.125)
-            tol = 1e-4 if query.dtype == torch.float32 else 3e-2
-            layouts[key] = None
-            for layout in ("gcu", "vllm"):
-                try:
-                    got = run(layout, q.to(query.device), cache.to(query.device),
-                              table.to(query.device), lens.to(query.device), bs + 3, 0.125,
-                              None)
-                except Exception as exc:  # the build refuses these shapes: next provider
-                    logger.warning("paged_attention_v1 fails on %s: %s", query.device, exc)
-                    break
-                if float((got.cpu().double() - want).abs().max()) <= tol:
-                    layouts[key] = layout
-                    break
-            logger.info("gcu_vendor paged_decode on %s (%s, head %d, pages of %d): %s",
-                        *key, f"paged_attention_v1 reads the {layouts[key]} order"
-                        if layouts[key] else "paged_attention_v1 matches the oracle in "
-                        "neither order; the next provider decodes")
-        return layouts[key]
-
-    def gcu_paged_decode(query, kv_cache, block_table, seq_lens, scale, **features):
-        b, h, d = query.shape
-        lens = seq_lens.to(torch.int32)
-        max_len = int(lens.max()) if b else 0
-        if (set(features) - {"alibi_slopes"} or kv_cache.dtype != query.dtype
-                or d not in PAGED_ATTENTION_HEAD_SIZES
-                or not 0 < max_len <= PAGED_ATTENTION_V1_MAX_LEN
-                or (layout := layout_for(query, kv_cache)) is None):
-            return fallback_kernel("paged_decode", GCU_VENDOR)(
-                query, kv_cache, block_table, seq_lens, scale, **features)
-        return run(layout, query, kv_cache, block_table, lens, max_len, scale,
-                   features.get("alibi_slopes"))
-
-    return gcu_paged_decode
 
 
 #: tokens per block of vllm-gcu's MoE alignment (its ``get_default_config``)
@@ -872,6 +736,8 @@ VENDOR_KERNELS: tuple[tuple[str, str, tuple[str, ...], str | tuple[str, ...], Ca
     (GCU_VENDOR, "moe_route", ("_moe_C::topk_softmax", "_C::fused_grouped_topk"), "any",
      _gcu_moe_route),
     (GCU_VENDOR, "paged_decode", ("_C::paged_attention_v1",), "all", _gcu_paged_decode),
+    (GCU_VENDOR, "paged_prefill", ("_C::context_attention_forward",), "all",
+     _gcu_context_attention),
     (GCU_VENDOR, "moe_experts", ("_C::fused_moe_kernel", *_GCU_ALIGN_OPS),
      ("_C::fused_moe_kernel", _GCU_ALIGN_OPS[0]), _gcu_moe_experts),
     (GCU_VENDOR, "wint_prepare", ("_C::gptq_gemm_gcu", "_C::weight_only_quant"), "any",

@@ -25,7 +25,7 @@ from collections.abc import Callable
 import torch
 
 from vllm_accel.logger import init_logger
-from vllm_accel.ops.paged_layout import gather_request_pages
+from vllm_accel.ops.paged_layout import gather_request_pages, new_token_slots
 from vllm_accel.ops.registry import fallback_kernel
 
 logger = init_logger(__name__)
@@ -46,17 +46,6 @@ def sophgo_cache(kv_cache: torch.Tensor, block_table: torch.Tensor, seq_lens: to
     return k.transpose(1, 2).contiguous(), v.transpose(1, 2).contiguous(), compact
 
 
-def token_slots(compact: torch.Tensor, seq_lens: torch.Tensor, q_lens: torch.Tensor,
-                block_size: int) -> torch.Tensor:
-    """The slots in :func:`sophgo_cache`'s copy of each request's newest ``q_len``
-    tokens, request after request (int32 ``[sum(q_lens)]``)."""
-    req = torch.repeat_interleave(torch.arange(len(q_lens)), q_lens)
-    first = (seq_lens - q_lens).repeat_interleave(q_lens)
-    pos = first + torch.arange(len(req)) - (q_lens.cumsum(0) - q_lens).repeat_interleave(q_lens)
-    blocks = compact.cpu()[req, pos // block_size].long()
-    return (blocks * block_size + pos % block_size).to(torch.int32)
-
-
 def make_kernels(op) -> tuple[Callable, Callable]:
     """(``paged_decode``, ``paged_prefill``) over ``op``, each probed once per shape key."""
     verdicts: dict[tuple, bool] = {}
@@ -65,7 +54,7 @@ def make_kernels(op) -> tuple[Callable, Callable]:
         """``query`` ``[sum(q_lens), H, D]`` of requests with ``q_lens``/``seq_lens`` > 0
         (host tensors)."""
         kcache, vcache, compact = sophgo_cache(kv_cache, block_table, seq_lens)
-        slots = token_slots(compact, seq_lens, q_lens, kcache.shape[1]).to(query.device)
+        slots = new_token_slots(compact, seq_lens, q_lens, kcache.shape[1]).to(query.device)
         hkv, d = kcache.shape[2:]
         key = kcache.view(-1, hkv, d)[slots.long()]
         value = vcache.view(-1, hkv, d)[slots.long()]

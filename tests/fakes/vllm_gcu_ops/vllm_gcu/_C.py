@@ -133,6 +133,52 @@ _register("_C", "paged_attention_v1(Tensor! out, Tensor query, Tensor key_cache,
           "float v_zero, Tensor? out_scales, Tensor? query_scales) -> ()", paged_attention_v1)
 
 
+def context_attention_forward(q, k, v, o, key_cache, value_cache, block_tables,
+                              subquery_start_loc, seq_lens_tensor, context_lens, max_query_len,
+                              alibi_slopes, sliding_window):
+    """vllm-gcu's V0 prefill with cached context: each request's new tokens (``q``, and
+    ``k``/``v``, which the op takes directly) attend causally after its
+    ``context_lens`` cached tokens, read from the paged tensors in the memory order of
+    ``paged_attention_v1`` here; scaled by ``head_size ** -0.5`` (no scale argument);
+    ALiBi ``slope * (j - i)``; a window keeps keys with ``i - j < sliding_window``."""
+    CALLS["context_attention_forward"] += 1
+    t, h, d = q.shape
+    nb, hkv, _, block_size, x = key_cache.shape
+    assert key_cache.shape == (nb, hkv, d // x, block_size, x) and x == 16 // q.element_size()
+    assert value_cache.shape == (nb, hkv, d, block_size), value_cache.shape
+    assert k.shape == v.shape == (t, hkv, d) and o.shape == q.shape
+    index = (block_tables, subquery_start_loc, seq_lens_tensor, context_lens)
+    assert all(i.dtype == torch.int32 for i in index), [i.dtype for i in index]
+    q_lens = (seq_lens_tensor - context_lens).tolist()
+    assert max_query_len == max(q_lens) and subquery_start_loc.tolist() == [
+        sum(q_lens[:i]) for i in range(len(q_lens))]
+    k_mem = key_cache.contiguous().view(nb, hkv, block_size, d)
+    v_mem = value_cache.contiguous().view(nb, hkv, block_size, d)
+    for i, (start, c, n) in enumerate(zip(subquery_start_loc.tolist(), context_lens.tolist(),
+                                          q_lens)):
+        pos = torch.arange(c)
+        blocks, offsets = block_tables[i, pos // block_size].long(), pos % block_size
+        keys = torch.cat((k_mem[blocks, :, offsets], k[start:start + n])).float()
+        values = torch.cat((v_mem[blocks, :, offsets], v[start:start + n])).float()
+        keys, values = (t_.repeat_interleave(h // hkv, 1) for t_ in (keys, values))
+        logits = torch.einsum("qhd,khd->hqk", q[start:start + n].float(), keys) * d ** -0.5
+        dist = (c + torch.arange(n))[:, None] - torch.arange(c + n)[None, :]  # i - j
+        if alibi_slopes is not None:
+            logits = logits - alibi_slopes.float()[:, None, None] * dist
+        hidden = dist < 0
+        if sliding_window:
+            hidden |= dist >= sliding_window
+        p = logits.masked_fill(hidden, float("-inf")).softmax(-1)
+        o[start:start + n] = torch.einsum("hqk,khd->qhd", p, values).to(o.dtype)
+
+
+_register("_C", "context_attention_forward(Tensor q, Tensor k, Tensor v, Tensor(a!) o, "
+          "Tensor key_cache, Tensor value_cache, Tensor block_tables, "
+          "Tensor subquery_start_loc, Tensor seq_lens_tensor, Tensor context_lens, "
+          "int max_query_len, Tensor? alibi_slopes, int? sliding_window) -> ()",
+          context_attention_forward)
+
+
 # MoE routing under vLLM's _moe_C namespace, in the schema of the vLLM 0.6-0.8 forks
 # Enflame ships (no renormalize argument): softmax top-k, float32 weights.
 
