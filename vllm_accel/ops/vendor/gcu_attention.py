@@ -116,7 +116,8 @@ def _gcu_paged_decode(ops):
         """The memory order the op reads on this device, from a small decode in each."""
         from vllm_accel.ops.reference.attention import paged_decode
 
-        key = (query.device, query.dtype, query.shape[-1], kv_cache.shape[2])
+        key = (query.device, query.dtype, query.shape[-1], kv_cache.shape[2], query.shape[1],
+               kv_cache.shape[1])
         if key not in layouts:
             g = torch.Generator().manual_seed(0)
             hkv, bs, d = kv_cache.shape[1], kv_cache.shape[2], query.shape[-1]
@@ -138,7 +139,8 @@ def _gcu_paged_decode(ops):
                 if float((got.cpu().double() - want).abs().max()) <= tol:
                     layouts[key] = layout
                     break
-            logger.info("gcu_vendor paged_decode on %s (%s, head %d, pages of %d): %s",
+            logger.info("gcu_vendor paged_decode on %s (%s, head %d, pages of %d, %d/%d "
+                        "heads): %s",
                         *key, f"paged_attention_v1 reads the {layouts[key]} order"
                         if layouts[key] else "paged_attention_v1 matches the oracle in "
                         "neither order; the next provider decodes")
@@ -178,7 +180,8 @@ def _gcu_context_attention(ops):
     The op takes no scale: it scales by ``head_size ** -0.5`` (vllm-gcu's V0 backends
     pass none), so layers with another scale (Gemma's ``query_pre_attn_scalar``) go to
     the next provider. ALiBi and windows are the op's own, each checked by its own
-    probe; soft-caps, sinks, both features at once, head sizes outside vLLM's list and
+    probe (with a window, each request's pages are gathered from its first query's
+    window on, positions shifted: those before may be vLLM's freed null block); soft-caps, sinks, both features at once, head sizes outside vLLM's list and
     caches not in the query's dtype go to the next provider. Returns None (not
     registered) for another schema.
     """
@@ -190,6 +193,12 @@ def _gcu_context_attention(ops):
     def run(order, query, kv_cache, block_table, q_lens, seq_lens, window, slopes):
         """Requests with ``q_lens`` > 0 (host tensors) and their query rows."""
         block_size = kv_cache.shape[2]
+        if window:  # from each first query's window on: the blocks before may be freed
+            skip = (seq_lens - q_lens - window + 1).clamp(min=0) // block_size
+            width = block_table.shape[1]
+            cols = (skip[:, None] + torch.arange(width)).clamp(max=width - 1)
+            block_table = block_table.gather(1, cols.to(block_table.device))
+            seq_lens = seq_lens - skip * block_size  # positions shift, distances do not
         k, v, compact = gather_request_pages(kv_cache, block_table, seq_lens,
                                              -(-int(seq_lens.max()) // block_size))
         slots = new_token_slots(compact, seq_lens, q_lens, block_size).long().to(k.device)
@@ -210,7 +219,7 @@ def _gcu_context_attention(ops):
         from vllm_accel.ops.reference.attention import paged_attention
 
         h, d = query.shape[1:]
-        key = (kind, query.device, query.dtype, d, kv_cache.shape[2])
+        key = (kind, query.device, query.dtype, d, kv_cache.shape[2], h, kv_cache.shape[1])
         if key in orders:
             return orders[key]
         g = torch.Generator().manual_seed(0)
@@ -238,7 +247,8 @@ def _gcu_context_attention(ops):
             if float((got.cpu().double() - want).abs().max()) <= tol:
                 orders[key] = order
                 break
-        logger.info("gcu_vendor paged_prefill (%s) on %s (%s, head %d, pages of %d): %s",
+        logger.info("gcu_vendor paged_prefill (%s) on %s (%s, head %d, pages of %d, "
+                    "%d/%d heads): %s",
                     *key, f"context_attention_forward reads the {orders[key]} order"
                     if orders[key] else "context_attention_forward matches the oracle in "
                     "neither order; the next provider serves it")

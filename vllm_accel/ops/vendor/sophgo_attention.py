@@ -20,6 +20,7 @@ sliding windows, soft-caps, ALiBi and sinks (the op takes none; vllm-tpu refuses
 them too) and caches not in the query's dtype.
 """
 
+import functools
 from collections.abc import Callable
 
 import torch
@@ -46,8 +47,10 @@ def sophgo_cache(kv_cache: torch.Tensor, block_table: torch.Tensor, seq_lens: to
     return k.transpose(1, 2).contiguous(), v.transpose(1, 2).contiguous(), compact
 
 
+@functools.cache
 def make_kernels(op) -> tuple[Callable, Callable]:
-    """(``paged_decode``, ``paged_prefill``) over ``op``, each probed once per shape key."""
+    """(``paged_decode``, ``paged_prefill``) over ``op``, sharing its checks (each run
+    once per case and shape)."""
     verdicts: dict[tuple, bool] = {}
 
     def run(query, kv_cache, block_table, q_lens, seq_lens, scale, stage):
@@ -69,7 +72,8 @@ def make_kernels(op) -> tuple[Callable, Callable]:
         "context") with this query's device, dtype and head size, and these pages."""
         from vllm_accel.ops.reference.attention import paged_attention
 
-        key = (case, query.device, query.dtype, query.shape[-1], kv_cache.shape[2])
+        key = (case, query.device, query.dtype, query.shape[-1], kv_cache.shape[2],
+               query.shape[1], kv_cache.shape[1])
         if key in verdicts:
             return verdicts[key]
         g = torch.Generator().manual_seed(0)
@@ -92,8 +96,8 @@ def make_kernels(op) -> tuple[Callable, Callable]:
         except Exception as exc:  # the build refuses these shapes: next provider
             verdict, why = False, f"{type(exc).__name__}: {exc}"
         verdicts[key] = verdict
-        logger.info("sophgo_vendor paged_attention_v3 %s on %s (%s, head %d, pages of %d): "
-                    "%s (%s)", case, *key[1:],
+        logger.info("sophgo_vendor paged_attention_v3 %s on %s (%s, head %d, pages of %d, "
+                    "%d/%d heads): %s (%s)", case, *key[1:],
                     "used" if verdict else "the next provider serves it", why)
         return verdict
 
@@ -119,13 +123,16 @@ def make_kernels(op) -> tuple[Callable, Callable]:
         q_lens = query_start_loc.cpu().diff()
         lens = seq_lens.cpu()
         live = (q_lens > 0).nonzero().flatten()
-        case = "context" if bool((lens[live] > q_lens[live]).any()) else "prefill"
+        # one new token each: torch_tpu takes its decode path whatever the stage
+        one_each = bool((q_lens[live] == 1).all())
+        case = ("decode" if one_each else "context" if bool((lens[live] > q_lens[live]).any())
+                else "prefill")
         if not (served(query, kv_cache, features) and len(live)
                 and works(case, query, kv_cache)):
             return fallback_kernel("paged_prefill", SOPHGO_VENDOR)(
                 query, kv_cache, block_table, query_start_loc, seq_lens, scale, **features)
         return run(query, kv_cache, block_table[live.to(block_table.device)], q_lens[live],
-                   lens[live], scale, PREFILL_STAGE)
+                   lens[live], scale, DECODE_STAGE if one_each else PREFILL_STAGE)
 
     return sophgo_paged_decode, sophgo_paged_prefill
 

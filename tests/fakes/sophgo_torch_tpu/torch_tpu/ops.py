@@ -89,8 +89,11 @@ def paged_attention_v3(output, query, key, value, kcache, vcache, pos_cos, pos_s
     for t in (input_lengths, cache_lengths):
         assert t.device.type == "cpu" and t.dtype == torch.int32, "lengths: int32 on the host"
     assert block_tables.dtype == torch.int32, "block_tables must be int32 dtype"
+    assert save_slots.dtype == torch.int32, "save_slots: int32, as vllm-tpu's slot_mapping"
     inputs, cached = input_lengths.tolist(), cache_lengths.tolist()
     assert stage in (2, 3) and (stage == 2 or set(inputs) == {1}), stage
+    # what the op computes itself when given 0
+    assert max_seqlen in (0, max(n + c for n, c in zip(inputs, cached))), max_seqlen
     if not (kcache.is_contiguous() and vcache.is_contiguous()):
         kcache, vcache = kcache.contiguous(), vcache.contiguous()
     nb, bs, hkv, d = kcache.shape
