@@ -26,6 +26,7 @@ import torch
 
 from vllm_accel.ops.paged_layout import half_pages
 from vllm_accel.ops.registry import fallback_kernel
+from vllm_accel.ops.vendor.oracle_probe import PROBE_TOLERANCE
 from vllm_accel.ops.triton.provider import first_line
 
 FLASH_ATTN = "flash_attn"
@@ -125,10 +126,6 @@ def _probe_error(kernels: tuple[Callable, Callable], device: torch.device, layou
                         seq_lens.to(device), 0.125, **on)
     return max(float((got_prefill.cpu().double() - want_prefill).abs().max()),
                float((got_decode.cpu().double() - want_decode).abs().max()))
-
-
-#: bf16 outputs of a softmax average of unit-scale values: a few bf16 ulps
-PROBE_TOLERANCE = 3e-2
 
 
 def probe_flash_attn(device: torch.device) -> tuple[tuple[Callable, Callable] | None, str]:

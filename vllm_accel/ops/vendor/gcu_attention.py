@@ -16,6 +16,7 @@ import torch
 from vllm_accel.logger import init_logger
 from vllm_accel.ops.paged_layout import gather_request_pages, new_token_slots
 from vllm_accel.ops.registry import fallback_kernel
+from vllm_accel.ops.vendor.oracle_probe import first_match, probe_case
 
 logger = init_logger(__name__)
 
@@ -114,36 +115,18 @@ def _gcu_paged_decode(ops):
 
     def layout_for(query, kv_cache):
         """The memory order the op reads on this device, from a small decode in each."""
-        from vllm_accel.ops.reference.attention import paged_decode
-
         key = (query.device, query.dtype, query.shape[-1], kv_cache.shape[2], query.shape[1],
                kv_cache.shape[1])
         if key not in layouts:
-            g = torch.Generator().manual_seed(0)
-            hkv, bs, d = kv_cache.shape[1], kv_cache.shape[2], query.shape[-1]
-            cache = torch.randn(4, hkv, bs, 2 * d, generator=g).to(query.dtype)
-            q = torch.randn(2, query.shape[1], d, generator=g).to(query.dtype)
-            table = torch.tensor([[3, 1, 0], [2, 0, 0]], dtype=torch.int32)
-            lens = torch.tensor([bs + 3, 5], dtype=torch.int32)
-            want = paged_decode(q.double(), cache.double(), table, lens, 0.125)
-            tol = 1e-4 if query.dtype == torch.float32 else 3e-2
-            layouts[key] = None
-            for layout in ("gcu", "vllm"):
-                try:
-                    got = run(layout, q.to(query.device), cache.to(query.device),
-                              table.to(query.device), lens.to(query.device), bs + 3, 0.125,
-                              None)
-                except Exception as exc:  # the build refuses these shapes: next provider
-                    logger.warning("paged_attention_v1 fails on %s: %s", query.device, exc)
-                    break
-                if float((got.cpu().double() - want).abs().max()) <= tol:
-                    layouts[key] = layout
-                    break
+            (q, cache, table, _, lens), want = probe_case(query, kv_cache, [1, 1], 0.125)
+            dev, lens = query.device, lens.to(torch.int32)
+            layouts[key], why = first_match(("gcu", "vllm"), lambda layout: run(
+                layout, q.to(dev), cache.to(dev), table.to(dev), lens.to(dev),
+                int(lens.max()), 0.125, None), want, query.dtype)
             logger.info("gcu_vendor paged_decode on %s (%s, head %d, pages of %d, %d/%d "
-                        "heads): %s",
-                        *key, f"paged_attention_v1 reads the {layouts[key]} order"
-                        if layouts[key] else "paged_attention_v1 matches the oracle in "
-                        "neither order; the next provider decodes")
+                        "heads): paged_attention_v1 %s (%s)", *key,
+                        f"reads the {layouts[key]} order" if layouts[key] else
+                        "matches the oracle in neither order; the next provider decodes", why)
         return layouts[key]
 
     def gcu_paged_decode(query, kv_cache, block_table, seq_lens, scale, **features):
@@ -160,8 +143,6 @@ def _gcu_paged_decode(ops):
                    features.get("alibi_slopes"))
 
     return gcu_paged_decode
-
-
 
 
 #: ``context_attention_forward``'s argument types (vllm-gcu's ``gcu_custom_functions.yaml``:
@@ -181,9 +162,10 @@ def _gcu_context_attention(ops):
     pass none), so layers with another scale (Gemma's ``query_pre_attn_scalar``) go to
     the next provider. ALiBi and windows are the op's own, each checked by its own
     probe (with a window, each request's pages are gathered from its first query's
-    window on, positions shifted: those before may be vLLM's freed null block); soft-caps, sinks, both features at once, head sizes outside vLLM's list and
-    caches not in the query's dtype go to the next provider. Returns None (not
-    registered) for another schema.
+    window on, positions shifted: those before may be vLLM's freed null block);
+    soft-caps, sinks, both features at once, head sizes outside vLLM's list and caches
+    not in the query's dtype go to the next provider. Returns None (not registered)
+    for another schema.
     """
     op = ops["_C::context_attention_forward"]
     if tuple(str(a.type) for a in op._schema.arguments) != _CONTEXT_ATTENTION_ARGS:
@@ -216,42 +198,24 @@ def _gcu_context_attention(ops):
     def order_for(kind, query, kv_cache):
         """The memory order the op reads with ``kind`` ("causal", "alibi", "window") on
         this device, from a small prefill after cached context in each order."""
-        from vllm_accel.ops.reference.attention import paged_attention
-
         h, d = query.shape[1:]
         key = (kind, query.device, query.dtype, d, kv_cache.shape[2], h, kv_cache.shape[1])
-        if key in orders:
-            return orders[key]
-        g = torch.Generator().manual_seed(0)
-        hkv, bs = kv_cache.shape[1], kv_cache.shape[2]
-        cache = torch.randn(6, hkv, bs, 2 * d, generator=g).to(query.dtype)
-        table = torch.tensor([[3, 1, 5], [2, 4, 0]], dtype=torch.int32)
-        seq_lens, q_lens = torch.tensor([bs + 3, 5]), torch.tensor([4, 5])
-        q = torch.randn(9, h, d, generator=g).to(query.dtype)
-        features = ({"alibi_slopes": torch.rand(h, generator=g)} if kind == "alibi"
-                    else {"sliding_window": 3} if kind == "window" else {})
-        qsl = torch.tensor([0, 4, 9])
-        want = paged_attention(q.double(), cache.double(), table, qsl, seq_lens, d ** -0.5,
-                               **features)
-        tol = 1e-4 if query.dtype == torch.float32 else 3e-2
-        dev = query.device
-        orders[key] = None
-        for order in ("gcu", "vllm"):
-            try:
-                got = run(order, q.to(dev), cache.to(dev), table.to(dev), q_lens, seq_lens,
-                          features.get("sliding_window"),
-                          features["alibi_slopes"].to(dev) if kind == "alibi" else None)
-            except Exception as exc:  # the build refuses these shapes: next provider
-                logger.warning("context_attention_forward fails on %s: %s", dev, exc)
-                break
-            if float((got.cpu().double() - want).abs().max()) <= tol:
-                orders[key] = order
-                break
-        logger.info("gcu_vendor paged_prefill (%s) on %s (%s, head %d, pages of %d, "
-                    "%d/%d heads): %s",
-                    *key, f"context_attention_forward reads the {orders[key]} order"
-                    if orders[key] else "context_attention_forward matches the oracle in "
-                    "neither order; the next provider serves it")
+        if key not in orders:
+            features = ({"alibi_slopes": torch.linspace(0.5, 0.05, h)} if kind == "alibi"
+                        else {"sliding_window": 3} if kind == "window" else {})
+            (q, cache, table, starts, seq_lens), want = probe_case(
+                query, kv_cache, [4, 5], d ** -0.5, **features)
+            dev = query.device
+            slopes = features.get("alibi_slopes")
+            orders[key], why = first_match(("gcu", "vllm"), lambda order: run(
+                order, q.to(dev), cache.to(dev), table.to(dev), starts.diff(), seq_lens,
+                features.get("sliding_window"), None if slopes is None else slopes.to(dev)),
+                want, query.dtype)
+            logger.info("gcu_vendor paged_prefill (%s) on %s (%s, head %d, pages of %d, %d/%d "
+                        "heads): context_attention_forward %s (%s)", *key,
+                        f"reads the {orders[key]} order" if orders[key] else
+                        "matches the oracle in neither order; the next provider serves it",
+                        why)
         return orders[key]
 
     def gcu_context_attention(query, kv_cache, block_table, query_start_loc, seq_lens,

@@ -4,8 +4,8 @@ The op attends over a cache of its own: contiguous K and V ``[num_blocks, block_
 Hkv, D]`` (torch_tpu copies non-contiguous ones first, so a view of ours would lose
 its writes), writes the new tokens' K/V at ``save_slots`` itself and can apply RoPE
 (``cos``/``sin``). Our cache keeps one layout for every provider (pages per (block,
-head), K rows then V rows), so each call gathers the blocks the batch reads into
-those two tensors (one read and write of them), hands the op the new tokens' K/V
+head), K rows then V rows), so each call copies the blocks the batch reads into
+those two tensors (gathered, then re-laid out: two copies of them), hands the op the new tokens' K/V
 read back from that copy with their slots in it (the op rewrites what is there; the
 copy is dropped), no ``cos``/``sin`` (the model has applied RoPE) and the lengths as
 vllm-tpu passes them: ``input_lengths`` the tokens scheduled, ``cache_lengths`` the
@@ -28,6 +28,7 @@ import torch
 from vllm_accel.logger import init_logger
 from vllm_accel.ops.paged_layout import gather_request_pages, new_token_slots
 from vllm_accel.ops.registry import fallback_kernel
+from vllm_accel.ops.vendor.oracle_probe import first_match, probe_case
 
 logger = init_logger(__name__)
 
@@ -69,37 +70,24 @@ def make_kernels(op) -> tuple[Callable, Callable]:
 
     def works(case, query, kv_cache) -> bool:
         """Whether the op matches the oracle for ``case`` ("decode", "prefill",
-        "context") with this query's device, dtype and head size, and these pages."""
-        from vllm_accel.ops.reference.attention import paged_attention
-
+        "context") with this query's device, dtype, head size and heads, and these pages."""
         key = (case, query.device, query.dtype, query.shape[-1], kv_cache.shape[2],
                query.shape[1], kv_cache.shape[1])
-        if key in verdicts:
-            return verdicts[key]
-        g = torch.Generator().manual_seed(0)
-        hkv, bs, d = kv_cache.shape[1], kv_cache.shape[2], query.shape[-1]
-        cache = torch.randn(6, hkv, bs, 2 * d, generator=g).to(query.dtype)
-        table = torch.tensor([[3, 1, 5], [2, 4, 0]], dtype=torch.int32)
-        seq_lens = torch.tensor([bs + 3, 5])
-        q_lens = {"decode": torch.tensor([1, 1]), "prefill": seq_lens,
-                  "context": torch.tensor([4, 2])}[case]
-        q = torch.randn(int(q_lens.sum()), query.shape[1], d, generator=g).to(query.dtype)
-        qsl = torch.cat((torch.zeros(1, dtype=torch.long), q_lens.cumsum(0)))
-        want = paged_attention(q.double(), cache.double(), table, qsl, seq_lens, 0.125)
-        stage = DECODE_STAGE if case == "decode" else PREFILL_STAGE
-        try:
-            got = run(q.to(query.device), cache.to(query.device), table.to(query.device),
-                      q_lens, seq_lens, 0.125, stage).cpu().double()
-            error = float((got - want).abs().max())
-            verdict = error <= (1e-4 if query.dtype == torch.float32 else 3e-2)
-            why = f"max error {error:.2g} against the float64 oracle"
-        except Exception as exc:  # the build refuses these shapes: next provider
-            verdict, why = False, f"{type(exc).__name__}: {exc}"
-        verdicts[key] = verdict
-        logger.info("sophgo_vendor paged_attention_v3 %s on %s (%s, head %d, pages of %d, "
-                    "%d/%d heads): %s (%s)", case, *key[1:],
-                    "used" if verdict else "the next provider serves it", why)
-        return verdict
+        if key not in verdicts:
+            bs = kv_cache.shape[2]
+            q_lens = {"decode": [1, 1], "prefill": [bs + 3, 5], "context": [4, 2]}[case]
+            (q, cache, table, starts, seq_lens), want = probe_case(query, kv_cache, q_lens,
+                                                                   0.125)
+            dev = query.device
+            stage = DECODE_STAGE if case == "decode" else PREFILL_STAGE
+            used, why = first_match((stage,), lambda stage: run(
+                q.to(dev), cache.to(dev), table.to(dev), starts.diff(), seq_lens, 0.125,
+                stage), want, query.dtype)
+            verdicts[key] = used is not None
+            logger.info("sophgo_vendor paged_attention_v3 %s on %s (%s, head %d, pages of %d, "
+                        "%d/%d heads): %s (stage %s)", *key,
+                        "used" if used else "the next provider serves it", why)
+        return verdicts[key]
 
     def served(query, kv_cache, features) -> bool:
         return (not features and kv_cache.dtype == query.dtype
