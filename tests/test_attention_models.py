@@ -2,7 +2,8 @@
 HF transformers: tiny random-weight Mistral, Phi-3 and Qwen2 with sliding windows,
 Gemma 2 (alternating windows, logit soft-caps), Gemma 3 text, StarCoder2 (vLLM's
 Transformers backend), Bloom (ALiBi) and GraniteSWA (attention sinks), on the
-simulator (compiled and eager) and on the virtual GCU (the card path), with prefix
+simulator (compiled and eager) and on the virtual GCU (the card path), DeepSeek also
+through the whole-layer MLA path of cards whose kernel takes the latents, with prefix
 caching and chunked prefill over prompts longer than the window, in blocks of 16 so
 that vLLM frees the blocks behind the window while requests run. Encoder-only
 embedding models (BERT, XLM-RoBERTa) through vLLM's pooling runner: their embeddings
@@ -26,6 +27,9 @@ from moe_models import assert_matches_hf
 
 SIM = {}
 VIRTUAL = {**VIRTUAL_GCU_ENV, "ACCEL_SIM_DEVICE_MEMORY_GB": "1"}
+#: the oracle forced: MLA layers take the whole-layer path a card's kernel would
+#: (``mla_layer.py``: latents -> ``mla_latent_attention``), here the float64 reference
+LATENT_LAYER = {"ACCEL_KERNEL_PROVIDER": "reference"}
 #: name: (family, path env, compiled)
 CASES = {
     "mistral-sim-compiled": ("mistral", SIM, True),
@@ -47,6 +51,8 @@ CASES = {
     "deepseek_v2-virtual": ("deepseek_v2", VIRTUAL, False),
     "deepseek_v3-sim-compiled": ("deepseek_v3", SIM, True),
     "deepseek_v3-virtual": ("deepseek_v3", VIRTUAL, False),
+    "deepseek_v3-latent-layer-compiled": ("deepseek_v3", LATENT_LAYER, True),
+    "deepseek_v2-latent-layer-eager": ("deepseek_v2", LATENT_LAYER, False),
 }
 
 
@@ -146,9 +152,11 @@ def test_family_matches_hf(case, models, engines):
     family, env, compiled = CASES[case]
     prompts = _prompts(case)
     results, log = engines(case)
-    assert ("Warming up model for the compilation" in log) == (compiled and env is SIM)
+    assert ("Warming up model for the compilation" in log) == (compiled and env is not VIRTUAL)
     if env is VIRTUAL:
         assert "device gcu via virtual" in log
+    assert ("MLA layers: attention from the latents through reference's "
+            "mla_latent_attention" in log) == (env is LATENT_LAYER)
     if "sliding_window" in FAMILIES[family][2]:
         assert f"sliding_window {WINDOW}" in log
     if "kv_lora_rank" in FAMILIES[family][2]:

@@ -602,6 +602,89 @@ def test_sophgo_paged_attention_v3(tmp_path):
     assert "REFUSED 1\nREFUSED 0" in out
 
 
+def test_sophgo_paged_latent_attention(tmp_path):
+    """``my_ops::paged_latent_attention`` serves ``mla_latent_attention`` (a whole MLA
+    layer's attention from its latents) against the float64 oracle: decode, fresh
+    prefill, prefill after cached context and a mixed batch, bf16 and float32, our
+    latent cache gathered into the op's two caches (rope part de-interleaved) and the
+    new tokens written into ours as the oracle writes them; the first call per case
+    runs the op once more as its check, and ``serves`` answers for a layer's shapes. A
+    build that rotates other dims fails its check: the next provider serves, right."""
+    out = _ok(run_faithful(textwrap.dedent("""
+        import os, torch
+        from vllm_accel.backends import get_backend
+        import vllm_accel.ops.mla_layer
+        from vllm_accel.ops import registry
+        from vllm_accel.ops.vendor.kernels import install_vendor_kernels
+        b = get_backend(); b.load()
+        print("REPORT", install_vendor_kernels(b))
+        registry.set_preferred_providers(b.kernel_providers)
+        from torch_tpu import ops
+        kernel = registry.get_kernel("mla_latent_attention")
+        oracle = registry.get_kernel("mla_latent_attention", "reference")
+        g = torch.Generator().manual_seed(0)
+        heads, nope, rope, v_dim, q_lora, lora, bs = 4, 16, 8, 16, 24, 32, 16
+        table = torch.tensor([[6, 2, 9], [4, 3, 0], [1, 7, 5]], dtype=torch.int32)
+
+        def calls():
+            return ops.CALLS["paged_latent_attention"]
+
+        def case(dtype, q_lens, seq_lens, q_lora=q_lora):
+            t = sum(q_lens)
+            rand = lambda *s, std=1.0: (torch.randn(*s, generator=g) * std).to(dtype)
+            w_uq = rand(heads * (nope + rope), q_lora, std=q_lora ** -0.5)
+            w_ukv = rand(heads * (nope + v_dim), lora, std=lora ** -0.5)
+            angles = torch.rand(t, rope // 2, generator=g) * 6.3
+            qsl = torch.tensor([0] + q_lens).cumsum(0)
+            slots = torch.cat([table[i].long()[torch.arange(s - q, s) // bs] * bs
+                               + torch.arange(s - q, s) % bs
+                               for i, (q, s) in enumerate(zip(q_lens, seq_lens))])
+            return (rand(t, q_lora), rand(t, lora), rand(t, rope), angles.cos().to(dtype),
+                    angles.sin().to(dtype), w_uq, w_ukv), rand(10, bs, lora + rope), (
+                    table, qsl, torch.tensor(seq_lens), slots, heads, nope, v_dim, 0.3)
+
+        for dtype in (torch.bfloat16, torch.float32):
+            tol = 3e-2 if dtype == torch.bfloat16 else 1e-4
+            for q_lens, seq_lens, n in (([1, 1, 1], [37, 5, 16], 2),
+                                        ([37, 5, 16], [37, 5, 16], 2),
+                                        ([3, 5, 10], [37, 5, 16], 2),
+                                        ([1, 5, 10], [20, 5, 16], 1),
+                                        ([1, 1, 1], [3, 17, 33], 1)):
+                inputs, cache, rest = case(dtype, q_lens, seq_lens)
+                before, mine = calls(), cache.clone()
+                got = kernel(*inputs, mine, *rest)
+                want_cache = cache.clone()
+                want = oracle(*inputs, want_cache, *rest)
+                what = (dtype, q_lens, seq_lens)
+                assert got.dtype == dtype and got.shape == (sum(q_lens), heads, v_dim), what
+                err = float((got.double() - want.double()).abs().max())
+                assert err <= tol * max(1.0, float(want.abs().max())), (what, err)
+                assert torch.allclose(mine.double(), want_cache.double(), atol=tol), what
+                assert calls() - before == n, (what, calls() - before)
+        print("SERVES", kernel.serves(torch.bfloat16, torch.device("cpu"), heads, nope,
+                                      rope, v_dim, q_lora, lora, bs))
+        # caches in another dtype than the weights: the next provider, uncalled
+        inputs, cache, rest = case(torch.bfloat16, [2, 1, 1], [9, 5, 16])
+        before = calls()
+        got = kernel(*inputs, cache.half(), *rest)
+        assert calls() == before and got.dtype == torch.bfloat16
+        # a build rotating the pairs' halves without de-interleaving: refused by its check
+        os.environ["FAKE_SOPHGO_MLA_ROPE"] = "halves"
+        for _ in range(2):
+            # (another query width: shapes not checked before)
+            inputs, cache, rest = case(torch.float32, [1, 1, 1], [37, 5, 16], q_lora=20)
+            before, mine, theirs = calls(), cache.clone(), cache.clone()
+            got = kernel(*inputs, mine, *rest)
+            assert torch.allclose(got.double(), oracle(*inputs, theirs, *rest).double(),
+                                  atol=1e-4)
+            print("REFUSED", calls() - before)
+    """), "sophgo", tmp_path))
+    assert ("'sophgo_vendor:mla_latent_attention': 'registered "
+            "(my_ops::paged_latent_attention)'") in out
+    assert "SERVES True" in out
+    assert "REFUSED 1\nREFUSED 0" in out
+
+
 DIST = textwrap.dedent("""
     import os, sys, torch, torch.distributed as dist
     from vllm_accel.backends import get_backend

@@ -206,6 +206,74 @@ def test_sophgo_v3_that_raises_in_its_probe_is_not_used():
     assert V3_CALLS == [3, 2]  # one probe each (decode stage 3, prefill stage 2)
 
 
+# --- Sophgo's paged_latent_attention --------------------------------------------
+
+_mla_lib = torch.library.Library("_accel_test_sophgo_mla", "DEF")
+_MLA_ARGS = ("Tensor(a!) OUT, Tensor Q, Tensor KV, Tensor PE, Tensor WUQ, Tensor WUKV, "
+             "Tensor(b!) KVcache, Tensor(c!) PEcache, Tensor cos, Tensor sin, "
+             "Tensor? block_table, Tensor save_slots, Tensor? KVU, Tensor? mask, "
+             "Tensor input_lengths, Tensor cache_lengths, int head, int generate_token, "
+             "int q_lora_rank, int kv_lora_rank, int qk_nope_head_dim, int qk_rope_head_dim, "
+             "int v_head_dim, int mask_size")
+_mla_lib.define(f"plain({_MLA_ARGS}, int max_paged_block_num, int paged_cache_block_size, "
+                "float C, int attention_mode) -> Tensor")
+# the fp8 op's signature (block-fp8 weights with their scales) under the plain name
+_mla_lib.define("fp8(Tensor(a!) OUT, Tensor Q, Tensor KV, Tensor PE, Tensor WUQ, Tensor WUKV, "
+                "Tensor(b!) KVcache, Tensor(c!) PEcache, Tensor cos, Tensor sin, "
+                "Tensor WUQ_scale, Tensor WUKV_scale, Tensor? block_table, Tensor save_slots, "
+                "Tensor? KVU, Tensor? mask, Tensor input_lengths, Tensor cache_lengths, "
+                "int head, int generate_token, int q_lora_rank, int kv_lora_rank, "
+                "int qk_nope_head_dim, int qk_rope_head_dim, int v_head_dim, int mask_size, "
+                "int quant_block_size, int max_paged_block_num, int paged_cache_block_size, "
+                "float C, int attention_mode) -> Tensor")
+MLA_CALLS = []
+
+
+def _refusing_mla(*args):
+    MLA_CALLS.append(args[-1])
+    raise RuntimeError("tpudnn: unsupported kv_lora_rank")
+
+
+_mla_lib.impl("plain", _refusing_mla, "CPU")
+
+
+def test_sophgo_latent_attention_registers_only_over_torch_tpus_schema():
+    from vllm_accel.ops.vendor.sophgo_mla import sophgo_latent_kernel
+
+    ns = torch.ops._accel_test_sophgo_mla
+    assert sophgo_latent_kernel({"my_ops::paged_latent_attention": ns.plain.default})
+    assert sophgo_latent_kernel({"my_ops::paged_latent_attention": ns.fp8.default}) is None
+
+
+def test_sophgo_latent_attention_that_raises_in_its_check_is_not_used():
+    """A build that refuses a layer's shapes (raises in its check) does not serve it:
+    ``serves`` says so (the MLA layer then keeps vLLM's forward), a call goes to the
+    oracle, right, and the build is not tried again."""
+    from vllm_accel.ops.reference import mla as mla_ref
+    from vllm_accel.ops.vendor.sophgo_mla import make_kernel
+
+    kernel = make_kernel(torch.ops._accel_test_sophgo_mla.plain.default)
+    heads, nope, rope, v_dim, q_lora, lora, bs = 2, 8, 4, 8, 12, 16, 16
+    assert not kernel.serves(torch.float32, torch.device("cpu"), heads, nope, rope, v_dim,
+                             q_lora, lora, bs)
+    assert MLA_CALLS == [3]  # the decode check (stage 3) refused: no more asked
+    g = torch.Generator().manual_seed(5)
+    t = 3
+    args = (torch.randn(t, q_lora, generator=g), torch.randn(t, lora, generator=g),
+            torch.randn(t, rope, generator=g), torch.ones(t, rope // 2),
+            torch.zeros(t, rope // 2), torch.randn(heads * (nope + rope), q_lora, generator=g),
+            torch.randn(heads * (nope + v_dim), lora, generator=g))
+    cache = torch.randn(4, bs, lora + rope, generator=g)
+    rest = (torch.tensor([[2, 0], [1, 3]], dtype=torch.int32), torch.tensor([0, 1, 3]),
+            torch.tensor([20, 2]), torch.tensor([51, 16, 17]), heads, nope, v_dim, 0.2)
+    for _ in range(2):  # a prefill after cached context: its own check, once
+        mine, theirs = cache.clone(), cache.clone()
+        want = mla_ref.mla_latent_attention(*args, theirs, *rest)
+        got = kernel(*args, mine, *rest)
+        assert torch.allclose(got, want) and torch.equal(mine, theirs)
+    assert MLA_CALLS == [3, 2]
+
+
 # --- Enflame's context_attention_forward ------------------------------------------
 
 _caf_lib = torch.library.Library("_accel_test_gcu_caf", "DEF")

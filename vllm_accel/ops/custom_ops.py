@@ -1,6 +1,6 @@
 """Out-of-tree replacements for vLLM's RMSNorm, SiluAndMul, RotaryEmbedding and
-multimodal encoder attention, and for its unquantized MoE method
-(:mod:`vllm_accel.ops.moe`).
+multimodal encoder attention, for its unquantized MoE method
+(:mod:`vllm_accel.ops.moe`) and its MLA layer (:mod:`vllm_accel.ops.mla_layer`).
 
 Each replacement subclasses the vLLM op (same constructor, same buffers and
 parameters, so weight loading is unchanged) and routes ``forward_native``,
@@ -36,6 +36,7 @@ from vllm.model_executor.custom_op import CustomOp, op_registry_oot
 from vllm.model_executor.layers.activation import SiluAndMul
 from vllm.model_executor.layers.attention.mm_encoder_attention import MMEncoderAttention
 from vllm.model_executor.layers.layernorm import RMSNorm
+from vllm.model_executor.layers.mla import MultiHeadLatentAttentionWrapper
 from vllm.model_executor.layers.rotary_embedding.base import RotaryEmbedding
 
 from vllm_accel.logger import init_logger
@@ -43,6 +44,7 @@ from vllm_accel.ops.cpu_native import elementwise as _cpu_native  # noqa: F401  
 from vllm_accel.ops.reference import attention as _reference_attention  # noqa: F401
 from vllm_accel.ops.reference import elementwise as _reference  # noqa: F401  (registers)
 from vllm_accel.ops.torch_fast import attention as _torch_fast_attention  # noqa: F401
+from vllm_accel.ops.mla_layer import AccelMultiHeadLatentAttention
 from vllm_accel.ops.moe import AccelFusedMoEMethod, UnquantizedFusedMoEMethod
 from vllm_accel.ops.registry import get_kernel, resolve_provider
 
@@ -198,12 +200,14 @@ class AccelMMEncoderAttention(MMEncoderAttention):
 
 
 # (vLLM class, our replacement)
-OOT_OPS: tuple[tuple[type[CustomOp], type[CustomOp]], ...] = (
+OOT_OPS: tuple[tuple[type, type], ...] = (
     (RMSNorm, AccelRMSNorm),
     (SiluAndMul, AccelSiluAndMul),
     (RotaryEmbedding, AccelRotaryEmbedding),
     (UnquantizedFusedMoEMethod, AccelFusedMoEMethod),
     (MMEncoderAttention, AccelMMEncoderAttention),
+    # a pluggable layer (same registry): mla_layer.py
+    (MultiHeadLatentAttentionWrapper, AccelMultiHeadLatentAttention),
 )
 
 for _vllm_cls, _ours in OOT_OPS:

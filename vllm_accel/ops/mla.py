@@ -72,10 +72,16 @@ class AccelMLABackend(MLACommonBackend):
 class AccelMLAMetadataBuilder(MLACommonMetadataBuilder[MLACommonMetadata]):
     """vLLM's MLA metadata, plus what prefill by decompression reads: each prefill
     request's length (context + new tokens) and the key rows' starts, on the host
-    (one copy per step, not per layer)."""
+    (one copy per step, not per layer); and the whole batch's requests."""
 
     def build(self, common_prefix_len, common_attn_metadata, fast_build: bool = False):
         md = super().build(common_prefix_len, common_attn_metadata, fast_build)
+        # every request's pages, lengths and query starts, for a whole-layer kernel
+        # (``mla_layer.py``; the lengths reach the host there, once per step)
+        n = common_attn_metadata.num_reqs
+        md.accel_requests = (common_attn_metadata.block_table_tensor[:n],
+                             common_attn_metadata.seq_lens[:n],
+                             common_attn_metadata.query_start_loc_cpu[:n + 1])
         if md.prefill is not None:
             seq_lens = common_attn_metadata.seq_lens[md.num_decodes:md.num_reqs].cpu()
             md.prefill.accel_seq_lens = seq_lens.tolist()

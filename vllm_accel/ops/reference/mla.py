@@ -8,6 +8,9 @@ the compressed KV ``c`` (``kv_lora_rank`` L values) then the rotated key part ``
 ``h`` is ``(q_nope[h] [L], q_pe[h] [R])``, its logits ``q_nope . c + q_pe . k_pe``
 times ``scale``, its output ``softmax . c`` (``[L]``, which vLLM then multiplies by
 ``W_UV``). Prefill decompresses the cached latents instead (``mla_gather``).
+``mla_latent_attention`` is a whole layer's attention from its latents (the query
+up-projection and RoPE included), the contract of cards whose MLA kernel takes the
+layer (``mla_layer.py``).
 
 The INT8 latent cache (``--kv-cache-dtype int8``, the ``_int8`` kernels) stores per token
 ``c`` and ``k_pe`` as int8 codes, then two float32 scales, one for each part (vLLM's
@@ -89,6 +92,57 @@ def mla_gather(kv_cache: torch.Tensor, block_table: torch.Tensor,
     rows = latent_rows(kv_cache)
     return torch.cat([rows[request_slots(block_table[i], kv_cache.shape[1], s)]
                       for i, s in enumerate(seq_lens)])
+
+
+def rope_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """DeepSeek's RoPE (vLLM's ``is_neox_style=False``): the pairs ``(x[2i], x[2i+1])``
+    rotated by angle ``i`` (``cos``/``sin`` ``[..., R/2]``, broadcast over ``x``'s)."""
+    even, odd = x[..., 0::2], x[..., 1::2]
+    return torch.stack((even * cos - odd * sin, odd * cos + even * sin), dim=-1).flatten(-2)
+
+
+@register_kernel("mla_latent_attention")
+def mla_latent_attention(q_c: torch.Tensor, kv_c_normed: torch.Tensor, k_pe: torch.Tensor,
+                         cos: torch.Tensor, sin: torch.Tensor, w_uq: torch.Tensor,
+                         w_ukv: torch.Tensor, kv_cache: torch.Tensor,
+                         block_table: torch.Tensor, query_start_loc: torch.Tensor,
+                         seq_lens: torch.Tensor, slot_mapping: torch.Tensor, num_heads: int,
+                         qk_nope_head_dim: int, v_head_dim: int, scale: float) -> torch.Tensor:
+    """An MLA layer's attention from its latents, for cards whose kernel takes the whole
+    layer (Sophgo's ``paged_latent_attention``): the new tokens' ``kv_c_normed``
+    ``[T, L]`` and rotated ``k_pe`` ``[T, R]`` written at ``slot_mapping``; queries
+    ``q_c @ w_uq.T`` (``q_c`` the latent query ``[T, Lq]``, or the hidden states of a
+    model without q-LoRA; ``w_uq`` ``[H * (P + R), Lq]``), their last ``R`` per head
+    rotated; keys and values decompressed from each request's cached latents by
+    ``w_ukv`` ``[H * (P + V), L]``; causal over context + new tokens. ``cos``/``sin``
+    ``[T, R/2]`` at the tokens' positions (DeepSeek's interleaved RoPE). Returns
+    ``[T, H, V]`` in ``q_c``'s dtype; float64 inside."""
+    t, heads, nope, lora = q_c.shape[0], num_heads, qk_nope_head_dim, kv_c_normed.shape[-1]
+    rope = k_pe.shape[-1]
+    k_rot = rope_interleaved(k_pe.double(), cos.double(), sin.double())
+    mla_cache_write(kv_c_normed, k_rot.to(kv_cache.dtype), kv_cache, slot_mapping)
+    q = (q_c.double() @ w_uq.double().T).view(t, heads, nope + rope)
+    q_nope = q[..., :nope]
+    q_pe = rope_interleaved(q[..., nope:], cos.double()[:, None], sin.double()[:, None])
+    w = w_ukv.double().view(heads, nope + v_head_dim, lora)
+    rows = latent_rows(kv_cache)
+    out = q.new_zeros(t, heads, v_head_dim)
+    starts = query_start_loc.tolist()
+    for i, seq_len in enumerate(seq_lens.tolist()):
+        first, last = starts[i], starts[i + 1]
+        if last == first:
+            continue
+        latent = rows[request_slots(block_table[i], kv_cache.shape[1], seq_len)].double()
+        c, k_pe_cached = latent[:, :lora], latent[:, lora:]
+        k_nope = torch.einsum("sl,hpl->hsp", c, w[:, :nope])
+        v = torch.einsum("sl,hvl->hsv", c, w[:, nope:])
+        scores = (torch.einsum("qhp,hsp->hqs", q_nope[first:last], k_nope)
+                  + torch.einsum("qhr,sr->hqs", q_pe[first:last], k_pe_cached)) * scale
+        context = seq_len - (last - first)
+        query_pos = context + torch.arange(last - first)[:, None]
+        scores = scores.masked_fill(torch.arange(seq_len)[None, :] > query_pos, float("-inf"))
+        out[first:last] = torch.einsum("hqs,hsv->qhv", torch.softmax(scores, dim=-1), v)
+    return out.to(q_c.dtype)
 
 
 def int8_latents(kv_cache: torch.Tensor, lora: int):

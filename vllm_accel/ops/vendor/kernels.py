@@ -33,10 +33,11 @@ Providers:
   each (token, choice) pair's unweighted output, weighted and summed here). Decode
   and prefill attention through ``my_ops::paged_attention_v3``, which reads and
   writes its own cache layout: the pages a batch reads are gathered into it per call
-  (``sophgo_attention.py``). Its MLA op (``paged_latent_attention``) is a whole MLA
-  layer -- the query and KV up-projections, RoPE, writes to separate latent and rope
-  caches -- so it would replace vLLM's MLA layer rather than its attention, with
-  weight layouts Sophgo does not document: not plugged in.
+  (``sophgo_attention.py``). MLA through ``my_ops::paged_latent_attention``, a whole
+  layer's attention from its latents (query and KV up-projections, RoPE, its own
+  latent and rope caches): ``mla_latent_attention``, which ``mla_layer.py``'s MLA
+  layer calls instead of vLLM's query projection and ``MLAAttention``; the pages a
+  batch reads are gathered into the op's caches per call (``sophgo_mla.py``).
 * ``flash_attn``: Enflame's FlashAttention build (what vllm-gcu's V1 engine uses),
   prefill and decode reading our cache in place, registered for the features a probe
   on the device matched (``flash_attn.py``).
@@ -58,6 +59,7 @@ from vllm_accel.ops.vendor.flash_attn import FLASH_ATTN, probe_flash_attn
 from vllm_accel.ops.vendor.gcu_attention import (GCU_VENDOR, _gcu_context_attention,
                                                  _gcu_paged_decode)
 from vllm_accel.ops.vendor.sophgo_attention import SOPHGO_VENDOR, sophgo_paged_kernel
+from vllm_accel.ops.vendor.sophgo_mla import sophgo_latent_kernel
 from vllm_accel.ops.triton.provider import TRITON, install_triton_kernels
 
 logger = init_logger(__name__)
@@ -759,6 +761,8 @@ VENDOR_KERNELS: tuple[tuple[str, str, tuple[str, ...], str | tuple[str, ...], Ca
      sophgo_paged_kernel("paged_decode")),
     (SOPHGO_VENDOR, "paged_prefill", ("my_ops::paged_attention_v3",), "all",
      sophgo_paged_kernel("paged_prefill")),
+    (SOPHGO_VENDOR, "mla_latent_attention", ("my_ops::paged_latent_attention",), "all",
+     sophgo_latent_kernel),
 )
 
 

@@ -1,5 +1,6 @@
-"""Fake torch.ops.my_ops: profiling hooks, rmsnorm_forward, fused_moe_fused_experts and
-paged_attention_v3 (the schemas of torch_tpu's C++ signatures; calls counted)."""
+"""Fake torch.ops.my_ops: profiling hooks, rmsnorm_forward, fused_moe_fused_experts,
+paged_attention_v3 and paged_latent_attention (the schemas of torch_tpu's C++
+signatures; calls counted)."""
 
 import collections
 import os
@@ -32,6 +33,14 @@ if not _REGISTERED:
                 "Tensor input_lengths, Tensor cache_lengths, Tensor save_slots, "
                 "Tensor block_tables, Tensor? mask, float softmax_scale, int max_seqlen, "
                 "int stage) -> ()")
+    _lib.define("paged_latent_attention(Tensor(a!) OUT, Tensor Q, Tensor KV, Tensor PE, "
+                "Tensor WUQ, Tensor WUKV, Tensor(b!) KVcache, Tensor(c!) PEcache, Tensor cos, "
+                "Tensor sin, Tensor? block_table, Tensor save_slots, Tensor? KVU, "
+                "Tensor? mask, Tensor input_lengths, Tensor cache_lengths, int head, "
+                "int generate_token, int q_lora_rank, int kv_lora_rank, "
+                "int qk_nope_head_dim, int qk_rope_head_dim, int v_head_dim, int mask_size, "
+                "int max_paged_block_num, int paged_cache_block_size, float C, "
+                "int attention_mode) -> Tensor")
 
 
 def enable_profile(max_record_num=None, mode=None):
@@ -121,6 +130,85 @@ def paged_attention_v3(output, query, key, value, kcache, vcache, pos_cos, pos_s
         start += n
 
 
+def _deinterleaved_rope(x, cos, sin):
+    """torch-tpu test/mla.py's ``apply_rope``: the pairs split into halves (even dims,
+    then odd), then rotated neox-style by ``cos``/``sin`` ``[T, 1, R]``."""
+    t, heads, rope = x.shape
+    if os.environ.get("FAKE_SOPHGO_MLA_ROPE") != "halves":
+        x = x.view(t, heads, rope // 2, 2).transpose(2, 3).reshape(t, heads, rope)
+    rotated = torch.cat((-x[..., rope // 2:], x[..., :rope // 2]), dim=-1)
+    return x * cos + rotated * sin
+
+
+def paged_latent_attention(OUT, Q, KV, PE, WUQ, WUKV, KVcache, PEcache, cos, sin,
+                           block_table, save_slots, KVU, mask, input_lengths, cache_lengths,
+                           head, generate_token, q_lora_rank, kv_lora_rank, qk_nope_head_dim,
+                           qk_rope_head_dim, v_head_dim, mask_size, max_paged_block_num,
+                           paged_cache_block_size, C, attention_mode):
+    """torch-tpu's MLA (``Mla.cpp``) as its CPU model ``python/test/mla.py`` (MLACpu)
+    computes it, per request (``input_lengths`` new tokens after ``cache_lengths``
+    cached ones, int32 on the host): queries ``Q @ WUQ.T`` per head ``[nope | rope]``,
+    the rope part de-interleaved and rotated, the nope part absorbed by ``WUKV``'s key
+    rows; the new latents ``KV`` and rotated ``PE`` written into ``KVcache`` ``[blocks,
+    BS, L]`` / ``PEcache`` ``[blocks, BS, R]`` (stage 2: through ``block_table`` after the
+    cached tokens; stage 3: at ``save_slots``); causal attention over the request's
+    cached + new latents; ``WUKV``'s value rows; ``OUT`` ``[T, H, V]``. Stage 2 with more
+    than one new token needs ``KVU`` (the decompressed K/V, ``max new + max cached``
+    rows, as test/mla.py sizes it). ``FAKE_SOPHGO_MLA_ROPE=halves`` skips the
+    de-interleaving (a build the probe must refuse)."""
+    CALLS["paged_latent_attention"] += 1
+    for t in (input_lengths, cache_lengths):
+        assert t.device.type == "cpu" and t.dtype == torch.int32 and t.is_contiguous(), \
+            "MLA input lengths must be int32, contiguous, on the host"
+    assert block_table is not None and block_table.dtype == torch.int32
+    assert mask is None and generate_token == 1, "the fake models no mask or MTP"
+    assert KVcache.is_contiguous() and PEcache.is_contiguous(), "caches: contiguous"
+    inputs, cached = input_lengths.tolist(), cache_lengths.tolist()
+    heads, nope, rope, lora = head, qk_nope_head_dim, qk_rope_head_dim, kv_lora_rank
+    assert WUQ.shape == (heads * (nope + rope), q_lora_rank) == (WUQ.shape[0], Q.shape[1])
+    assert WUKV.shape == (heads * (nope + v_head_dim), lora) and KV.shape[1] == lora
+    assert cos.shape == sin.shape == (Q.shape[0], 1, rope), "cos/sin: [T, 1, R]"
+    assert KVcache.shape[1] == PEcache.shape[1] == paged_cache_block_size
+    assert block_table.shape[1] == max_paged_block_num
+    if attention_mode == 3:
+        assert set(inputs) == {1} and KVU is None and mask_size == 0
+        assert save_slots.dtype == torch.int32 and save_slots.numel() == Q.shape[0]
+    else:
+        assert attention_mode == 2, attention_mode
+        assert mask_size == max(n + c for n, c in zip(inputs, cached))
+        if max(inputs) > 1:
+            assert KVU is not None and KVU.shape[0] >= max(inputs) + max(cached), "KVU rows"
+            assert KVU.shape[1:] == (heads, nope + v_head_dim)
+    t = Q.shape[0]
+    q = (Q.float() @ WUQ.float().T).view(t, heads, nope + rope)
+    q_pe = _deinterleaved_rope(q[..., nope:], cos.float(), sin.float())
+    w = WUKV.float().view(heads, nope + v_head_dim, lora)
+    q_nope = torch.einsum("thp,hpl->thl", q[..., :nope], w[:, :nope])
+    k_pe = _deinterleaved_rope(PE.float()[:, None], cos.float(), sin.float())[:, 0]
+    bs = paged_cache_block_size
+    start = 0
+    for i, (n, c) in enumerate(zip(inputs, cached)):
+        pos = torch.arange(c, c + n)
+        if attention_mode == 3:
+            slots = save_slots[start:start + n].long()
+        else:
+            slots = block_table[i, pos // bs].long() * bs + pos % bs
+        KVcache.view(-1, lora)[slots] = KV[start:start + n].to(KVcache.dtype)
+        PEcache.view(-1, rope)[slots] = k_pe[start:start + n].to(PEcache.dtype)
+        total = torch.arange(c + n)
+        rows = block_table[i, total // bs].long() * bs + total % bs
+        latent = KVcache.view(-1, lora)[rows].float()
+        pe = PEcache.view(-1, rope)[rows].float()
+        s = (torch.einsum("qhl,kl->hqk", q_nope[start:start + n], latent)
+             + torch.einsum("qhr,kr->hqk", q_pe[start:start + n], pe)) * C
+        later = total[None, :] > (c + torch.arange(n))[:, None]
+        p = s.masked_fill(later, float("-inf")).softmax(-1)
+        o = torch.einsum("hqk,kl->qhl", p, latent)
+        OUT[start:start + n] = torch.einsum("qhl,hvl->qhv", o, w[:, nope:]).to(OUT.dtype)
+        start += n
+    return OUT
+
+
 if not _REGISTERED:
     _lib.impl("enable_profile", enable_profile, "CompositeExplicitAutograd")
     _lib.impl("disable_profile", disable_profile, "CompositeExplicitAutograd")
@@ -128,3 +216,4 @@ if not _REGISTERED:
         _lib.impl("rmsnorm_forward", rmsnorm_forward, _key)
         _lib.impl("fused_moe_fused_experts", fused_moe_fused_experts, _key)
         _lib.impl("paged_attention_v3", paged_attention_v3, _key)
+        _lib.impl("paged_latent_attention", paged_latent_attention, _key)
