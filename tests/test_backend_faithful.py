@@ -608,8 +608,10 @@ def test_sophgo_paged_latent_attention(tmp_path):
     prefill, prefill after cached context and a mixed batch, bf16 and float32, our
     latent cache gathered into the op's two caches (rope part de-interleaved) and the
     new tokens written into ours as the oracle writes them; the first call per case
-    runs the op once more as its check, and ``serves`` answers for a layer's shapes. A
-    build that rotates other dims fails its check: the next provider serves, right."""
+    runs the op once more as its check, and ``serves`` answers for a layer's shapes,
+    also under a model build's default device and dtype. A build whose decode stage
+    ignores the context serves decode through its prefill stage; one that rotates other
+    dims fails its check: the next provider serves, right."""
     out = _ok(run_faithful(textwrap.dedent("""
         import os, torch
         from vllm_accel.backends import get_backend
@@ -663,6 +665,28 @@ def test_sophgo_paged_latent_attention(tmp_path):
                 assert calls() - before == n, (what, calls() - before)
         print("SERVES", kernel.serves(torch.bfloat16, torch.device("cpu"), heads, nope,
                                       rope, v_dim, q_lora, lora, bs))
+        # as a model is built: under another default device and dtype (new shapes)
+        torch.set_default_dtype(torch.bfloat16)
+        with torch.device("meta"):
+            print("SERVES AT BUILD", kernel.serves(torch.bfloat16, torch.device("cpu"),
+                                                   heads, nope, rope, v_dim, q_lora, 48, bs))
+        torch.set_default_dtype(torch.float32)
+
+        def two_decodes(what, q_lora):
+            # two fp32 decodes at a query width not checked before, right either way;
+            # the op's calls for each
+            for _ in range(2):
+                inputs, cache, rest = case(torch.float32, [1, 1, 1], [37, 5, 16], q_lora)
+                before, mine, theirs = calls(), cache.clone(), cache.clone()
+                got = kernel(*inputs, mine, *rest)
+                assert torch.allclose(got.double(), oracle(*inputs, theirs, *rest).double(),
+                                      atol=1e-4)
+                print(what, calls() - before)
+
+        # a build whose decode stage ignores the context: decode runs in stage 2
+        os.environ["FAKE_SOPHGO_MLA_DECODE"] = "no_context"
+        two_decodes("DECODE IN STAGE 2", 28)
+        del os.environ["FAKE_SOPHGO_MLA_DECODE"]
         # caches in another dtype than the weights: the next provider, uncalled
         inputs, cache, rest = case(torch.bfloat16, [2, 1, 1], [9, 5, 16])
         before = calls()
@@ -670,19 +694,13 @@ def test_sophgo_paged_latent_attention(tmp_path):
         assert calls() == before and got.dtype == torch.bfloat16
         # a build rotating the pairs' halves without de-interleaving: refused by its check
         os.environ["FAKE_SOPHGO_MLA_ROPE"] = "halves"
-        for _ in range(2):
-            # (another query width: shapes not checked before)
-            inputs, cache, rest = case(torch.float32, [1, 1, 1], [37, 5, 16], q_lora=20)
-            before, mine, theirs = calls(), cache.clone(), cache.clone()
-            got = kernel(*inputs, mine, *rest)
-            assert torch.allclose(got.double(), oracle(*inputs, theirs, *rest).double(),
-                                  atol=1e-4)
-            print("REFUSED", calls() - before)
+        two_decodes("REFUSED", 20)
     """), "sophgo", tmp_path))
     assert ("'sophgo_vendor:mla_latent_attention': 'registered "
             "(my_ops::paged_latent_attention)'") in out
-    assert "SERVES True" in out
-    assert "REFUSED 1\nREFUSED 0" in out
+    assert "SERVES True" in out and "SERVES AT BUILD True" in out
+    assert "DECODE IN STAGE 2 3\nDECODE IN STAGE 2 1" in out  # stages 3 and 2 checked
+    assert "REFUSED 2\nREFUSED 0" in out  # both stages checked, neither used
 
 
 DIST = textwrap.dedent("""

@@ -1,7 +1,8 @@
 """When the MLA layer (``vllm_accel/ops/mla_layer.py``) takes the whole-layer path:
 only where a provider other than the oracle serves ``mla_latent_attention`` (or the
 oracle is forced), never for what that kernel's contract leaves out, and not where the
-kernel's own check at the layer's shapes fails. vLLM registers the layer for every
+kernel's own check at the layer's shapes fails, nor with LoRA or multimodal RoPE.
+vLLM registers the layer for every
 MLA model. (The path itself: ``test_attention_models.py``'s latent-layer engines and
 ``test_backend_faithful.py``'s Sophgo adapter.)"""
 
@@ -11,6 +12,7 @@ import pytest
 import torch
 from vllm.model_executor.custom_op import op_registry_oot
 from vllm.model_executor.layers.linear import UnquantizedLinearMethod
+from vllm.model_executor.layers.rotary_embedding.mrope import MRotaryEmbedding
 
 from vllm_accel.ops import mla_layer
 from vllm_accel.ops.mla_layer import AccelMultiHeadLatentAttention
@@ -28,11 +30,26 @@ def _layer(checks_out=True, **changes):
         _kernel_checks_out=lambda w_uq: checks_out)
     for name, value in changes.items():
         setattr(layer, name, value)
+    layer._q_proj_layer = lambda: AccelMultiHeadLatentAttention._q_proj_layer(layer)
     return layer
 
 
 def _decide(layer):
     return AccelMultiHeadLatentAttention._whole_layer_provider(layer)
+
+
+def _mrope():
+    """A multimodal RoPE of DeepSeek's pair order and the rope dims (as bailing_moe_v3
+    builds one)."""
+    rope = object.__new__(MRotaryEmbedding)
+    rope.__dict__.update(is_neox_style=False, rotary_dim=4)
+    return rope
+
+
+@pytest.fixture(autouse=True)
+def _no_lora(monkeypatch):
+    monkeypatch.setattr(mla_layer, "get_current_vllm_config",
+                        lambda: SimpleNamespace(lora_config=None))
 
 
 def test_registered_for_vllms_mla_layer():
@@ -66,3 +83,11 @@ def test_only_a_card_kernel_or_the_forced_oracle_takes_the_layer(monkeypatch):
 def test_what_the_kernel_leaves_out_keeps_vllms_layer(change, monkeypatch):
     monkeypatch.setattr(mla_layer, "resolve_provider", lambda name: "sophgo_vendor")
     assert _decide(_layer(**change)) is None
+
+
+def test_lora_and_multimodal_rope_keep_vllms_layer(monkeypatch):
+    monkeypatch.setattr(mla_layer, "resolve_provider", lambda name: "sophgo_vendor")
+    assert _decide(_layer(rotary_emb=_mrope())) is None
+    monkeypatch.setattr(mla_layer, "get_current_vllm_config",
+                        lambda: SimpleNamespace(lora_config=object()))
+    assert _decide(_layer()) is None

@@ -12,7 +12,8 @@ model calls it at run time with the step's metadata) and applies ``o_proj``; the
 ``MLAAttention`` sub-layer keeps owning the latent cache and its metadata (ACCEL_MLA's
 builder). Everywhere else, and for what the kernel's contract leaves out (sparse MLA,
 gated output, Llama-4 scaling, neox-style RoPE, quantized projections or latent cache),
-it is vLLM's layer unchanged. ``ACCEL_KERNEL_PROVIDER=reference`` runs the oracle
+it is vLLM's layer unchanged (also with LoRA adapters, which wrap the projections, and
+multimodal RoPE). ``ACCEL_KERNEL_PROVIDER=reference`` runs the oracle
 through this path, which is how the simulator tests it.
 """
 
@@ -21,6 +22,7 @@ from vllm.config import get_current_vllm_config
 from vllm.model_executor.layers.attention.attention import get_attention_context
 from vllm.model_executor.layers.linear import UnquantizedLinearMethod
 from vllm.model_executor.layers.mla import MultiHeadLatentAttentionWrapper
+from vllm.model_executor.layers.rotary_embedding.mrope import MRotaryEmbedding
 from vllm.utils.torch_utils import direct_register_custom_op
 
 from vllm_accel import envs
@@ -45,20 +47,25 @@ class AccelMultiHeadLatentAttention(MultiHeadLatentAttentionWrapper):
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self._latent_provider = self._whole_layer_provider()
-        # The up-projection weights as loaded: vLLM's CPU linears may swap a layer's
-        # weight for an empty one once they pack it (dispatch_cpu_unquantized_gemm);
-        # held in a tuple, so not registered twice as parameters
-        q_proj = self.q_b_proj if self.q_lora_rank is not None else self.q_proj
-        self._up_weights = (q_proj.weight, self.kv_b_proj.weight) if (
-            self._latent_provider) else ()
+        if self._latent_provider:
+            # the kernel reads the query projection's weight as loaded: vLLM's CPU
+            # linears would swap it for an empty one once they pack it (as for
+            # MLAAttention's kv_b_proj, which vLLM marks the same way)
+            self._q_proj_layer()._cpu_skip_gemm_dispatch = True
+
+    def _q_proj_layer(self):
+        return self.q_b_proj if self.q_lora_rank is not None else self.q_proj
 
     def _whole_layer_provider(self) -> str | None:
         provider = resolve_provider(KERNEL)
         if provider == REFERENCE and envs.ACCEL_KERNEL_PROVIDER != REFERENCE:
             return None
         rope = self.rotary_emb
-        q_proj = self.q_b_proj if self.q_lora_rank is not None else self.q_proj
+        q_proj = self._q_proj_layer()
         missing = {
+            "LoRA adapters (they wrap the projections)":
+            get_current_vllm_config().lora_config is not None,
+            "multimodal RoPE": isinstance(rope, MRotaryEmbedding),
             "sparse MLA": self.is_sparse or self.indexer is not None,
             "a gated output": self.g_proj is not None,
             "decode context parallel": self.dcp_q_replicate,
@@ -85,17 +92,18 @@ class AccelMultiHeadLatentAttention(MultiHeadLatentAttentionWrapper):
     def _kernel_checks_out(self, w_uq: torch.Tensor) -> bool:
         """A card kernel's own check (``serves``: against the oracle, at this layer's
         shapes, dtype, device and the cache's block size) before the model is traced;
-        kernels without one (the oracle) pass."""
+        kernels without one (the oracle) pass; without a block size, none runs."""
         serves = getattr(get_kernel(KERNEL), "serves", None)
         block_size = get_current_vllm_config().cache_config.block_size
-        return serves is None or block_size is None or serves(
+        return serves is None or block_size is not None and serves(
             w_uq.dtype, w_uq.device, self.num_heads, self.qk_nope_head_dim,
             self.qk_rope_head_dim, self.v_head_dim, w_uq.shape[1], self.kv_lora_rank,
             block_size)
 
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor,
                 llama_4_scaling: torch.Tensor | None = None) -> torch.Tensor:
-        if self._latent_provider is None or llama_4_scaling is not None:
+        if (self._latent_provider is None or llama_4_scaling is not None
+                or positions.dim() != 1):
             return super().forward(positions, hidden_states, llama_4_scaling)
         lora, rope = self.kv_lora_rank, self.qk_rope_head_dim
         if self.q_lora_rank is not None:
@@ -105,7 +113,7 @@ class AccelMultiHeadLatentAttention(MultiHeadLatentAttentionWrapper):
         else:
             kv_lora = self.kv_a_proj_with_mqa(hidden_states)[0]
             q_c = hidden_states
-        w_uq, w_ukv = self._up_weights
+        w_uq, w_ukv = self._q_proj_layer().weight, self.kv_b_proj.weight
         kv_c, k_pe = kv_lora.split([lora, rope], dim=-1)
         kv_c_normed = self.kv_a_layernorm(kv_c)
         output = torch.empty(hidden_states.shape[0], self.num_heads * self.v_head_dim,

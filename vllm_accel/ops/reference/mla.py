@@ -139,8 +139,9 @@ def mla_latent_attention(q_c: torch.Tensor, kv_c_normed: torch.Tensor, k_pe: tor
         scores = (torch.einsum("qhp,hsp->hqs", q_nope[first:last], k_nope)
                   + torch.einsum("qhr,sr->hqs", q_pe[first:last], k_pe_cached)) * scale
         context = seq_len - (last - first)
-        query_pos = context + torch.arange(last - first)[:, None]
-        scores = scores.masked_fill(torch.arange(seq_len)[None, :] > query_pos, float("-inf"))
+        query_pos = context + torch.arange(last - first, device=scores.device)[:, None]
+        keys = torch.arange(seq_len, device=scores.device)
+        scores = scores.masked_fill(keys[None, :] > query_pos, float("-inf"))
         out[first:last] = torch.einsum("hqs,hsv->qhv", torch.softmax(scores, dim=-1), v)
     return out.to(q_c.dtype)
 

@@ -19,9 +19,11 @@ the pages the batch reads into the op's two caches, the rope part de-interleaved
 op's writes land in that copy, which is dropped). Lengths go as vllm-tpu passes
 them: int32 on the host, ``input_lengths`` the tokens scheduled, ``cache_lengths``
 those computed before. Decode batches (one new token each) run stage 3 with the new
-tokens' slots, as torch-tpu's test does; other batches stage 2 with the block table as
-``save_slots`` and a ``KVU`` scratch of ``max(new) + max(context)`` rows for the
-decompressed keys and values, as vllm-tpu does.
+tokens' slots, as torch-tpu's test does (or, where a build's decode stage does not
+match, stage 2, which vllm-tpu calls for every batch); other batches stage 2 with the
+block table as ``save_slots`` and a ``KVU`` scratch of ``max(new) + max(context)`` rows
+for the decompressed keys and values (what torch-tpu's test allocates; vllm-tpu's
+``max(new)`` rows are fewer).
 
 Whether a build computes that is checked per (device, dtype, shapes, block size)
 against the float64 oracle when the layer is built (:func:`serves`) and again on a
@@ -84,12 +86,12 @@ def write_latents(kv_c_normed, k_pe, cos, sin, kv_cache, slot_mapping, provider)
 def make_kernel(op):
     """``mla_latent_attention`` over ``op``, with its checks (each run once per case
     and shape); the kernel's ``serves(...)`` runs them ahead of a model's first step."""
-    verdicts: dict[tuple, bool] = {}
+    verdicts: dict[tuple, int | None] = {}  # the stage that matched, or None
 
     def run(q_c, kv_c_normed, k_pe, cos, sin, w_uq, w_ukv, kv_cache, block_table, q_lens,
-            seq_lens, heads, nope, v_dim, scale):
-        """The op for requests with ``q_lens`` > 0 (host tensors), the cache holding
-        the new tokens already."""
+            seq_lens, heads, nope, v_dim, scale, stage):
+        """The op in ``stage`` for requests with ``q_lens`` > 0 (host tensors), the
+        cache holding the new tokens already."""
         lora, rope, bs = kv_c_normed.shape[-1], k_pe.shape[-1], kv_cache.shape[1]
         dev = q_c.device
         num_blocks = -(-int(seq_lens.max()) // bs)
@@ -98,12 +100,13 @@ def make_kernel(op):
         pe = pages[..., lora:].index_select(-1, deinterleaved(rope, dev)).contiguous()
         context = seq_lens - q_lens
         table = compact.to(dev)
-        if bool((q_lens == 1).all()):
-            stage, kvu, mask_size = DECODE_STAGE, None, 0
+        if stage == DECODE_STAGE:
+            kvu, mask_size = None, 0
             save = new_token_slots(compact, seq_lens, q_lens, bs).to(dev)
         else:
-            stage, save, mask_size = PREFILL_STAGE, table, int(seq_lens.max())
-            kvu = q_c.new_empty(int(q_lens.max()) + int(context.max()), heads, nope + v_dim)
+            save, mask_size = table, int(seq_lens.max())
+            kvu = None if int(q_lens.max()) == 1 else q_c.new_empty(
+                int(q_lens.max()) + int(context.max()), heads, nope + v_dim)
         out = q_c.new_empty(q_c.shape[0], heads, v_dim)
         op(out, q_c.contiguous(), kv_c_normed.contiguous(), k_pe.contiguous(),
            w_uq.contiguous(), w_ukv.contiguous(), latent, pe,
@@ -113,16 +116,24 @@ def make_kernel(op):
            nope, rope, v_dim, mask_size, num_blocks, bs, scale, stage)
         return out
 
-    def works(case, dtype, device, heads, nope, rope, v_dim, q_lora, lora, bs) -> bool:
-        """Whether the op matches the oracle for ``case`` ("decode", "prefill",
-        "context") at these shapes, on random latents and weights."""
+    def works(case, dtype, device, heads, nope, rope, v_dim, q_lora, lora, bs) -> int | None:
+        """The stage in which the op matches the oracle for ``case`` ("decode",
+        "prefill", "context") at these shapes, on random latents and weights, or None.
+        Decode tries the decode stage first, then the prefill stage (the one vllm-tpu
+        calls for every batch). The case is built on the host in float32 whatever the
+        defaults (a model is built under the card's device and dtype)."""
         key = (case, device, dtype, heads, nope, rope, v_dim, q_lora, lora, bs)
-        if key in verdicts:
-            return verdicts[key]
+        if key not in verdicts:
+            with torch.device("cpu"):
+                verdicts[key] = check(key)
+        return verdicts[key]
+
+    def check(key) -> int | None:
+        case, device, dtype, heads, nope, rope, v_dim, q_lora, lora, bs = key
         g = torch.Generator().manual_seed(0)
 
         def rand(*shape, std=1.0):
-            return (torch.randn(*shape, generator=g) * std).to(dtype)
+            return (torch.randn(*shape, generator=g, dtype=torch.float32) * std).to(dtype)
 
         q_lens = {"decode": [1, 1], "prefill": [bs + 3, 5], "context": [4, 2]}[case]
         seq_lens = torch.tensor([bs + 3, 5])
@@ -131,7 +142,7 @@ def make_kernel(op):
         w_uq = rand(heads * (nope + rope), q_lora, std=q_lora ** -0.5)
         w_ukv = rand(heads * (nope + v_dim), lora, std=lora ** -0.5)
         q_c, kv_c, k_pe = rand(t, q_lora), rand(t, lora), rand(t, rope)
-        angles = torch.rand(t, rope // 2, generator=g) * 6.3
+        angles = torch.rand(t, rope // 2, generator=g, dtype=torch.float32) * 6.3
         cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
         cache = rand(6, bs, lora + rope)
         table = torch.tensor([[3, 1, 5], [2, 4, 0]], dtype=torch.int32)
@@ -145,20 +156,19 @@ def make_kernel(op):
             nope, v_dim, scale).double()
         norm = max(1.0, float(want.abs().max()))  # the tolerance is relative to the outputs
 
-        def attempt(_):
+        def attempt(stage):
             mine = cache.to(device)
             on = [x.to(device) for x in (q_c, kv_c, k_pe, *args)]
             write_latents(on[1], on[2], on[3], on[4], mine, slots.to(device), SOPHGO_VENDOR)
             return run(*on[:3], *on[3:], mine, table.to(device), starts.diff(), seq_lens,
-                       heads, nope, v_dim, scale).cpu().double() / norm
+                       heads, nope, v_dim, scale, stage).cpu().double() / norm
 
-        used, why = first_match((DECODE_STAGE if case == "decode" else PREFILL_STAGE,),
-                                attempt, want / norm, dtype)
-        verdicts[key] = used is not None
+        stages = (DECODE_STAGE, PREFILL_STAGE) if case == "decode" else (PREFILL_STAGE,)
+        used, why = first_match(stages, attempt, want / norm, dtype)
         logger.info("sophgo_vendor paged_latent_attention %s on %s (%s, %d heads, %d+%d/%d, "
-                    "q %d, latent %d, pages of %d): %s (stage %s)", *key,
+                    "q %d, latent %d, pages of %d): %s (stages tried: %s)", *key,
                     "used" if used else "the next provider serves it", why)
-        return verdicts[key]
+        return used
 
     def sophgo_mla_latent_attention(q_c, kv_c_normed, k_pe, cos, sin, w_uq, w_ukv, kv_cache,
                                     block_table, query_start_loc, seq_lens, slot_mapping,
@@ -170,9 +180,10 @@ def make_kernel(op):
                 "context" if bool((lens[live] > q_lens[live]).any()) else "prefill")
         dims = (num_heads, qk_nope_head_dim, k_pe.shape[-1], v_head_dim, w_uq.shape[1],
                 kv_c_normed.shape[-1], kv_cache.shape[1])
-        if not (len(live) and q_c.dtype in SERVED_DTYPES
-                and kv_cache.dtype == w_uq.dtype == w_ukv.dtype == q_c.dtype
-                and works(case, q_c.dtype, q_c.device, *dims)):
+        stage = (len(live) and q_c.dtype in SERVED_DTYPES
+                 and kv_cache.dtype == w_uq.dtype == w_ukv.dtype == q_c.dtype
+                 and works(case, q_c.dtype, q_c.device, *dims))
+        if not stage:
             return fallback_kernel(KERNEL, SOPHGO_VENDOR)(
                 q_c, kv_c_normed, k_pe, cos, sin, w_uq, w_ukv, kv_cache, block_table,
                 query_start_loc, seq_lens, slot_mapping, num_heads, qk_nope_head_dim,
@@ -180,12 +191,12 @@ def make_kernel(op):
         write_latents(kv_c_normed, k_pe, cos, sin, kv_cache, slot_mapping, SOPHGO_VENDOR)
         return run(q_c, kv_c_normed, k_pe, cos, sin, w_uq, w_ukv, kv_cache,
                    block_table[live.to(block_table.device)], q_lens[live], lens[live],
-                   num_heads, qk_nope_head_dim, v_head_dim, scale)
+                   num_heads, qk_nope_head_dim, v_head_dim, scale, stage)
 
     def serves(dtype, device, heads, nope, rope, v_dim, q_lora, lora, bs) -> bool:
         """Whether every case passes its check at a layer's shapes."""
         return dtype in SERVED_DTYPES and all(
-            works(case, dtype, device, heads, nope, rope, v_dim, q_lora, lora, bs)
+            works(case, dtype, device, heads, nope, rope, v_dim, q_lora, lora, bs) is not None
             for case in ("decode", "prefill", "context"))
 
     sophgo_mla_latent_attention.serves = serves

@@ -155,7 +155,9 @@ def paged_latent_attention(OUT, Q, KV, PE, WUQ, WUKV, KVcache, PEcache, cos, sin
     cached + new latents; ``WUKV``'s value rows; ``OUT`` ``[T, H, V]``. Stage 2 with more
     than one new token needs ``KVU`` (the decompressed K/V, ``max new + max cached``
     rows, as test/mla.py sizes it). ``FAKE_SOPHGO_MLA_ROPE=halves`` skips the
-    de-interleaving (a build the probe must refuse)."""
+    de-interleaving (a build the check must refuse); ``FAKE_SOPHGO_MLA_DECODE=no_context``
+    makes stage 3 ignore the cached tokens (a build whose decode stage must not be
+    used)."""
     CALLS["paged_latent_attention"] += 1
     for t in (input_lengths, cache_lengths):
         assert t.device.type == "cpu" and t.dtype == torch.int32 and t.is_contiguous(), \
@@ -186,6 +188,8 @@ def paged_latent_attention(OUT, Q, KV, PE, WUQ, WUKV, KVcache, PEcache, cos, sin
     q_nope = torch.einsum("thp,hpl->thl", q[..., :nope], w[:, :nope])
     k_pe = _deinterleaved_rope(PE.float()[:, None], cos.float(), sin.float())[:, 0]
     bs = paged_cache_block_size
+    if attention_mode == 3 and os.environ.get("FAKE_SOPHGO_MLA_DECODE") == "no_context":
+        cached = [0] * len(cached)  # a build whose decode stage ignores cache_lengths
     start = 0
     for i, (n, c) in enumerate(zip(inputs, cached)):
         pos = torch.arange(c, c + n)
