@@ -74,16 +74,25 @@ def gather_request_pages(kv_cache: torch.Tensor, block_table: torch.Tensor,
     the stale ones after) -> K and V pages ``[n, Hkv, BS, D]`` (contiguous, n the blocks
     read) and a compact table ``[B, num_blocks]`` over them (0 past a request's own)."""
     _, num_kv_heads, block_size, width = kv_cache.shape
+    ids, compact = request_blocks(block_table, lens, block_size, num_blocks)
+    pages, block_step, head_step = half_pages(kv_cache)
+    k_rows = page_rows(ids, num_kv_heads, block_step, head_step).t()  # [n, Hkv]
+    kv = torch.index_select(pages, 0, torch.stack((k_rows, k_rows + 1)).reshape(-1))
+    k, v = kv.view(2, ids.numel(), num_kv_heads, block_size, width // 2).unbind(0)
+    return k, v, compact
+
+
+def request_blocks(block_table: torch.Tensor, lens: torch.Tensor, block_size: int,
+                   num_blocks: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The block ids each request reads (its first ``ceil(len / block_size)`` table
+    columns), request after request ``[n]``, and a compact int32 table ``[B,
+    num_blocks]`` numbering them 0..n-1 (0 past a request's own)."""
     counts = (lens.long() + block_size - 1) // block_size
     cols = torch.arange(num_blocks, device=lens.device)
     valid = cols[None, :] < counts[:, None]
     ids = block_table[:, :num_blocks][valid.to(block_table.device)]
     compact = torch.where(valid, (counts.cumsum(0) - counts)[:, None] + cols[None, :], 0)
-    pages, block_step, head_step = half_pages(kv_cache)
-    k_rows = page_rows(ids, num_kv_heads, block_step, head_step).t()  # [n, Hkv]
-    kv = torch.index_select(pages, 0, torch.stack((k_rows, k_rows + 1)).reshape(-1))
-    k, v = kv.view(2, ids.numel(), num_kv_heads, block_size, width // 2).unbind(0)
-    return k, v, compact.to(torch.int32)
+    return ids, compact.to(torch.int32)
 
 
 def new_token_slots(compact: torch.Tensor, seq_lens: torch.Tensor, q_lens: torch.Tensor,

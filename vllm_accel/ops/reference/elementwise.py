@@ -55,7 +55,7 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     return F.silu(x[..., :d]) * x[..., d:]
 
 
-def _rotate(
+def rotate(
     x: torch.Tensor,
     cos: torch.Tensor,
     sin: torch.Tensor,
@@ -122,7 +122,7 @@ def rotary_embedding(
     positions = positions.flatten()
     num_tokens = positions.shape[0]
     cos, sin = cos_sin_cache.index_select(0, positions).chunk(2, dim=-1)
-    query = _rotate(query, cos, sin, num_tokens, head_size, rotary_dim, is_neox_style)
+    query = rotate(query, cos, sin, num_tokens, head_size, rotary_dim, is_neox_style)
     if key is not None:
-        key = _rotate(key, cos, sin, num_tokens, head_size, rotary_dim, is_neox_style)
+        key = rotate(key, cos, sin, num_tokens, head_size, rotary_dim, is_neox_style)
     return query, key

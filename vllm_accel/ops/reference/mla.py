@@ -27,6 +27,7 @@ tensor (so a card never synchronises to read it).
 import torch
 
 from vllm_accel.ops.reference.cache_write import _quantize
+from vllm_accel.ops.reference.elementwise import rotate
 from vllm_accel.ops.registry import register_kernel
 
 #: an INT8 latent row's bytes after its codes: the float32 scales of c and of k_pe
@@ -94,13 +95,6 @@ def mla_gather(kv_cache: torch.Tensor, block_table: torch.Tensor,
                       for i, s in enumerate(seq_lens)])
 
 
-def rope_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """DeepSeek's RoPE (vLLM's ``is_neox_style=False``): the pairs ``(x[2i], x[2i+1])``
-    rotated by angle ``i`` (``cos``/``sin`` ``[..., R/2]``, broadcast over ``x``'s)."""
-    even, odd = x[..., 0::2], x[..., 1::2]
-    return torch.stack((even * cos - odd * sin, odd * cos + even * sin), dim=-1).flatten(-2)
-
-
 @register_kernel("mla_latent_attention")
 def mla_latent_attention(q_c: torch.Tensor, kv_c_normed: torch.Tensor, k_pe: torch.Tensor,
                          cos: torch.Tensor, sin: torch.Tensor, w_uq: torch.Tensor,
@@ -119,11 +113,12 @@ def mla_latent_attention(q_c: torch.Tensor, kv_c_normed: torch.Tensor, k_pe: tor
     ``[T, H, V]`` in ``q_c``'s dtype; float64 inside."""
     t, heads, nope, lora = q_c.shape[0], num_heads, qk_nope_head_dim, kv_c_normed.shape[-1]
     rope = k_pe.shape[-1]
-    k_rot = rope_interleaved(k_pe.double(), cos.double(), sin.double())
+    # DeepSeek's RoPE: interleaved pairs (vLLM's is_neox_style=False)
+    k_rot = rotate(k_pe.double(), cos.double(), sin.double(), t, rope, rope, False)
     mla_cache_write(kv_c_normed, k_rot.to(kv_cache.dtype), kv_cache, slot_mapping)
     q = (q_c.double() @ w_uq.double().T).view(t, heads, nope + rope)
     q_nope = q[..., :nope]
-    q_pe = rope_interleaved(q[..., nope:], cos.double()[:, None], sin.double()[:, None])
+    q_pe = rotate(q[..., nope:], cos.double(), sin.double(), t, rope, rope, False)
     w = w_ukv.double().view(heads, nope + v_head_dim, lora)
     rows = latent_rows(kv_cache)
     out = q.new_zeros(t, heads, v_head_dim)

@@ -39,8 +39,8 @@ import functools
 import torch
 
 from vllm_accel.logger import init_logger
-from vllm_accel.ops.paged_layout import new_token_slots
-from vllm_accel.ops.reference.mla import rope_interleaved
+from vllm_accel.ops.paged_layout import new_token_slots, request_blocks
+from vllm_accel.ops.reference.elementwise import rotate
 from vllm_accel.ops.registry import fallback_kernel, get_kernel
 from vllm_accel.ops.vendor.oracle_probe import first_match
 from vllm_accel.ops.vendor.sophgo_attention import DECODE_STAGE, PREFILL_STAGE, SOPHGO_VENDOR
@@ -66,20 +66,17 @@ def latent_pages(kv_cache: torch.Tensor, block_table: torch.Tensor, seq_lens: to
     """The blocks each request reads (its first ``ceil(len / BS)`` table columns) ->
     their pages ``[n, BS, L + R]`` and a compact int32 table ``[B, num_blocks]`` over them
     (0 past a request's own)."""
-    block_size = kv_cache.shape[1]
-    counts = (seq_lens.long() + block_size - 1) // block_size
-    cols = torch.arange(num_blocks)
-    valid = cols[None, :] < counts[:, None]
-    ids = block_table[:, :num_blocks][valid.to(block_table.device)]
-    compact = torch.where(valid, (counts.cumsum(0) - counts)[:, None] + cols[None, :], 0)
-    return kv_cache.index_select(0, ids.long()), compact.to(torch.int32)
+    ids, compact = request_blocks(block_table, seq_lens, kv_cache.shape[1], num_blocks)
+    return kv_cache.index_select(0, ids.long()), compact
 
 
 def write_latents(kv_c_normed, k_pe, cos, sin, kv_cache, slot_mapping, provider) -> None:
     """The new tokens' latents and rotated ``k_pe`` into vLLM's cache (the provider
     after ``provider`` writes them)."""
-    k_rot = rope_interleaved(k_pe.float(), cos.float(), sin.float()).to(kv_cache.dtype)
-    fallback_kernel("mla_cache_write", provider)(kv_c_normed, k_rot, kv_cache, slot_mapping)
+    n, rope = k_pe.shape
+    k_rot = rotate(k_pe.float(), cos.float(), sin.float(), n, rope, rope, False)
+    fallback_kernel("mla_cache_write", provider)(kv_c_normed, k_rot.to(kv_cache.dtype),
+                                                 kv_cache, slot_mapping)
 
 
 @functools.cache
