@@ -23,10 +23,9 @@ TESTS = Path(__file__).parent
 # vLLM while the others start). Tokens do not depend on it; the server tests,
 # tensor parallel (worker processes) and tests that pass "1" keep vLLM's default
 # multiprocess engine.
-# Multiprocess engines keep vLLM's reserved EngineCore core (`make test` runs two
-# engines at once on 2 cores, where a worker's second thread would wait on cores
-# the other test holds); test_cpu_native_bf16_linear's compiled engine runs the
-# default, shared core.
+# Multiprocess engines keep vLLM's reserved EngineCore core where they have two
+# (under `make test` each engine has its xdist worker's core, `on_worker_core`);
+# test_cpu_native_bf16_linear's compiled engine runs the default, shared core.
 ENGINE_ENV = {"ACCEL_SIM_DEVICE_MEMORY_GB": "1", "VLLM_LOGGING_LEVEL": "INFO",
               "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "ACCEL_SIM_SHARE_SCHEDULER_CORE": "off"}
 #: the default model in float32 on the simulator (every test engine of it is float32):
@@ -75,11 +74,13 @@ def free_port() -> int:
 
 def spawn_server(args: list[str], log_path: Path, env: dict | None = None) -> subprocess.Popen:
     """``vllm serve ARGS`` (the real console script, vLLM's multiprocess engine) in
-    its own process group, so a test can kill it whole like a dead host."""
+    its own process group, so a test can kill it whole like a dead host; under
+    ``make test`` on this xdist worker's core (``on_worker_core``)."""
     return subprocess.Popen([VLLM, "serve", *args], stdout=open(log_path, "w"),
                             stderr=subprocess.STDOUT, start_new_session=True,
                             env={**os.environ, **ENGINE_ENV,
-                                 "VLLM_ENABLE_V1_MULTIPROCESSING": "1", **(env or {})})
+                                 "VLLM_ENABLE_V1_MULTIPROCESSING": "1", **(env or {})},
+                            preexec_fn=on_worker_core())
 
 
 def start_server(args: list[str], log_path: Path, env: dict | None = None,
@@ -212,17 +213,26 @@ def _xdist_worker_core() -> int | None:
     return cores[int(worker[2:]) % len(cores)]
 
 
+def on_worker_core():
+    """A ``preexec_fn`` putting a child process (and its children) on this xdist
+    worker's core, or None outside xdist. vLLM binds a lone CPU worker to the first
+    core it may use: a server or multiprocess engine of the worker on core 1 ran its
+    model on core 0, beside the engines of the worker there (the node-0 timeout test,
+    39 s alone, took 106-180 s in the suite; AMD EPYC Zen 4)."""
+    core = _xdist_worker_core()
+    return None if core is None else functools.partial(os.sched_setaffinity, 0, {core})
+
+
 def _engine_core(spec: dict, env: dict) -> int | None:
-    """The core a single-process engine runs on under xdist: the simulator's worker
+    """The core an engine of one rank runs on under xdist: the simulator's worker
     runs a thread on every core it may use, so two xdist workers' engines ran four
     OpenMP threads on two cores, each barrier waiting for a descheduled thread (a
-    default-model engine test took 4-6x its time alone). Engines with more ranks,
-    their own EngineCore process or a check of their cores keep the whole machine."""
+    default-model engine test took 4-6x its time alone). Engines with more ranks
+    or a check of their cores keep the whole machine."""
     llm = spec.get("llm", {})
     single = all(llm.get(f"{kind}_parallel_size", 1) == 1
                  for kind in ("tensor", "pipeline", "data"))
-    if (not single or spec.get("worker_threads") or env.get("VLLM_ENABLE_V1_MULTIPROCESSING") != "0"
-            or "VLLM_CPU_OMP_THREADS_BIND" in env):
+    if not single or spec.get("worker_threads") or "VLLM_CPU_OMP_THREADS_BIND" in env:
         return None
     return _xdist_worker_core()
 

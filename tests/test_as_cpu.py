@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import _xdist_worker_core, cpu_has
+from conftest import cpu_has, on_worker_core
 
 ROOT = Path(__file__).resolve().parent.parent
 WRAPPER = [sys.executable, str(ROOT / "benchmarks" / "as_cpu.py")]
@@ -55,11 +55,8 @@ pytestmark = pytest.mark.skipif(
 
 
 def _run(mode: str, cmd: list[str], timeout: float) -> subprocess.CompletedProcess:
-    core = _xdist_worker_core()  # (under make test: this worker's core, not both)
     return subprocess.run(WRAPPER + [mode] + cmd, cwd=ROOT, capture_output=True, text=True,
-                          timeout=timeout,
-                          preexec_fn=None if core is None else
-                          lambda: os.sched_setaffinity(0, {core}))
+                          timeout=timeout, preexec_fn=on_worker_core())
 
 
 def _script(mode: str, script: str) -> None:

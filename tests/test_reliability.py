@@ -18,7 +18,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from conftest import ENGINE_ENV, TESTS, build_tiny_model, run_engine
+from conftest import ENGINE_ENV, TESTS, build_tiny_model, on_worker_core, run_engine
 
 
 @pytest.fixture(scope="module")
@@ -68,7 +68,8 @@ def _start_generation(tiny, tmp_path, env=None, **llm) -> tuple[subprocess.Popen
     log = tmp_path / "run.log"
     proc = subprocess.Popen([sys.executable, str(TESTS / "engine_run.py"), str(spec)],
                             stdout=log.open("w"), stderr=subprocess.STDOUT,
-                            env={**os.environ, **ENGINE_ENV, **(env or {})})
+                            env={**os.environ, **ENGINE_ENV, **(env or {})},
+                            preexec_fn=on_worker_core())
     return proc, log
 
 
@@ -165,7 +166,8 @@ def test_prompt_logprobs_scoring_script_exits_cleanly_every_time(tiny, tmp_path)
     script.write_text(SCORING_SCRIPT)
     env = {**os.environ, **ENGINE_ENV, "VLLM_ENABLE_V1_MULTIPROCESSING": "1"}
     proc = subprocess.run([sys.executable, str(script), str(tmp_path / "awq")],
-                          capture_output=True, text=True, timeout=600, env=env)
+                          capture_output=True, text=True, timeout=600, env=env,
+                          preexec_fn=on_worker_core())
     output = proc.stdout + proc.stderr
     assert proc.returncode == 0 and "terminate called" not in output, output[-3000:]
     assert "SCORED 436 alive: []" in proc.stdout, proc.stdout[-3000:]

@@ -21,11 +21,13 @@ DEVICE = os.environ.get("ACCEL_TEST_DEVICE", "cpu")
 if DEVICE != "cpu" or os.environ.get("TRITON_INTERPRET") == "1":
     from triton_kernel_cases import *  # noqa: F401,F403  (pytest collects the cases)
 else:
+    from conftest import on_worker_core
+
     def test_triton_kernels_in_the_interpreter():
         proc = subprocess.run(
             [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__],
             cwd=Path(__file__).parents[1], capture_output=True, text=True, timeout=900,
-            env={**os.environ, "TRITON_INTERPRET": "1"})
+            env={**os.environ, "TRITON_INTERPRET": "1"}, preexec_fn=on_worker_core())
         summary = proc.stdout.strip().splitlines()[-1] if proc.stdout.strip() else ""
         assert proc.returncode == 0 and " passed" in summary, proc.stdout[-8000:] + proc.stderr[-2000:]
         print(summary)
