@@ -124,6 +124,9 @@ def _cli(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([VLLM, *args], capture_output=True, text=True, timeout=300)
 
 
+# The CLI clients against the simulator's server only: what they exercise is client
+# side, and the virtual card's server answers chat and completions in the tests above.
+@pytest.mark.parametrize("server", ["sim"], indirect=True)
 def test_vllm_chat_and_complete_cli(server):
     url = server["base"] + "/v1"
     chat = _cli("chat", "--url", url, "--quick", "What is the capital of France?")
@@ -136,6 +139,7 @@ def test_vllm_chat_and_complete_cli(server):
     assert complete.stdout.strip()
 
 
+@pytest.mark.parametrize("server", ["sim"], indirect=True)
 def test_vllm_bench_serve(server):
     bench = _cli("bench", "serve", "--base-url", server["base"], "--model", server["model"],
                  "--dataset-name", "random", "--num-prompts", "4", "--random-input-len", "16",
