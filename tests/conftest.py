@@ -223,8 +223,9 @@ def on_worker_core():
     return None if core is None else functools.partial(os.sched_setaffinity, 0, {core})
 
 
-def _engine_core(spec: dict, env: dict) -> int | None:
-    """The core an engine of one rank runs on under xdist: the simulator's worker
+def _engine_pin(spec: dict, env: dict):
+    """Where an engine of one rank runs under xdist (``on_worker_core``'s
+    ``preexec_fn``, or None for the whole machine): the simulator's worker
     runs a thread on every core it may use, so two xdist workers' engines ran four
     OpenMP threads on two cores, each barrier waiting for a descheduled thread (a
     default-model engine test took 4-6x its time alone). Engines with more ranks
@@ -234,22 +235,19 @@ def _engine_core(spec: dict, env: dict) -> int | None:
                  for kind in ("tensor", "pipeline", "data"))
     if not single or spec.get("worker_threads") or "VLLM_CPU_OMP_THREADS_BIND" in env:
         return None
-    return _xdist_worker_core()
+    return on_worker_core()
 
 
 def _engine_process(spec_file_content: dict, core_spec: dict, tmp_path: Path,
                     env: dict | None, timeout: int, **streams) -> subprocess.CompletedProcess:
     """tests/engine_run.py on ``spec_file_content`` in the engine environment, pinned to
-    the core ``core_spec``'s engine gets (``_engine_core``)."""
+    the core ``core_spec``'s engine gets (``_engine_pin``)."""
     spec_file = tmp_path / f"spec-{os.getpid()}-{len(list(tmp_path.iterdir()))}.json"
     spec_file.write_text(json.dumps(spec_file_content))
     run_env = {**os.environ, **ENGINE_ENV, **(env or {})}
-    core = _engine_core(core_spec, run_env)
     return subprocess.run(
         [sys.executable, str(TESTS / "engine_run.py"), str(spec_file)], text=True,
-        timeout=timeout, env=run_env,
-        preexec_fn=None if core is None else lambda: os.sched_setaffinity(0, {core}),
-        **streams)
+        timeout=timeout, env=run_env, preexec_fn=_engine_pin(core_spec, run_env), **streams)
 
 
 def run_engine(spec: dict, tmp_path: Path, env: dict | None = None, timeout: int = 600):
@@ -447,7 +445,7 @@ KERNEL_SUITE_FILES = {"test_native_kernels.py", "test_attention_kernels.py",
 @pytest.hookimpl(tryfirst=True)
 def pytest_runtest_setup(item):
     """Under `make test` (an xdist worker per core) a test computes on one thread, as
-    the engines do (``_engine_core``): with torch's default of a thread per core, the
+    the engines do (``_engine_pin``): with torch's default of a thread per core, the
     test's own OpenMP threads (HF oracles, quantizing checkpoints) spun on the core
     where the other worker's engine ran, slowing both (test_quant_w8a8 beside
     test_moe_quant, every test on one thread: 151 s -> 126 s, 24% less CPU time, AMD

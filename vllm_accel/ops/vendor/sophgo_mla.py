@@ -177,10 +177,10 @@ def make_kernel(op):
                 "context" if bool((lens[live] > q_lens[live]).any()) else "prefill")
         dims = (num_heads, qk_nope_head_dim, k_pe.shape[-1], v_head_dim, w_uq.shape[1],
                 kv_c_normed.shape[-1], kv_cache.shape[1])
-        stage = (len(live) and q_c.dtype in SERVED_DTYPES
-                 and kv_cache.dtype == w_uq.dtype == w_ukv.dtype == q_c.dtype
-                 and works(case, q_c.dtype, q_c.device, *dims))
-        if not stage:
+        eligible = (len(live) > 0 and q_c.dtype in SERVED_DTYPES
+                    and kv_cache.dtype == w_uq.dtype == w_ukv.dtype == q_c.dtype)
+        stage = works(case, q_c.dtype, q_c.device, *dims) if eligible else None
+        if stage is None:
             return fallback_kernel(KERNEL, SOPHGO_VENDOR)(
                 q_c, kv_c_normed, k_pe, cos, sin, w_uq, w_ukv, kv_cache, block_table,
                 query_start_loc, seq_lens, slot_mapping, num_heads, qk_nope_head_dim,
