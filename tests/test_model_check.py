@@ -50,7 +50,11 @@ CASES = {
     "whisper": ("WhisperConfig", "WhisperForConditionalGeneration", {}, False,
                 ["encoder-decoder"]),
     "fp8-llama": ("LlamaConfig", "LlamaForCausalLM",
-                  dict(quantization_config={"quant_method": "fp8"}), False, ["fp8 weights"]),
+                  dict(quantization_config={"quant_method": "fp8"}), True,
+                  ["fp8 weights", "dequantized at load"]),
+    "mxfp4-llama": ("LlamaConfig", "LlamaForCausalLM",
+                    dict(quantization_config={"quant_method": "mxfp4"}), False,
+                    ["mxfp4 weights", "not served"]),
     "gptq-mixtral": ("MixtralConfig", "MixtralForCausalLM",
                      dict(quantization_config={"quant_method": "gptq", "bits": 4}), True,
                      ["gptq MoE experts", "gptq weights"]),
@@ -58,8 +62,11 @@ CASES = {
                     dict(quantization_config={"quant_method": "awq", "bits": 4}), True,
                     ["awq MoE experts", "AWQ experts"]),
     "fp8-mixtral": ("MixtralConfig", "MixtralForCausalLM",
-                    dict(quantization_config={"quant_method": "fp8"}), False,
-                    ["fp8 MoE experts", "not served: GPTQ, AWQ"]),
+                    dict(quantization_config={"quant_method": "fp8"}), True,
+                    ["fp8 MoE experts", "FP8 experts"]),
+    "mxfp4-mixtral": ("MixtralConfig", "MixtralForCausalLM",
+                      dict(quantization_config={"quant_method": "mxfp4"}), False,
+                      ["mxfp4 MoE experts", "not served: GPTQ, AWQ"]),
 }
 
 

@@ -134,8 +134,19 @@ def _scheme(weights=None, acts=None, fmt="pack-quantized"):
 
 BAD = {
     "3-bit": (_scheme({"num_bits": 3}), "3-bit weights.*Fix:.*num_bits 4"),
-    "fp8": (_scheme({"num_bits": 8, "type": "float"}, fmt="float-quantized"),
-            "float-quantized.*not supported.*Fix:"),
+    "nvfp4": (_scheme({"num_bits": 4, "type": "float", "strategy": "tensor_group",
+                       "group_size": 16}, fmt="nvfp4-pack-quantized"),
+              "float weights other than static symmetric 8-bit.*Fix:"),
+    "fp8-packed": (_scheme({"num_bits": 8, "type": "float", "strategy": "channel"}),
+                   "fp8 weights in format 'pack-quantized'.*Fix:"),
+    "fp8-int8-acts": (_scheme({"num_bits": 8, "type": "float", "strategy": "channel"},
+                              acts={"num_bits": 8, "type": "int", "strategy": "token",
+                                    "dynamic": True, "symmetric": True},
+                              fmt="float-quantized"),
+                      "fp8 weights with int8 input activations.*Fix:"),
+    "fp8-group": (_scheme({"num_bits": 8, "type": "float", "strategy": "group",
+                           "group_size": 128}, fmt="float-quantized"),
+                  "fp8 weight strategy 'group'.*Fix:"),
     "actorder-group": (_scheme({"actorder": "group"}), "actorder='group'.*Fix:.*static"),
     "block": (_scheme({"strategy": "block", "block_structure": [128, 128]}),
               "strategy 'block'.*Fix:"),
@@ -154,6 +165,27 @@ def test_unsupported_schemes_fail_with_layer_and_fix(tp1, case):
     with pytest.raises(ValueError, match=f"'model.layers.2.mlp.down_proj'.*{BAD[case][1]}"):
         L.RowParallelLinear(256, 128, bias=False, quant_config=cfg,
                             prefix="model.layers.2.mlp.down_proj", params_dtype=torch.float32)
+
+
+@pytest.mark.parametrize("preset,layout", [
+    ("FP8_DYNAMIC", ("channel", None, False)), ("FP8", ("tensor", None, True)),
+    ("FP8_BLOCK", ("block", (128, 128), False))])
+def test_fp8_presets_go_to_the_fp8_methods(preset, layout):
+    """llmcompressor's FP8 presets (the config its ModelCompressor writes) are served by
+    vllm_accel.quant.fp8 (tests/test_quant_fp8.py holds those methods to HF): dense
+    layers and experts, with the scale layout of the preset."""
+    from compressed_tensors.quantization import QuantizationConfig, preset_name_to_scheme
+    from vllm_accel.quant import fp8
+
+    qc = QuantizationConfig(config_groups={"group_0": preset_name_to_scheme(preset, ["Linear"])},
+                            format="float-quantized", quantization_status="compressed",
+                            ignore=["lm_head"]).model_dump(exclude_none=True)
+    cfg = CT.AccelCompressedTensorsConfig.from_config(qc)
+    method = cfg._linear_method(cfg.schemes[0], "model.layers.0.mlp.down_proj")
+    assert type(method) is fp8.AccelFp8LinearMethod
+    got = method.layout
+    assert (got.strategy, got.block, got.static_input) == layout
+    assert got.scale_name == "weight_scale" and got.quant_name == "gcu_compressed_tensors"
 
 
 def test_w8a8_dispatch_to_int8_helper():

@@ -15,6 +15,9 @@ Importing this package registers the quantization configs with vLLM (the
   handed to :mod:`vllm_accel.quant.w8a8`.
 * ``w8a16`` (:mod:`vllm_accel.quant.w8a16`): online per-channel int8 weights
   made at load from a float checkpoint (``--quantization w8a16``).
+* ``gcu_fp8`` (:mod:`vllm_accel.quant.fp8`): serialized FP8 checkpoints (block or
+  per-tensor scales), dequantized at load to the model dtype where vLLM's AMX fp8
+  kernels do not run; claims ``quant_method: fp8``.
 
 Formats and schemes: each weight-only format above is a config plus a converter
 from its checkpoint tensors to one resident layout (:mod:`vllm_accel.quant.packed`),
@@ -42,7 +45,9 @@ from vllm_accel.quant import w8a16  # noqa: F401,E402  (registers w8a16 at impor
 from vllm_accel.quant.w8a8 import AccelW8A8LinearMethod  # noqa: E402
 from vllm_accel.ops.cpu_native import int8_linear  # noqa: F401,E402  (cpu_native's W8A8 GEMM)
 from vllm_accel.quant.w8a16 import AccelW8A16Config, AccelW8A16LinearMethod  # noqa: E402
+from vllm_accel.quant.fp8 import AccelFp8Config, AccelFp8LinearMethod  # noqa: E402
 
 __all__ = ["AccelGPTQConfig", "AccelGPTQLinearMethod", "AccelAWQConfig",
            "AccelAWQLinearMethod", "AccelCompressedTensorsConfig", "AccelCTWNA16LinearMethod",
-           "AccelW8A8LinearMethod", "AccelW8A16Config", "AccelW8A16LinearMethod"]
+           "AccelW8A8LinearMethod", "AccelW8A16Config", "AccelW8A16LinearMethod",
+           "AccelFp8Config", "AccelFp8LinearMethod"]

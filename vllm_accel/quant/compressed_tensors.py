@@ -12,9 +12,13 @@ or ``re:<regex>`` layer names, and ``weights``/``input_activations`` args) minus
 * ``int-quantized`` with 8-bit integer weights (channel/tensor) and 8-bit
   integer input activations (dynamic per-token or static per-tensor):
   ``vllm_accel.quant.w8a8.AccelW8A8LinearMethod``.
-* anything else (fp8, nvfp4/mxfp4, 2:4 sparsity, W4A8, group act-order,
-  block strategy, transforms, KV-cache schemes, ...): a startup error naming the
-  layer and the fix.
+* ``float-quantized`` FP8 weights (strategy ``tensor``, ``channel`` or ``block``;
+  llmcompressor's FP8 / FP8_DYNAMIC / FP8_BLOCK presets), with or without fp8 input
+  activations: dequantized at load by :mod:`vllm_accel.quant.fp8` (activations stay
+  in the model dtype, as in vLLM's CPU fp8 kernels).
+* anything else (nvfp4/mxfp4, 2:4 sparsity, W4A8, group act-order, int block
+  strategy, transforms, KV-cache schemes, ...): a startup error naming the layer
+  and the fix.
 
 ``pack-quantized`` on disk, per Linear (``pf = 32 // bits``, ``G`` groups):
 
@@ -53,6 +57,7 @@ from vllm.model_executor.parameter import (
 
 from vllm_accel.logger import init_logger
 from vllm_accel.quant.base import AccelQuantConfig, is_moe
+from vllm_accel.quant.fp8 import AccelFp8LinearMethod, AccelFp8MoEMethod, Fp8Layout
 from vllm_accel.quant.moe import QuantMoEMethod
 from vllm_accel.quant.packed import WIntResident, resident_from_codes, unpack_int32
 from vllm_accel.quant.w8a8 import AccelW8A8LinearMethod, AccelW8A8MoEMethod
@@ -102,9 +107,43 @@ class WNA16Params:
 
 def _unsupported_fix(scheme: CTScheme) -> str:
     return ("re-export the model with llmcompressor using a supported scheme: W4A16 / "
-            "W8A16 (pack-quantized, group or channel, sym or asym) or W8A8 int8 "
+            "W8A16 (pack-quantized, group or channel, sym or asym), W8A8 int8 "
             "(int-quantized, channel/tensor weights, dynamic per-token or static "
-            "per-tensor activations), or list this layer in `ignore`")
+            "per-tensor activations) or FP8 (float-quantized, tensor/channel/block "
+            "weights), or list this layer in `ignore`")
+
+
+FP8_FORMATS = ("float-quantized", "naive-quantized")
+
+
+def fp8_layout(scheme: CTScheme, prefix: str) -> Fp8Layout:
+    """Validate an FP8-weight scheme for one layer (errors name the layer)."""
+    fail = AccelCompressedTensorsConfig.fail
+    w, a = scheme.weights or {}, scheme.input_activations
+    strategy = str(w.get("strategy", ""))
+    if int(w.get("num_bits", 0)) != 8 or not w.get("symmetric", True) or w.get("dynamic"):
+        raise fail(prefix, f"float weights other than static symmetric 8-bit "
+                   f"({scheme.describe()}) are not supported", _unsupported_fix(scheme))
+    if scheme.format not in FP8_FORMATS:
+        raise fail(prefix, f"fp8 weights in format {scheme.format!r} ({scheme.describe()}) "
+                   f"are not supported (supported: {', '.join(FP8_FORMATS)})",
+                   _unsupported_fix(scheme))
+    if a is not None and (a.get("type") != "float" or int(a.get("num_bits", 0)) != 8):
+        raise fail(prefix, f"fp8 weights with {a.get('type')}{a.get('num_bits')} input "
+                   f"activations ({scheme.describe()}) are not supported",
+                   _unsupported_fix(scheme))
+    static = a is not None and not a.get("dynamic")
+    if strategy == "block":
+        block = w.get("block_structure") or []
+        if len(block) != 2 or min(block) <= 0:
+            raise fail(prefix, f"block strategy with block_structure {block!r}",
+                       "re-export with block_structure [bn, bk], e.g. [128, 128]")
+        return Fp8Layout("block", "weight_scale", (int(block[0]), int(block[1])),
+                         static_input=static, quant_name=QUANT_NAME)
+    if strategy not in ("tensor", "channel"):
+        raise fail(prefix, f"fp8 weight strategy {strategy!r} ({scheme.describe()}) is not "
+                   "supported", "re-export with strategy 'channel', 'tensor' or 'block'")
+    return Fp8Layout(strategy, "weight_scale", static_input=static, quant_name=QUANT_NAME)
 
 
 def wna16_params(scheme: CTScheme, prefix: str) -> WNA16Params:
@@ -272,9 +311,11 @@ class AccelCompressedTensorsConfig(AccelQuantConfig):
         if (isinstance(method, AccelW8A8LinearMethod) and w.get("strategy") == "channel"
                 and method.input_dynamic):
             return AccelW8A8MoEMethod(layer.moe_config, prefix)
+        if isinstance(method, AccelFp8LinearMethod):
+            return AccelFp8MoEMethod(layer.moe_config, method.layout, prefix)
         raise self.fail(prefix, f"MoE experts quantized as {scheme.describe()} are not "
-                        "supported (served: W4A16/W8A16 pack-quantized and W8A8 int8 with "
-                        "per-channel weights and dynamic per-token activations)",
+                        "supported (served: W4A16/W8A16 pack-quantized, W8A8 int8 with "
+                        "per-channel weights and dynamic per-token activations, and FP8)",
                         "re-export the experts with llmcompressor's W4A16 or W8A8 preset, "
                         "or add them to `ignore`")
 
@@ -286,6 +327,8 @@ class AccelCompressedTensorsConfig(AccelQuantConfig):
         if w is None:
             raise self.fail(prefix, f"{scheme.describe()} quantizes activations only",
                             _unsupported_fix(scheme))
+        if w.get("type") == "float":
+            return AccelFp8LinearMethod(fp8_layout(scheme, prefix), prefix)
         if a is None:
             if scheme.format not in WEIGHT_ONLY_FORMATS:
                 raise self.fail(prefix, f"weight-only format {scheme.format!r} "

@@ -17,12 +17,16 @@ from pathlib import Path
 #: quantization formats whose dense linears the plugin serves (config ``quant_method``)
 QUANT_DENSE = {"gptq": "gcu_gptq (4/8-bit, groups, act-order)",
                "awq": "gcu_awq (4-bit GEMM layout)",
-               "compressed-tensors": "compressed-tensors W4A16 / W8A16 / W8A8 int8"}
+               "compressed-tensors": "compressed-tensors W4A16 / W8A16 / W8A8 int8",
+               "fp8": "gcu_fp8 (e4m3, block or per-tensor scales): dequantized at load to "
+                      "the model dtype (vLLM's own fp8 kernels where the CPU has AMX)"}
 #: ... and whose MoE experts
 QUANT_MOE = {"gptq": "GPTQ experts (quant/moe.py)",
              "awq": "AWQ experts (4-bit GEMM layout)",
              "compressed-tensors": "W4A16 / W8A16 experts, and W8A8 int8 ones with dynamic "
-                                   "per-token activations"}
+                                   "per-token activations",
+             "fp8": "FP8 experts (block or per-tensor scales), dequantized at load into "
+                    "the unquantized experts' method"}
 #: model types whose attention adds ALiBi (vLLM passes slopes to the backend)
 ALIBI_TYPES = {"bloom", "mpt", "baichuan", "jais", "falcon"}
 #: model types with learned attention sinks
@@ -104,8 +108,9 @@ def _moe(text: dict, quant: dict | None) -> list[Finding]:
                                  "layer)"))
         else:
             found.append(Finding(f"{method} MoE experts", False,
-                                 "not served: GPTQ, AWQ and compressed-tensors int experts "
-                                 "are; use such an export or the unquantized checkpoint"))
+                                 "not served: GPTQ, AWQ, compressed-tensors int and fp8 "
+                                 "experts are; use such an export or the unquantized "
+                                 "checkpoint"))
     return found
 
 
@@ -116,8 +121,8 @@ def _quantization(quant: dict | None) -> list[Finding]:
     if method in QUANT_DENSE:
         return [Finding(f"{method} weights", True, QUANT_DENSE[method])]
     return [Finding(f"{method} weights", False,
-                    "not served: GPTQ, AWQ and compressed-tensors int formats are "
-                    "(fp8/nvfp4/mxfp4 are not); use such an export or the bf16 checkpoint")]
+                    "not served: GPTQ, AWQ, compressed-tensors int and fp8 formats are "
+                    "(nvfp4/mxfp4 are not); use such an export or the bf16 checkpoint")]
 
 
 def _architecture(config: dict) -> list[Finding]:
