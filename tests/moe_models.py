@@ -25,6 +25,16 @@ FAMILIES = {
     "qwen3_moe": ("Qwen3MoeConfig", dict(intermediate_size=96, moe_intermediate_size=48,
                                          num_experts=16, num_experts_per_tok=4,
                                          norm_topk_prob=True, use_sliding_window=False)),
+    # top-2 of 8 (softmax of the chosen logits), experts with biases and gate/up
+    # interleaved through the clamped swigluoai; attention sinks, a 16-token window on
+    # alternate layers, biased q/k/v/o, YaRN rope (factor 32 over 32 positions)
+    "gpt_oss": ("GptOssConfig", dict(intermediate_size=64, num_local_experts=8,
+                                     num_experts_per_tok=2, sliding_window=16,
+                                     rope_parameters={
+                                         "rope_type": "yarn", "factor": 32.0,
+                                         "beta_fast": 32.0, "beta_slow": 1.0,
+                                         "truncate": False, "rope_theta": 150000.0,
+                                         "original_max_position_embeddings": 32})),
 }
 
 
@@ -34,6 +44,8 @@ DESCRIPTIONS = {
     "qwen2_moe": "MoE: top-2 of 8 not renormalised, a sigmoid-gated shared expert, a dense "
                  "layer",
     "qwen3_moe": "MoE: top-4 of 16, q/k norms; bf16; expert parallel at TP=2",
+    "gpt_oss": "MoE: top-2 of 8, biased experts with clamped swigluoai (gate/up "
+               "interleaved); attention sinks, a window on alternate layers, YaRN rope",
 }
 
 
@@ -55,8 +67,11 @@ def build_tiny_moe(path: Path, family: str, *, hidden: int = 128, layers: int = 
     with torch.no_grad():
         for name, p in model.named_parameters():
             if p.dim() > 1:
-                std = 0.4 if name == "lm_head.weight" else 0.3 if "gate.weight" in name else 0.08
+                router = "gate.weight" in name or "router.weight" in name
+                std = 0.4 if name == "lm_head.weight" else 0.3 if router else 0.08
                 p.normal_(0, std)
+            elif family == "gpt_oss" and ("bias" in name or "sinks" in name):
+                p.normal_(0, 1.0 if "sinks" in name else 0.05)  # HF's init: zeros
     model.save_pretrained(path, safe_serialization=True)
     return path
 

@@ -1,7 +1,8 @@
 """Mixture-of-experts models through the whole plugin (ops/moe.py) vs HF transformers:
-tiny random-weight Mixtral, Qwen2-MoE (a gated shared expert and a dense layer) and
-Qwen3-MoE checkpoints, on the simulator and on the virtual GCU (the card path), eager
-and compiled; expert parallel at TP=2; an INT8 KV cache with MoE."""
+tiny random-weight Mixtral, Qwen2-MoE (a gated shared expert and a dense layer),
+Qwen3-MoE and gpt-oss (swigluoai experts with biases, attention sinks) checkpoints, on
+the simulator and on the virtual GCU (the card path), eager and compiled; expert
+parallel at TP=2; an INT8 KV cache with MoE."""
 
 import random
 import re
@@ -25,6 +26,8 @@ CASES = {
     # (vLLM's default mode: the card path runs it eagerly, saying so)
     "qwen3_moe-virtual-default": ("qwen3_moe", VIRTUAL, True, "float32"),
     "mixtral-sim-triton": ("mixtral", TRITON, False, "float32"),
+    "gpt_oss-sim-compiled": ("gpt_oss", SIM, True, "float32"),
+    "gpt_oss-virtual-eager": ("gpt_oss", VIRTUAL, False, "float32"),
 }
 
 
@@ -32,7 +35,7 @@ CASES = {
 def models(tmp_path_factory):
     root = tmp_path_factory.mktemp("moe")
     return {family: build_tiny_moe(root / family, family, seed=i)
-            for i, family in enumerate(("mixtral", "qwen2_moe", "qwen3_moe"))}
+            for i, family in enumerate(("mixtral", "qwen2_moe", "qwen3_moe", "gpt_oss"))}
 
 
 def _prompts(seed, lengths=(3, 17, 40, 70, 5, 33)):

@@ -43,7 +43,7 @@ def _max_error(dtype: torch.dtype, k: int) -> float:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16],
                          ids=lambda d: str(d).split(".")[-1])
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
-@pytest.mark.parametrize("activation", ["silu", "gelu", "gelu_tanh"])
+@pytest.mark.parametrize("activation", ["silu", "gelu", "gelu_tanh", "swigluoai"])
 def test_experts_match_the_float64_oracle(provider, dtype, shape, activation):
     m, e, h, i, k = shape
     gen = torch.Generator().manual_seed(m * 131 + e + h + i)
@@ -58,6 +58,19 @@ def test_experts_match_the_float64_oracle(provider, dtype, shape, activation):
         scale = want.double().abs().amax(dim=1, keepdim=True)
         err = (got.double() - want.double()).abs()
         assert bool((err <= _max_error(dtype, k) * scale).all()), float((err / scale).max())
+
+
+def test_swigluoai_is_vllms():
+    """The oracle's swigluoai is vLLM's ``SwigluOAIAndMul`` (gpt-oss: gate and up
+    interleaved, both clamped at 7), across the clamps."""
+    from vllm.config import VllmConfig, set_current_vllm_config
+    from vllm.model_executor.layers.activation import SwigluOAIAndMul
+
+    h = torch.linspace(-12, 12, 2 * 97, dtype=torch.float64).reshape(1, -1)
+    h = torch.cat([h, h.flip(-1), torch.randn(5, 194, dtype=torch.float64) * 4])
+    with set_current_vllm_config(VllmConfig()):
+        want = SwigluOAIAndMul().forward_native(h)
+    assert torch.equal(reference_moe.gated_activation(h, "swigluoai"), want)
 
 
 @pytest.mark.parametrize("provider", EXPERT_PROVIDERS)

@@ -172,7 +172,7 @@ def test_unsupported_schemes_fail_with_layer_and_fix(tp1, case):
     ("FP8_BLOCK", ("block", (128, 128), False))])
 def test_fp8_presets_go_to_the_fp8_methods(preset, layout):
     """llmcompressor's FP8 presets (the config its ModelCompressor writes) are served by
-    vllm_accel.quant.fp8 (tests/test_quant_fp8.py holds those methods to HF): dense
+    vllm_accel.quant.fp8 (tests/test_quant_fp8_mxfp4.py holds those methods to HF): dense
     layers and experts, with the scale layout of the preset."""
     from compressed_tensors.quantization import QuantizationConfig, preset_name_to_scheme
     from vllm_accel.quant import fp8

@@ -18,6 +18,8 @@ Importing this package registers the quantization configs with vLLM (the
 * ``gcu_fp8`` (:mod:`vllm_accel.quant.fp8`): serialized FP8 checkpoints (block or
   per-tensor scales), dequantized at load to the model dtype where vLLM's AMX fp8
   kernels do not run; claims ``quant_method: fp8``.
+* ``gcu_mxfp4`` (:mod:`vllm_accel.quant.mxfp4`): gpt-oss MXFP4 experts, dequantized at
+  load where vLLM's AMX MXFP4 experts do not run.
 
 Formats and schemes: each weight-only format above is a config plus a converter
 from its checkpoint tensors to one resident layout (:mod:`vllm_accel.quant.packed`),
@@ -46,8 +48,9 @@ from vllm_accel.quant.w8a8 import AccelW8A8LinearMethod  # noqa: E402
 from vllm_accel.ops.cpu_native import int8_linear  # noqa: F401,E402  (cpu_native's W8A8 GEMM)
 from vllm_accel.quant.w8a16 import AccelW8A16Config, AccelW8A16LinearMethod  # noqa: E402
 from vllm_accel.quant.fp8 import AccelFp8Config, AccelFp8LinearMethod  # noqa: E402
+from vllm_accel.quant.mxfp4 import AccelMxfp4Config  # noqa: E402
 
 __all__ = ["AccelGPTQConfig", "AccelGPTQLinearMethod", "AccelAWQConfig",
            "AccelAWQLinearMethod", "AccelCompressedTensorsConfig", "AccelCTWNA16LinearMethod",
            "AccelW8A8LinearMethod", "AccelW8A16Config", "AccelW8A16LinearMethod",
-           "AccelFp8Config", "AccelFp8LinearMethod"]
+           "AccelFp8Config", "AccelFp8LinearMethod", "AccelMxfp4Config"]

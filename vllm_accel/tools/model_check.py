@@ -27,6 +27,8 @@ QUANT_MOE = {"gptq": "GPTQ experts (quant/moe.py)",
                                    "per-token activations",
              "fp8": "FP8 experts (block or per-tensor scales), dequantized at load into "
                     "the unquantized experts' method"}
+#: gpt-oss's MXFP4 checkpoints (experts only), before and after vLLM renames the method
+GPT_OSS_MXFP4 = ("mxfp4", "gpt_oss_mxfp4")
 #: model types whose attention adds ALiBi (vLLM passes slopes to the backend)
 ALIBI_TYPES = {"bloom", "mpt", "baichuan", "jais", "falcon"}
 #: model types with learned attention sinks
@@ -96,13 +98,21 @@ def _moe(text: dict, quant: dict | None) -> list[Finding]:
     found = [Finding(f"mixture of experts ({experts} experts, top-{top_k})", True,
                      "AccelFusedMoEMethod: moe_route / moe_experts (the C++ experts op on "
                      "the simulator, torch_fast on a card); --enable-expert-parallel")]
-    if text.get("swiglu_limit") or text.get("model_type") == "gpt_oss":
-        found.append(Finding("clamped SwiGLU experts (gpt-oss)", False,
-                             "not served yet: the experts' activation is not in the MoE "
-                             "kernels; exclude the plugin (VLLM_PLUGINS) for stock vLLM CPU"))
+    if text.get("model_type") == "gpt_oss":
+        found.append(Finding("clamped SwiGLU experts (gpt-oss's swigluoai)", True,
+                             "the MoE kernels' swigluoai (gate/up interleaved, clamped at "
+                             "7): the C++ experts op on the simulator, torch_fast on a card"))
+    elif text.get("swiglu_limit"):
+        found.append(Finding(f"clamped SwiGLU experts (swiglu_limit {text['swiglu_limit']})",
+                             False, "not served yet: the clamp is not in the MoE kernels; "
+                             "exclude the plugin (VLLM_PLUGINS) for stock vLLM CPU"))
     if quant is not None:
         method = quant.get("quant_method")
-        if method in QUANT_MOE:
+        if method in GPT_OSS_MXFP4 and text.get("model_type") == "gpt_oss":
+            found.append(Finding("gpt-oss MXFP4 MoE experts", True,
+                                 "gcu_mxfp4: dequantized at load into the unquantized "
+                                 "experts (vLLM's own MXFP4 experts where the CPU has AMX)"))
+        elif method in QUANT_MOE:
             found.append(Finding(f"{method} MoE experts", True, QUANT_MOE[method] + " "
                                  "(other schemes of the format fail at startup naming the "
                                  "layer)"))
@@ -114,15 +124,18 @@ def _moe(text: dict, quant: dict | None) -> list[Finding]:
     return found
 
 
-def _quantization(quant: dict | None) -> list[Finding]:
+def _quantization(quant: dict | None, model_type: str) -> list[Finding]:
     if quant is None:
         return []
     method = quant.get("quant_method")
+    if method in GPT_OSS_MXFP4 and model_type == "gpt_oss":
+        return []  # experts only (_moe); gpt-oss's linears are bf16
     if method in QUANT_DENSE:
         return [Finding(f"{method} weights", True, QUANT_DENSE[method])]
     return [Finding(f"{method} weights", False,
                     "not served: GPTQ, AWQ, compressed-tensors int and fp8 formats are "
-                    "(nvfp4/mxfp4 are not); use such an export or the bf16 checkpoint")]
+                    "(nvfp4, and mxfp4 beyond gpt-oss's experts, are not); use such an "
+                    "export or the bf16 checkpoint")]
 
 
 def _architecture(config: dict) -> list[Finding]:
@@ -178,7 +191,7 @@ def check(model_dir: str | Path) -> list[Finding]:
     model_type = text.get("model_type") or config.get("model_type") or ""
     quant = config.get("quantization_config") or text.get("quantization_config")
     return (_architecture(config) + _attention(config, text, model_type)
-            + _moe(text, quant) + _quantization(quant))
+            + _moe(text, quant) + _quantization(quant, model_type))
 
 
 def report(model_dir: str | Path, as_json: bool = False) -> tuple[str, bool]:

@@ -19,14 +19,23 @@ import torch.nn.functional as F
 
 from vllm_accel.ops.registry import register_kernel
 
-#: gated activations the experts kernels compute: act(gate) * up
-GATED_ACTIVATIONS = ("silu", "gelu", "gelu_tanh")
+#: gated activations the experts kernels compute: act(gate) * up; ``swigluoai``
+#: (gpt-oss) reads gate and up interleaved (:func:`gated_activation`)
+GATED_ACTIVATIONS = ("silu", "gelu", "gelu_tanh", "swigluoai")
+#: vLLM's ``swigluoai`` constants (``SwigluOAIAndMul``; gpt-oss's swiglu_limit 7.0)
+SWIGLUOAI_ALPHA, SWIGLUOAI_LIMIT = 1.702, 7.0
 #: router scoring functions
 SCORING_FUNCS = ("softmax", "sigmoid")
 
 
 def gated_activation(h: torch.Tensor, activation: str) -> torch.Tensor:
-    """``act(h[..., :I]) * h[..., I:]`` for one of :data:`GATED_ACTIVATIONS`."""
+    """``act(h[..., :I]) * h[..., I:]`` for one of :data:`GATED_ACTIVATIONS`; for
+    ``swigluoai`` gate and up are interleaved (``h[..., 0::2]``, ``h[..., 1::2]``) and
+    clamped: ``(clamp(up, -7, 7) + 1) * g * sigmoid(1.702 g)``, ``g = min(gate, 7)``."""
+    if activation == "swigluoai":
+        gate = h[..., 0::2].clamp(max=SWIGLUOAI_LIMIT)
+        up = h[..., 1::2].clamp(-SWIGLUOAI_LIMIT, SWIGLUOAI_LIMIT)
+        return (up + 1) * (gate * torch.sigmoid(gate * SWIGLUOAI_ALPHA))
     gate, up = h.chunk(2, dim=-1)
     if activation == "silu":
         return F.silu(gate) * up

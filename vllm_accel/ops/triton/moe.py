@@ -93,7 +93,9 @@ GEMV_TILES = {4: Tiles(8, 256, 1, 3), 8: Tiles(16, 512, 2, 3)}
 #: Mixtral 175 s with the GPU's launch)
 INTERPRETED_GEMV_TILES = Tiles(128, 128, 4, 2)
 
-_ACTIVATION_CODES = {name: code for code, name in enumerate(GATED_ACTIVATIONS)}
+#: the kernels' gated activations (``reference/moe.py``'s first three; swigluoai's
+#: interleaved halves are not in them)
+_ACTIVATION_CODES = {name: code for code, name in enumerate(GATED_ACTIVATIONS[:3])}
 
 
 #: pairs up to which one program aligns them (decode batches, small prefill chunks):
@@ -643,7 +645,13 @@ def moe_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                 apply_router_weight_on_input: bool = False,
                 w13_bias: torch.Tensor | None = None,
                 w2_bias: torch.Tensor | None = None) -> torch.Tensor:
-    """The experts held here over their routed tokens: ``[M, H]`` in x's dtype."""
+    """The experts held here over their routed tokens: ``[M, H]`` in x's dtype;
+    activations without a code here (gpt-oss's swigluoai) go to the next provider."""
+    if activation not in _ACTIVATION_CODES:
+        return fallback_kernel("moe_experts", "triton")(
+            x, w13, w2, topk_weights, topk_ids, expert_map=expert_map, activation=activation,
+            apply_router_weight_on_input=apply_router_weight_on_input, w13_bias=w13_bias,
+            w2_bias=w2_bias)
     return _fused(x, _Weights(w13), _Weights(w2), topk_weights, topk_ids, w13.shape[1] // 2,
                   w2.shape[1], expert_map=expert_map, activation=activation,
                   apply_router_weight_on_input=apply_router_weight_on_input,

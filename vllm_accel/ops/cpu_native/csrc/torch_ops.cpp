@@ -11,6 +11,8 @@
 #include <ATen/ops/_int_mm.h>
 #include <ATen/ops/_weight_int4pack_mm_for_cpu.h>
 #include <ATen/ops/add.h>
+#include <ATen/ops/clamp.h>
+#include <ATen/ops/clamp_max.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
 #include <ATen/ops/from_blob.h>
@@ -713,8 +715,15 @@ at::Tensor layer_linear(const at::Tensor& x, const at::Tensor& weight,
 }
 
 // act(h[:, :I]) * h[:, I:] for the gated activations of moe.py and the decoder
-// layer (0 silu, 1 gelu, 2 gelu_tanh).
+// layer (0 silu, 1 gelu, 2 gelu_tanh); 3 is gpt-oss's swigluoai (MoE experts only),
+// gate and up interleaved: (clamp(up, -7, 7) + 1) * g * sigmoid(1.702 g), g = min(gate, 7).
 at::Tensor gated_activation(const at::Tensor& h, int64_t activation) {
+  if (activation == 3) {
+    const at::Tensor gate = at::clamp_max(h.slice(1, 0, std::nullopt, 2), at::Scalar(7.0));
+    const at::Tensor up =
+        at::clamp(h.slice(1, 1, std::nullopt, 2), at::Scalar(-7.0), at::Scalar(7.0));
+    return at::mul(at::add(up, 1.0), at::mul(gate, at::sigmoid(at::mul(gate, 1.702))));
+  }
   if (activation == 0) {
     at::Tensor out = cpu_silu_and_mul(h);
     if (out.defined()) return out;
@@ -889,7 +898,7 @@ at::Tensor cpu_moe_experts(const at::Tensor& x, const at::Tensor& w13, const at:
   TORCH_CHECK(topk_ids.dim() == 2 && topk_ids.size(0) == x.size(0) &&
                   topk_weights.sizes() == topk_ids.sizes(),
               "cpu_moe_experts: topk_ids/topk_weights must be [tokens, k]");
-  TORCH_CHECK(activation >= 0 && activation <= 2, "cpu_moe_experts: unknown activation ",
+  TORCH_CHECK(activation >= 0 && activation <= 3, "cpu_moe_experts: unknown activation ",
               activation);
   const int64_t m = x.size(0), top_k = topk_ids.size(1), hidden = w2.size(1);
   const int64_t num_local = w13.size(0);

@@ -1,4 +1,6 @@
-"""FP8 checkpoints (``quant_method: fp8``) through vllm_accel.quant.fp8.
+"""FP8 checkpoints (``quant_method: fp8``, compressed-tensors FP8) through
+vllm_accel.quant.fp8, and gpt-oss MXFP4 checkpoints through vllm_accel.quant.mxfp4:
+formats dequantized at load.
 
 Oracles:
 * dequantization: ``q * s`` in float64 over every e4m3 code, block scales with
@@ -11,6 +13,9 @@ Oracles:
   vs HF transformers in float64 on the dequantized weights, teacher-forced: compiled
   float32 and bf16 on the simulator, eager float32 on the virtual GCU. Stock vLLM
   CPU serves these only on CPUs with AMX tiles.
+* MXFP4: the test's own e2m1 / e8m0 quantizer, its checkpoint layout checked against
+  transformers' own MXFP4 dequantizer; a tiny gpt-oss with MXFP4 experts vs HF float64
+  on the dequantized checkpoint, compiled on the simulator and on the virtual GCU.
 """
 
 import json
@@ -25,6 +30,7 @@ from conftest import VIRTUAL_GCU_ENV, SharedEngines, assert_bf16_tokens_near_hf,
 from moe_models import assert_matches_hf, build_tiny_moe
 
 from vllm_accel.quant import fp8 as F
+from vllm_accel.quant import mxfp4 as MX
 
 E4M3_MAX = 448.0
 
@@ -246,6 +252,113 @@ def test_vllm_layers_load_and_run_dense(tp1, block, dtype, monkeypatch):
 
 
 # ---------------------------------------------------------------------------
+# MXFP4
+# ---------------------------------------------------------------------------
+
+E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0,
+                     -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0], dtype=torch.float64)
+
+
+def quantize_mxfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The test's own MXFP4 quantizer of ``[..., R, C]``: per 32 weights along C a power
+    of two ``2 ** e`` with ``e = floor(log2 amax) - 2`` (6, e2m1's largest, is 1.5 *
+    2 ** 2), each weight the nearest e2m1 value of ``w / 2 ** e`` (saturating). Returns
+    (codes uint8 ``[..., R, C/2]`` low nibble first, e8m0 scales uint8 ``[..., R, C/32]``,
+    the float64 dequantized weight)."""
+    blocks = w.double().unflatten(-1, (-1, 32))
+    amax = blocks.abs().amax(-1)
+    e = torch.where(amax > 0, torch.floor(torch.log2(amax.clamp(min=1e-30))) - 2,
+                    torch.zeros_like(amax))
+    q = blocks / torch.exp2(e).unsqueeze(-1)
+    idx = (q.unsqueeze(-1) - E2M1).abs().argmin(-1)  # ties and zeros: the first code
+    dq = (E2M1[idx] * torch.exp2(e).unsqueeze(-1)).flatten(-2)
+    idx = idx.flatten(-2).to(torch.uint8)
+    codes = idx[..., 0::2] | (idx[..., 1::2] << 4)
+    return codes, (e + 127).to(torch.uint8), dq
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_mxfp4_dequantizes_exactly(dtype):
+    """Every e2m1 code in every nibble, exponents from 2^-20 to 2^20, zero blocks."""
+    gen = torch.Generator().manual_seed(3)
+    w = torch.randn(3, 40, 128, generator=gen) * torch.exp2(
+        torch.randint(-20, 20, (3, 40, 1), generator=gen).float())
+    w[0, 0] = 0
+    w[1, 1, :32] = torch.tensor(E2M1.tolist() * 2, dtype=torch.float32)  # each code, twice
+    codes, scales, dq = quantize_mxfp4(w)
+    got = MX.dequantize_mxfp4(codes, scales, dtype)
+    assert got.dtype == dtype and got.shape == w.shape
+    assert torch.equal(got.double(), dq)  # e2m1 times a power of two: exact in bf16
+
+
+def write_mxfp4_checkpoint(src: Path, dst: Path, dequant: Path) -> None:
+    """A gpt-oss checkpoint ``src`` with its experts in OpenAI's MXFP4 layout
+    (``gate_up_proj_blocks`` ``[E, 2I, H/32, 16]``, ``..._scales`` ``[E, 2I, H/32]``,
+    gate and up rows interleaved as in the float ``[E, H, 2I]``; ``down_proj_*`` likewise
+    over ``[E, H, I]`` rows), the rest float as in the released checkpoints; and the
+    oracle ``dequant``: the float checkpoint with the dequantized experts."""
+    from safetensors.torch import load_file, save_file
+
+    from quantizer import _copy_side_files
+
+    state = load_file(src / "model.safetensors")
+    out, oracle = {}, {}
+    for name, t in state.items():
+        if name.endswith(("mlp.experts.gate_up_proj", "mlp.experts.down_proj")):
+            rows = t.transpose(1, 2)  # [E, out, in]
+            codes, scales, dq = quantize_mxfp4(rows)
+            out[f"{name}_blocks"] = codes.unflatten(-1, (-1, 16)).contiguous()
+            out[f"{name}_scales"] = scales.contiguous()
+            oracle[name] = dq.transpose(1, 2).float().contiguous()
+        else:
+            out[name] = oracle[name] = t
+    config = json.loads((src / "config.json").read_text())
+    quant = {"quant_method": "mxfp4",
+             "modules_to_not_convert": ["model.layers.*.self_attn", "model.layers.*.mlp.router",
+                                        "model.embed_tokens", "lm_head"]}
+    for path, tensors, extra in ((dst, out, {"quantization_config": quant}),
+                                 (dequant, oracle, {})):
+        path.mkdir(parents=True, exist_ok=True)
+        save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
+        (path / "config.json").write_text(json.dumps({**config, **extra}, indent=2))
+        _copy_side_files(src, path)
+
+
+def test_mxfp4_checkpoint_layout_is_transformers(tmp_path):
+    """transformers' own MXFP4 dequantizer reads the test's checkpoint as the oracle
+    does (nibble order, block and row layout, the [E, H, 2I] transpose)."""
+    from safetensors.torch import load_file
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    src = build_tiny_moe(tmp_path / "float", "gpt_oss")
+    write_mxfp4_checkpoint(src, tmp_path / "mx", tmp_path / "dq")
+    packed, oracle = (load_file(tmp_path / d / "model.safetensors") for d in ("mx", "dq"))
+    for proj in ("gate_up_proj", "down_proj"):
+        name = f"model.layers.1.mlp.experts.{proj}"
+        hf = convert_moe_packed_tensors(packed[f"{name}_blocks"], packed[f"{name}_scales"],
+                                        dtype=torch.float32)
+        assert torch.equal(hf, oracle[name])
+
+
+def test_mxfp4_claims_gpt_oss_only(monkeypatch):
+    from types import SimpleNamespace
+
+    C = MX.AccelMxfp4Config
+    oss, llama = SimpleNamespace(model_type="gpt_oss"), SimpleNamespace(model_type="llama")
+    monkeypatch.setattr(MX, "vllm_amx_serves_fp8", lambda: False)
+    for method in ("mxfp4", "gpt_oss_mxfp4"):
+        for user in (None, "mxfp4", "gpt_oss_mxfp4", "gcu_mxfp4"):
+            assert C.override_quantization_method({"quant_method": method}, user,
+                                                  oss) == "gcu_mxfp4"
+    assert C.override_quantization_method({"quant_method": "mxfp4"}, None, llama) is None
+    assert C.override_quantization_method({"quant_method": "fp8"}, None, oss) is None
+    monkeypatch.setattr(MX, "vllm_amx_serves_fp8", lambda: True)  # vLLM's AMX experts
+    assert C.override_quantization_method({"quant_method": "mxfp4"}, None, oss) is None
+    assert C.override_quantization_method({"quant_method": "mxfp4"}, "gcu_mxfp4",
+                                          oss) == "gcu_mxfp4"
+
+
+# ---------------------------------------------------------------------------
 # end to end
 # ---------------------------------------------------------------------------
 
@@ -342,7 +455,13 @@ def engines(tmp_path_factory):
     # llmcompressor's FP8_DYNAMIC (per-channel weights) on the Qwen3-MoE
     write_fp8_checkpoint(qwen3, root / "ct-moe", root / "ct-moe-dq", block=None,
                          ct_preset="FP8_DYNAMIC")
+    # gpt-oss with MXFP4 experts
+    oss = build_tiny_moe(root / "gpt_oss", "gpt_oss")
+    write_mxfp4_checkpoint(oss, root / "mxfp4", root / "mxfp4-dq")
     specs = {"block-fp32": (_spec(root / "block", prompts, "float32", eager=False), None),
+             "mxfp4-sim": (_spec(root / "mxfp4", prompts, "float32", eager=False), None),
+             "mxfp4-virtual": (_spec(root / "mxfp4", prompts, "float32", eager=True),
+                               VIRTUAL_GCU_ENV),
              "block-bf16": (_spec(root / "block", prompts, "bfloat16", eager=False), None),
              "moe-block": (_spec(root / "moe-block", prompts, "float32", eager=False), None),
              "ct-moe": (_spec(root / "ct-moe", prompts, "float32", eager=False), None),
@@ -351,6 +470,7 @@ def engines(tmp_path_factory):
              "moe-tensor-virtual": (_spec(root / "moe-tensor", prompts, "float32", eager=True),
                                     VIRTUAL_GCU_ENV)}
     cases = {"block-fp32": (root / "block-dq", prompts), "block-bf16": (root / "block-dq", prompts),
+             "mxfp4-sim": (root / "mxfp4-dq", prompts), "mxfp4-virtual": (root / "mxfp4-dq", prompts),
              "moe-block": (root / "moe-block-dq", prompts),
              "ct-moe": (root / "ct-moe-dq", prompts),
              "tensor-virtual": (root / "tensor-dq", prompts),
@@ -418,4 +538,19 @@ def test_engine_compressed_tensors_fp8_dynamic_moe_matches_hf(engines):
     results, log = _served(shared("ct-moe"), "float32", 4, moe_layers=2,
                            method="gcu_compressed_tensors")
     model, prompts = cases["ct-moe"]
+    assert_matches_hf(model, prompts, results["outputs"])
+
+
+@pytest.mark.engine
+@pytest.mark.parametrize("key", ["mxfp4-sim", "mxfp4-virtual"])
+def test_engine_gpt_oss_mxfp4_matches_hf(key, engines):
+    """A gpt-oss checkpoint with MXFP4 experts (swigluoai, biases, sinks, windows): its
+    experts dequantized into the plugin's unquantized experts, compiled on the simulator
+    (the C++ experts op) and eager on the virtual GCU; teacher-forced vs HF float64 on
+    the dequantized checkpoint."""
+    shared, cases = engines
+    results, log = shared(key)
+    assert results["platform"] == "AccelPlatform" and "quantization=gcu_mxfp4" in log
+    assert "gcu_mxfp4: the experts of 2 MoE layers dequantized at load to float32" in log
+    model, prompts = cases[key]
     assert_matches_hf(model, prompts, results["outputs"])
