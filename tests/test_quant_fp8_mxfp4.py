@@ -27,6 +27,7 @@ import torch
 
 from conftest import VIRTUAL_GCU_ENV, SharedEngines, assert_bf16_tokens_near_hf, \
     build_tiny_model
+from attention_models import build_tiny
 from moe_models import assert_matches_hf, build_tiny_moe
 
 from vllm_accel.quant import fp8 as F
@@ -362,9 +363,10 @@ def test_mxfp4_claims_gpt_oss_only(monkeypatch):
 # end to end
 # ---------------------------------------------------------------------------
 
-#: the quantized linears (and MoE experts' projections; Mixtral names them w1/w2/w3)
+#: the quantized linears (and MoE experts' projections; Mixtral names them w1/w2/w3;
+#: DeepSeek's MLA projections)
 _PROJ = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
-         "w1", "w2", "w3")
+         "w1", "w2", "w3", "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj")
 
 
 def write_fp8_checkpoint(src: Path, dst: Path, dequant: Path, *, block: list[int] | None,
@@ -455,11 +457,17 @@ def engines(tmp_path_factory):
     # llmcompressor's FP8_DYNAMIC (per-channel weights) on the Qwen3-MoE
     write_fp8_checkpoint(qwen3, root / "ct-moe", root / "ct-moe-dq", block=None,
                          ct_preset="FP8_DYNAMIC")
+    # DeepSeek-V3 in 32 x 32 blocks: MLA's projections (q_a and kv_a merged), the
+    # dense first layer, shared and routed experts; the router left in float
+    deepseek = build_tiny(root / "deepseek_v3", "deepseek_v3")
+    write_fp8_checkpoint(deepseek, root / "ds-block", root / "ds-block-dq", block=[32, 32])
     # gpt-oss with MXFP4 experts
     oss = build_tiny_moe(root / "gpt_oss", "gpt_oss")
     write_mxfp4_checkpoint(oss, root / "mxfp4", root / "mxfp4-dq")
     specs = {"block-fp32": (_spec(root / "block", prompts, "float32", eager=False), None),
              "mxfp4-sim": (_spec(root / "mxfp4", prompts, "float32", eager=False), None),
+             "deepseek-v3-block": (_spec(root / "ds-block", prompts, "float32", eager=False),
+                                   None),
              "mxfp4-virtual": (_spec(root / "mxfp4", prompts, "float32", eager=True),
                                VIRTUAL_GCU_ENV),
              "block-bf16": (_spec(root / "block", prompts, "bfloat16", eager=False), None),
@@ -471,6 +479,7 @@ def engines(tmp_path_factory):
                                     VIRTUAL_GCU_ENV)}
     cases = {"block-fp32": (root / "block-dq", prompts), "block-bf16": (root / "block-dq", prompts),
              "mxfp4-sim": (root / "mxfp4-dq", prompts), "mxfp4-virtual": (root / "mxfp4-dq", prompts),
+             "deepseek-v3-block": (root / "ds-block-dq", prompts),
              "moe-block": (root / "moe-block-dq", prompts),
              "ct-moe": (root / "ct-moe-dq", prompts),
              "tensor-virtual": (root / "tensor-dq", prompts),
@@ -553,4 +562,18 @@ def test_engine_gpt_oss_mxfp4_matches_hf(key, engines):
     assert results["platform"] == "AccelPlatform" and "quantization=gcu_mxfp4" in log
     assert "gcu_mxfp4: the experts of 2 MoE layers dequantized at load to float32" in log
     model, prompts = cases[key]
+    assert_matches_hf(model, prompts, results["outputs"])
+
+
+@pytest.mark.engine
+def test_engine_deepseek_v3_fp8_matches_hf(engines):
+    """DeepSeek-V3's FP8 layout (block scales on MLA's projections, q_a and kv_a merged,
+    the dense layer, shared and routed experts; the router in float), compiled: MLA's
+    absorbed weights are made from the dequantized kv_b_proj; teacher-forced vs HF
+    float64 on the dequantized checkpoint."""
+    shared, cases = engines
+    # layer 0: fused qkv_a, q_b, kv_b, o, gate_up, down; layer 1: the four attention
+    # projections and the shared expert's two
+    results, log = _served(shared("deepseek-v3-block"), "float32", 12, moe_layers=1)
+    model, prompts = cases["deepseek-v3-block"]
     assert_matches_hf(model, prompts, results["outputs"])
