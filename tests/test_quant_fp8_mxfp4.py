@@ -15,7 +15,7 @@ Oracles:
   CPU serves these only on CPUs with AMX tiles.
 * MXFP4: the test's own e2m1 / e8m0 quantizer, its checkpoint layout checked against
   transformers' own MXFP4 dequantizer; a tiny gpt-oss with MXFP4 experts vs HF float64
-  on the dequantized checkpoint, compiled on the simulator and on the virtual GCU.
+  on the dequantized checkpoint, on the simulator and on the virtual GCU.
 """
 
 import json
@@ -126,17 +126,19 @@ def test_per_tensor_scales_of_merged_projections():
 # ---------------------------------------------------------------------------
 
 
-def test_config_claims_fp8_checkpoints_unless_vllm_amx_serves_them(monkeypatch):
+def test_config_claims_fp8_checkpoints(monkeypatch):
+    """Every fp8 checkpoint is ours, except ``--quantization fp8`` where vLLM's AMX
+    kernels run (they keep the weights in fp8)."""
     cfg = {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
-    monkeypatch.setattr(F, "vllm_amx_serves_fp8", lambda: False)
+    monkeypatch.setattr(F, "vllm_amx_kernels_run", lambda: False)
     for user in (None, "fp8", "gcu_fp8"):
         assert F.AccelFp8Config.override_quantization_method(cfg, user) == "gcu_fp8"
     assert F.AccelFp8Config.override_quantization_method(cfg, "other") is None
     assert F.AccelFp8Config.override_quantization_method({"quant_method": "gptq"}, None) is None
-    # vLLM's AMX kernels keep fp8 weights: theirs, unless the user names ours
-    monkeypatch.setattr(F, "vllm_amx_serves_fp8", lambda: True)
-    assert F.AccelFp8Config.override_quantization_method(cfg, None) is None
-    assert F.AccelFp8Config.override_quantization_method(cfg, "gcu_fp8") == "gcu_fp8"
+    monkeypatch.setattr(F, "vllm_amx_kernels_run", lambda: True)
+    for user in (None, "gcu_fp8"):
+        assert F.AccelFp8Config.override_quantization_method(cfg, user) == "gcu_fp8"
+    assert F.AccelFp8Config.override_quantization_method(cfg, "fp8") is None
     parsed = F.AccelFp8Config.from_config({**cfg, "modules_to_not_convert": ["lm_head"]})
     assert parsed.weight_block_size == [128, 128] and parsed.ignored_layers == ["lm_head"]
     assert parsed.get_supported_act_dtypes()[0] == torch.float32
@@ -346,17 +348,19 @@ def test_mxfp4_claims_gpt_oss_only(monkeypatch):
 
     C = MX.AccelMxfp4Config
     oss, llama = SimpleNamespace(model_type="gpt_oss"), SimpleNamespace(model_type="llama")
-    monkeypatch.setattr(MX, "vllm_amx_serves_fp8", lambda: False)
+    monkeypatch.setattr(MX, "vllm_amx_kernels_run", lambda: False)
     for method in ("mxfp4", "gpt_oss_mxfp4"):
         for user in (None, "mxfp4", "gpt_oss_mxfp4", "gcu_mxfp4"):
             assert C.override_quantization_method({"quant_method": method}, user,
                                                   oss) == "gcu_mxfp4"
     assert C.override_quantization_method({"quant_method": "mxfp4"}, None, llama) is None
     assert C.override_quantization_method({"quant_method": "fp8"}, None, oss) is None
-    monkeypatch.setattr(MX, "vllm_amx_serves_fp8", lambda: True)  # vLLM's AMX experts
-    assert C.override_quantization_method({"quant_method": "mxfp4"}, None, oss) is None
-    assert C.override_quantization_method({"quant_method": "mxfp4"}, "gcu_mxfp4",
-                                          oss) == "gcu_mxfp4"
+    # vLLM's AMX experts: only when asked for by vLLM's name
+    monkeypatch.setattr(MX, "vllm_amx_kernels_run", lambda: True)
+    for user in (None, "gcu_mxfp4"):
+        assert C.override_quantization_method({"quant_method": "mxfp4"}, user,
+                                              oss) == "gcu_mxfp4"
+    assert C.override_quantization_method({"quant_method": "mxfp4"}, "mxfp4", oss) is None
 
 
 # ---------------------------------------------------------------------------
@@ -438,9 +442,10 @@ def _spec(model: Path, prompts, dtype: str, eager: bool) -> dict:
 def engines(tmp_path_factory):
     """``(SharedEngines, {key: (oracle checkpoint, prompts)})``: block FP8 compiled in
     float32 (one linear left in float by ``ignored_layers``) and bf16 on the
-    simulator, per-tensor FP8 with static activation scales on the virtual GCU; a
-    block-FP8 Qwen3-MoE compiled on the simulator and a per-tensor Mixtral on the
-    virtual GCU."""
+    simulator, per-tensor FP8 with static activation scales on the virtual GCU;
+    llmcompressor's FP8_DYNAMIC Qwen3-MoE compiled and block-FP8 DeepSeek-V3 on the
+    simulator, a per-tensor Mixtral on the virtual GCU; gpt-oss with MXFP4 experts on
+    both."""
     root = tmp_path_factory.mktemp("fp8")
     src = build_tiny_model(root / "float", num_heads=2, num_kv_heads=2, head_dim=64,
                            hidden_size=128, norm_spread=0.3, head_std=0.2)
@@ -449,9 +454,8 @@ def engines(tmp_path_factory):
     write_fp8_checkpoint(src, root / "block", root / "block-dq", block=[128, 128],
                          ignored=("model.layers.1.mlp.down_proj",))
     write_fp8_checkpoint(src, root / "tensor", root / "tensor-dq", block=None)
-    # MoE: Qwen3-MoE's experts in 32 x 32 blocks, Mixtral's with per-tensor scales
+    # MoE: Mixtral's experts with per-tensor scales (DeepSeek-V3's below: blocks)
     qwen3 = build_tiny_moe(root / "qwen3_moe", "qwen3_moe", moe_intermediate_size=64)
-    write_fp8_checkpoint(qwen3, root / "moe-block", root / "moe-block-dq", block=[32, 32])
     mixtral = build_tiny_moe(root / "mixtral", "mixtral")
     write_fp8_checkpoint(mixtral, root / "moe-tensor", root / "moe-tensor-dq", block=None)
     # llmcompressor's FP8_DYNAMIC (per-channel weights) on the Qwen3-MoE
@@ -465,22 +469,23 @@ def engines(tmp_path_factory):
     oss = build_tiny_moe(root / "gpt_oss", "gpt_oss")
     write_mxfp4_checkpoint(oss, root / "mxfp4", root / "mxfp4-dq")
     specs = {"block-fp32": (_spec(root / "block", prompts, "float32", eager=False), None),
-             "mxfp4-sim": (_spec(root / "mxfp4", prompts, "float32", eager=False), None),
-             "deepseek-v3-block": (_spec(root / "ds-block", prompts, "float32", eager=False),
+             # (eager: the dequantized models' graphs are the float ones, which
+             # test_moe_engine.py and test_attention_models.py compile)
+             "mxfp4-sim": (_spec(root / "mxfp4", prompts, "float32", eager=True), None),
+             "deepseek-v3-block": (_spec(root / "ds-block", prompts, "float32", eager=True),
                                    None),
              "mxfp4-virtual": (_spec(root / "mxfp4", prompts, "float32", eager=True),
                                VIRTUAL_GCU_ENV),
              "block-bf16": (_spec(root / "block", prompts, "bfloat16", eager=False), None),
-             "moe-block": (_spec(root / "moe-block", prompts, "float32", eager=False), None),
              "ct-moe": (_spec(root / "ct-moe", prompts, "float32", eager=False), None),
              "tensor-virtual": (_spec(root / "tensor", prompts, "float32", eager=True),
                                 VIRTUAL_GCU_ENV),
              "moe-tensor-virtual": (_spec(root / "moe-tensor", prompts, "float32", eager=True),
                                     VIRTUAL_GCU_ENV)}
     cases = {"block-fp32": (root / "block-dq", prompts), "block-bf16": (root / "block-dq", prompts),
-             "mxfp4-sim": (root / "mxfp4-dq", prompts), "mxfp4-virtual": (root / "mxfp4-dq", prompts),
+             "mxfp4-sim": (root / "mxfp4-dq", prompts),
+             "mxfp4-virtual": (root / "mxfp4-dq", prompts),
              "deepseek-v3-block": (root / "ds-block-dq", prompts),
-             "moe-block": (root / "moe-block-dq", prompts),
              "ct-moe": (root / "ct-moe-dq", prompts),
              "tensor-virtual": (root / "tensor-dq", prompts),
              "moe-tensor-virtual": (root / "moe-tensor-dq", prompts)}
@@ -527,11 +532,12 @@ def test_engine_fp8_bf16_compiled_runs_the_bf16_layer(engines):
 
 
 @pytest.mark.engine
-@pytest.mark.parametrize("key", ["moe-block", "moe-tensor-virtual"])
-def test_engine_fp8_moe_matches_hf(key, engines):
-    """FP8 experts (and attention linears) dequantized into the plugin's unquantized
-    MoE method: teacher-forced vs HF float64 on the dequantized checkpoint."""
+def test_engine_fp8_moe_matches_hf(engines):
+    """Mixtral's FP8 experts (per-tensor scales, one for w1 and w3 each) and attention
+    linears dequantized, on the virtual GCU: teacher-forced vs HF float64 on the
+    dequantized checkpoint."""
     shared, cases = engines
+    key = "moe-tensor-virtual"
     results, log = _served(shared(key), "float32", 4, moe_layers=2)  # qkv, o per layer
     model, prompts = cases[key]
     assert_matches_hf(model, prompts, results["outputs"])
@@ -554,8 +560,8 @@ def test_engine_compressed_tensors_fp8_dynamic_moe_matches_hf(engines):
 @pytest.mark.parametrize("key", ["mxfp4-sim", "mxfp4-virtual"])
 def test_engine_gpt_oss_mxfp4_matches_hf(key, engines):
     """A gpt-oss checkpoint with MXFP4 experts (swigluoai, biases, sinks, windows): its
-    experts dequantized into the plugin's unquantized experts, compiled on the simulator
-    (the C++ experts op) and eager on the virtual GCU; teacher-forced vs HF float64 on
+    experts dequantized into the plugin's unquantized experts, on the simulator (the C++
+    experts op) and on the virtual GCU; teacher-forced vs HF float64 on
     the dequantized checkpoint."""
     shared, cases = engines
     results, log = shared(key)
@@ -568,7 +574,7 @@ def test_engine_gpt_oss_mxfp4_matches_hf(key, engines):
 @pytest.mark.engine
 def test_engine_deepseek_v3_fp8_matches_hf(engines):
     """DeepSeek-V3's FP8 layout (block scales on MLA's projections, q_a and kv_a merged,
-    the dense layer, shared and routed experts; the router in float), compiled: MLA's
+    the dense layer, shared and routed experts; the router in float): MLA's
     absorbed weights are made from the dequantized kv_b_proj; teacher-forced vs HF
     float64 on the dequantized checkpoint."""
     shared, cases = engines

@@ -12,12 +12,12 @@ and Qwen3 FP8 exports; older per-tensor FP8 exports), per Linear:
 vLLM's CPU kernels for these need AMX tiles (``CPUFp8BlockScaledMMKernel``,
 ``CPUFp8PerTensorScaledMMLinearKernel``); elsewhere stock vLLM CPU fails at startup
 ("Failed to find a kernel that can implement the ScaledMM linear layer"), and a card
-has no fp8 kernel of ours. So where vLLM's AMX kernels cannot serve the checkpoint
-(the simulator without AMX, any card), this config claims it and dequantizes each
-weight once at load (``q * s`` computed in float32, then rounded to the model dtype)
-into a dense weight: the layer then *is* an unquantized linear (its method swapped
-for vLLM's ``UnquantizedLinearMethod``), so it runs the dense kernels and the one-op
-decoder layer of a bf16 model. MoE experts are dequantized the same way into the
+has no fp8 kernel of ours. So this config claims fp8 checkpoints (only an explicit
+``--quantization fp8`` on the simulator with AMX leaves them to vLLM's kernels) and
+dequantizes each weight once at load (``q * s`` computed in float32, then rounded to
+the model dtype) into a dense weight: the layer then *is* an unquantized linear (its
+method swapped for vLLM's ``UnquantizedLinearMethod``), so it runs the dense kernels
+and the one-op decoder layer of a bf16 model. MoE experts are dequantized the same way into the
 plugin's unquantized experts (:class:`AccelFp8MoEMethod`). Activations stay in the
 model dtype, as in vLLM's CPU fp8 kernels (W8A16); a static ``input_scale`` is
 loaded and not applied. Resident weights take the model dtype's bytes (bf16: 2 per
@@ -51,9 +51,10 @@ QUANT_NAME = "gcu_fp8"
 _ROWS_PER_STEP = 1024
 
 
-def vllm_amx_serves_fp8() -> bool:
-    """Whether vLLM's own CPU fp8 kernels run here: the simulator (vLLM's CPU platform
-    enum) on a CPU with AMX tiles and vLLM's ``fp8_scaled_mm_cpu`` op built."""
+def vllm_amx_kernels_run() -> bool:
+    """Whether vLLM's own CPU kernels for fp8 weights and MXFP4 experts can run here:
+    the simulator (vLLM's CPU platform enum) on an x86 CPU with AMX tiles and vLLM's
+    ``fp8_scaled_mm_cpu`` op built."""
     from vllm import _custom_ops as ops
     from vllm.platforms import current_platform
 
@@ -130,7 +131,7 @@ class AccelFp8Config(AccelQuantConfig):
     """Serialized FP8 checkpoints, dequantized at load (module doc).
 
     Claims ``quant_method: fp8`` checkpoints (auto-detected, or ``--quantization fp8``
-    / ``gcu_fp8``) wherever vLLM's AMX fp8 kernels do not run.
+    / ``gcu_fp8``), except ``--quantization fp8`` where vLLM's AMX kernels run.
     """
 
     quant_name = QUANT_NAME
@@ -162,15 +163,12 @@ class AccelFp8Config(AccelQuantConfig):
     @classmethod
     def override_quantization_method(cls, hf_quant_cfg, user_quant,
                                      hf_config=None) -> str | None:
-        """Leave the checkpoint to vLLM's ``fp8`` method where its AMX kernels run
-        (they keep the weights in fp8)."""
+        """An explicit ``--quantization fp8`` where vLLM's AMX kernels run asks for
+        vLLM's own method (fp8 weights kept in fp8); any other fp8 request is ours."""
         claimed = super().override_quantization_method(hf_quant_cfg, user_quant, hf_config)
-        if claimed is None or user_quant == QUANT_NAME or not vllm_amx_serves_fp8():
-            return claimed
-        logger.info("%s: an fp8 checkpoint on a CPU with AMX: vLLM's fp8 method serves it "
-                    "(--quantization %s dequantizes it at load instead)", QUANT_NAME,
-                    QUANT_NAME)
-        return None
+        if claimed is not None and user_quant == "fp8" and vllm_amx_kernels_run():
+            return None
+        return claimed
 
     @classmethod
     def from_config(cls, config: dict[str, Any]) -> AccelFp8Config:

@@ -10,8 +10,9 @@ embeddings and LM head in bf16). Per layer, as vLLM's gpt-oss loader hands them 
 * ``w13_bias`` / ``w2_bias`` in the model dtype.
 
 vLLM 0.32's CPU experts for MXFP4 need AMX tiles, and a card has none of ours; so
-where vLLM's cannot run (the simulator without AMX, any card) this config claims
-gpt-oss MXFP4 checkpoints and dequantizes the experts once at load (e2m1 value times
+this config claims gpt-oss MXFP4 checkpoints (only an explicit ``--quantization
+mxfp4`` on the simulator with AMX leaves them to vLLM's experts) and dequantizes the
+experts once at load (e2m1 value times
 its power of two, exact in bf16 and float32) into the plugin's unquantized experts,
 which run gpt-oss's swigluoai. Resident experts take the model dtype's bytes (bf16:
 2 per weight, four times MXFP4's).
@@ -26,7 +27,7 @@ from vllm.model_executor.layers.quantization import register_quantization_config
 from vllm_accel.logger import init_logger
 from vllm_accel.ops.moe import AccelFusedMoEMethod
 from vllm_accel.quant.base import AccelQuantConfig, is_moe, layer_error, load_summary
-from vllm_accel.quant.fp8 import vllm_amx_serves_fp8
+from vllm_accel.quant.fp8 import vllm_amx_kernels_run
 
 logger = init_logger(__name__)
 
@@ -96,16 +97,13 @@ class AccelMxfp4Config(AccelQuantConfig):
     @classmethod
     def override_quantization_method(cls, hf_quant_cfg, user_quant,
                                      hf_config=None) -> str | None:
-        """gpt-oss MXFP4 checkpoints, unless the user named another method or vLLM's
-        AMX experts run here (they keep the experts in MXFP4)."""
+        """gpt-oss MXFP4 checkpoints, unless the user named another method, or named
+        vLLM's (``mxfp4``) where its AMX experts run (they keep the experts in MXFP4)."""
         if (str(hf_quant_cfg.get("quant_method", "")).lower() not in CHECKPOINT_METHODS
                 or getattr(hf_config, "model_type", None) != "gpt_oss"
                 or user_quant not in (None, *CHECKPOINT_METHODS, QUANT_NAME)):
             return None
-        if user_quant != QUANT_NAME and vllm_amx_serves_fp8():
-            logger.info("%s: a gpt-oss MXFP4 checkpoint on a CPU with AMX: vLLM's MXFP4 "
-                        "experts serve it (--quantization %s dequantizes them at load "
-                        "instead)", QUANT_NAME, QUANT_NAME)
+        if user_quant in CHECKPOINT_METHODS and vllm_amx_kernels_run():
             return None
         return QUANT_NAME
 

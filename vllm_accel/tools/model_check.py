@@ -19,7 +19,7 @@ QUANT_DENSE = {"gptq": "gcu_gptq (4/8-bit, groups, act-order)",
                "awq": "gcu_awq (4-bit GEMM layout)",
                "compressed-tensors": "compressed-tensors W4A16 / W8A16 / W8A8 int8",
                "fp8": "gcu_fp8 (e4m3, block or per-tensor scales): dequantized at load to "
-                      "the model dtype (vLLM's own fp8 kernels where the CPU has AMX)"}
+                      "the model dtype (with AMX, --quantization fp8 picks vLLM's own kernels)"}
 #: ... and whose MoE experts
 QUANT_MOE = {"gptq": "GPTQ experts (quant/moe.py)",
              "awq": "AWQ experts (4-bit GEMM layout)",
@@ -111,7 +111,8 @@ def _moe(text: dict, quant: dict | None) -> list[Finding]:
         if method in GPT_OSS_MXFP4 and text.get("model_type") == "gpt_oss":
             found.append(Finding("gpt-oss MXFP4 MoE experts", True,
                                  "gcu_mxfp4: dequantized at load into the unquantized "
-                                 "experts (vLLM's own MXFP4 experts where the CPU has AMX)"))
+                                 "experts (with AMX, --quantization mxfp4 picks vLLM's "
+                                 "own experts)"))
         elif method in QUANT_MOE:
             found.append(Finding(f"{method} MoE experts", True, QUANT_MOE[method] + " "
                                  "(other schemes of the format fail at startup naming the "
