@@ -528,7 +528,11 @@ def test_engine_fp8_bf16_compiled_runs_the_bf16_layer(engines):
     if bf16_linear.available():
         assert "each runs as one C++ op (vllm_accel::cpu_decoder_layer), 2 layers" in log
     model, prompts = cases["block-bf16"]
-    assert_bf16_tokens_near_hf(model, prompts, results["outputs"])
+    # bf16 activations rounded at every stage of the 2 layers, each by up to 2^-8 of
+    # logits of magnitude up to ~6 here (head_std 0.2): a few hundredths of a nat
+    # apiece, and the AVX2 and AVX512-BF16 kernels round differently (0.055 seen held
+    # to AVX2)
+    assert_bf16_tokens_near_hf(model, prompts, results["outputs"], nats=0.1)
 
 
 @pytest.mark.engine
