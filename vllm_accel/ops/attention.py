@@ -127,8 +127,10 @@ class AccelAttentionBackend(AttentionBackend):
 
     @classmethod
     def supported_kv_cache_layouts(cls) -> tuple[KVCacheLayout, ...]:
-        # Head-major pages: a block gather per KV head is one contiguous index_select.
-        return (KVCacheLayout.LHBNC,)
+        # Head-major pages first: a block gather per KV head is one contiguous
+        # index_select. Block-major second: hybrid models (attention beside Mamba
+        # state) need a block-compact layout; every reader takes both (page_table).
+        return (KVCacheLayout.LHBNC, KVCacheLayout.LBHNC)
 
     @classmethod
     def customize_spec(cls, spec: AttentionSpec) -> AttentionSpec:
