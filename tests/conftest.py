@@ -54,7 +54,7 @@ SLOW_FILES = ("test_attention_models.py", "test_scaling_out.py", "test_vlm.py", 
               "test_spec_decode.py", "test_e2e_tiny.py", "test_e2e_fp8_kv.py",
               "test_quant_compressed_tensors.py", "test_lora.py", "test_fused_layer.py",
               "test_quant_awq.py", "test_quant_gptq.py", "test_e2e_scheduling.py",  # 85-130
-              "test_quant_fp8_mxfp4.py",
+              "test_quant_fp8_mxfp4.py", "test_state_space_models.py",
               "test_e2e_default_model.py", "test_e2e_tensor_parallel.py",
               "test_quant_w8a16.py", "test_e2e_int8_kv.py", "test_repack_cache.py",
               "test_backend_faithful.py", "test_model_check.py",

@@ -43,6 +43,7 @@ def rows() -> list[tuple[str, str, str, str, str]]:
     import moe_models
     import test_attention_models as attention
     import test_moe_engine as moe
+    import test_state_space_models as state_space
 
     out = list(STATIC_ROWS)
     cases = [(f, e, c) for f, e, c in attention.CASES.values()]
@@ -58,6 +59,10 @@ def rows() -> list[tuple[str, str, str, str, str]]:
         sim, card = _modes(moe_cases, family, moe.SIM, moe.VIRTUAL)
         out.append((family, moe_models.DESCRIPTIONS[family], sim, card,
                     "`test_moe_engine.py`"))
+    for case, (family, compiled, dtype) in state_space.CASES.items():
+        what = state_space.FAMILIES[family][1]
+        sim = f"{'bf16' if dtype == 'bfloat16' else 'fp32'}; {'compiled' if compiled else 'eager'}"
+        out.append((family, what, sim, "", "`test_state_space_models.py`"))
     return out
 
 

@@ -7,7 +7,11 @@ AssertionError, or mistake a missing local path for a malformed repo id).
 import json
 import os
 import struct
+import sys
 from pathlib import Path
+
+import torch
+
 
 class StartupError(ValueError):
     """A configuration the plugin refuses before any worker starts. The platform
@@ -155,3 +159,58 @@ def check_cores_for_ranks(parallel_config) -> None:
             f"{parallel_config.data_parallel_size}), but this process may use "
             f"{cores} CPU core(s) and each rank needs at least one. Lower "
             f"--tensor-parallel-size to {cores} or fewer, or run on more cores.")
+
+
+#: vLLM's modules of recurrent layers -> what a message calls them (a package ends in ".")
+_RECURRENT_LAYER_MODULES = {
+    "vllm.model_executor.layers.mamba.gdn.": "Gated DeltaNet",
+    "vllm.model_executor.layers.mamba.mamba_mixer": "Mamba",  # v1 (not mamba_mixer2)
+}
+
+
+def recurrent_layer_kind(model_cls: type) -> str:
+    """What a hybrid or attention-free model's recurrent-state layers are
+    (``"Gated DeltaNet"``, ``"Mamba"``, ``"Mamba2 / short convolution"``), read from
+    the layer classes vLLM's model module uses (HF configs call Mamba2 layers
+    "linear_attention" too)."""
+    used = {getattr(obj, "__module__", "")
+            for obj in vars(sys.modules[model_cls.__module__]).values()
+            if isinstance(obj, type)}
+    for module, kind in _RECURRENT_LAYER_MODULES.items():
+        if any(m.startswith(module) if module.endswith(".") else m == module for m in used):
+            return kind
+    return "Mamba2 / short convolution"
+
+
+def recurrent_layers(model_config) -> str | None:
+    """:func:`recurrent_layer_kind` of the model, or None for attention-only models."""
+    if not (model_config.is_hybrid or model_config.has_inner_state):
+        return None
+    model_cls, _ = model_config.registry.resolve_model_cls(model_config.architecture,
+                                                           model_config=model_config)
+    return recurrent_layer_kind(model_cls)
+
+
+def check_state_space(model_config, on_card: bool, device_name: str) -> None:
+    """State-space and linear-attention layers run vLLM's own CPU kernels
+    (``layers/mamba/ops/cpu``) beside the plugin's attention and MoE: say at startup
+    where those kernels cannot run, instead of a Triton or assertion error in a worker."""
+    kind = recurrent_layers(model_config)
+    if kind is None:
+        return
+    if kind == "Mamba":
+        raise StartupError(
+            f"{model_config.architecture} has Mamba (selective-scan) layers; vLLM 0.32's "
+            "CPU build has no selective_scan_fwd kernel (stock vLLM CPU fails on them "
+            "too); it is not served. Mamba2-based models (Granite 4.0-H, Nemotron-H, Falcon-H1, Bamba) "
+            "are served.")
+    if on_card:
+        raise StartupError(
+            f"{model_config.architecture} has {kind} layers, which the {device_name} "
+            "card path does not run yet (vLLM's kernels for them are Triton or CPU "
+            "only). Serve it on the simulated gcu (ACCEL_BACKEND=sim).")
+    if kind == "Gated DeltaNet" and model_config.dtype != torch.bfloat16:
+        raise StartupError(
+            f"{model_config.architecture} has Gated DeltaNet layers, which vLLM's CPU "
+            f"kernel runs in bfloat16 only (--dtype is {model_config.dtype}); use "
+            "--dtype bfloat16.")

@@ -175,10 +175,27 @@ def _architecture(config: dict) -> list[Finding]:
             found.append(Finding("multimodal inputs", False,
                                  "not verified through the plugin yet; text-only requests "
                                  "use the plugin's attention; exclude the plugin for images"))
-    if info.is_hybrid or info.is_attention_free:
-        found.append(Finding("state-space (Mamba) layers", False,
-                             "not served: ACCEL_ATTN has no recurrent-state kernels"))
+    layer_types = _text_config(config).get("layer_types") or ()
+    all_attention = layer_types and all(t in ("attention", "full_attention")
+                                        for t in layer_types)
+    if (info.is_hybrid and not all_attention) or info.has_inner_state:
+        found.append(_recurrent_layers(arch))
     return found
+
+
+def _recurrent_layers(arch: str) -> Finding:
+    from vllm.model_executor.models import ModelRegistry
+
+    from vllm_accel.preflight import recurrent_layer_kind
+
+    kind = recurrent_layer_kind(ModelRegistry._try_load_model_cls(arch))
+    feature = f"state-space layers ({kind})"
+    if kind == "Mamba":
+        return Finding(feature, False, "not served: vLLM 0.32's CPU build has no "
+                       "selective_scan_fwd kernel (stock vLLM CPU neither)")
+    dtype = " in bfloat16 only (--dtype bfloat16)" if kind == "Gated DeltaNet" else ""
+    return Finding(feature, True, f"vLLM's CPU kernels{dtype}, on the simulator; the "
+                   "card path refuses them at startup (no recurrent-state kernels yet)")
 
 
 def check(model_dir: str | Path) -> list[Finding]:

@@ -1,0 +1,90 @@
+"""State-space and hybrid models on the simulator vs HF transformers: Mamba2 layers
+beside attention and MoE (Granite 4.0-H), beside attention and squared-ReLU MLPs
+(Nemotron-H), in parallel with attention (Falcon-H1), and Gated DeltaNet linear
+attention (Qwen3.5). The recurrent layers run vLLM's CPU kernels; attention, MoE and
+linears are the plugin's. What is not served says so at startup."""
+
+import random
+
+import pytest
+
+from conftest import VIRTUAL_GCU_ENV, SharedEngines, assert_bf16_tokens_near_hf
+from moe_models import assert_matches_hf
+from state_space_models import FAMILIES, build_tiny_state_space
+from test_preflight import _fails
+
+SIM = {}
+#: name: (family, compiled, dtype)
+CASES = {
+    "granitemoehybrid-compiled": ("granitemoehybrid", True, "float32"),
+    "qwen3_5-compiled-bf16": ("qwen3_5", True, "bfloat16"),
+    "nemotron_h-eager": ("nemotron_h", False, "float32"),
+    "falcon_h1-eager": ("falcon_h1", False, "float32"),
+}
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("state_space")
+    return {family: build_tiny_state_space(root / family, family, seed=i)
+            for i, family in enumerate(FAMILIES)}
+
+
+def _prompts(seed, lengths=(3, 17, 40, 70, 5, 33)):
+    """Token ids; the last reuses the start of the fourth (prefix caching)."""
+    rng = random.Random(seed)
+    prompts = [[rng.randrange(3, 512) for _ in range(n)] for n in lengths]
+    prompts.append(prompts[3][:50] + prompts[1])
+    return prompts
+
+
+def _spec(model, prompts, dtype, compiled):
+    return {
+        "llm": {"model": str(model), "dtype": dtype, "enforce_eager": not compiled,
+                "skip_tokenizer_init": True, "max_model_len": 256, "max_num_seqs": 4,
+                # chunked prefill: the 70- and 83-token prompts take 3 steps, the
+                # recurrent state carried across chunks
+                "max_num_batched_tokens": 32, "enable_prefix_caching": True, "seed": 0},
+        "prompt_batches": [prompts[:4], prompts[4:]],
+        "sampling": {"temperature": 0.0, "max_tokens": 12, "ignore_eos": True,
+                     "detokenize": False, "logprobs": 1},
+    }
+
+
+@pytest.fixture(scope="module")
+def engines(models, tmp_path_factory):
+    specs = {case: (_spec(models[family], _prompts(case), dtype, compiled), SIM)
+             for case, (family, compiled, dtype) in CASES.items()}
+    return SharedEngines(specs, tmp_path_factory.mktemp("engines"))
+
+
+@pytest.mark.engine
+@pytest.mark.parametrize("case", list(CASES))
+def test_state_space_model_matches_hf(case, models, engines):
+    """Each greedy token HF float64's top-1 (teacher-forced) with its log-prob within
+    2e-3 nats; bf16 (Qwen3.5: vLLM's CPU Gated DeltaNet kernel is bf16 only) against HF
+    on the same bf16 weights in float32 math, within bf16's rounding."""
+    family, compiled, dtype = CASES[case]
+    results, log = engines(case)
+    assert ("Warming up model for the compilation" in log) == compiled
+    assert "ACCEL_ATTN attention kernels:" in log
+    if family == "granitemoehybrid":
+        assert "AccelFusedMoEMethod" in log
+    outputs = [o for batch in results["batch_outputs"] for o in batch]
+    prompts = _prompts(case)
+    if dtype == "float32":
+        assert_matches_hf(models[family], prompts, outputs)
+    else:
+        assert_bf16_tokens_near_hf(models[family], prompts, outputs, nats=0.2)
+
+
+def test_what_is_not_served_says_so_at_startup(models, tmp_path):
+    """The card path has no recurrent-state kernels; vLLM's CPU Gated DeltaNet kernel
+    is bf16 only; vLLM's CPU build has no Mamba (v1) selective scan: each refused
+    before any worker starts, naming the layers and what to do."""
+    last = _fails(models["granitemoehybrid"], tmp_path, env=VIRTUAL_GCU_ENV)
+    assert "Mamba2 / short convolution layers" in last and "ACCEL_BACKEND=sim" in last
+    last = _fails(models["qwen3_5"], tmp_path)
+    assert "Gated DeltaNet layers" in last and "--dtype bfloat16" in last
+    last = _fails(models["jamba"], tmp_path)
+    assert "Mamba (selective-scan) layers" in last and "selective_scan_fwd" in last
