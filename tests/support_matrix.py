@@ -59,10 +59,13 @@ def rows() -> list[tuple[str, str, str, str, str]]:
         sim, card = _modes(moe_cases, family, moe.SIM, moe.VIRTUAL)
         out.append((family, moe_models.DESCRIPTIONS[family], sim, card,
                     "`test_moe_engine.py`"))
-    for case, (family, compiled, dtype) in state_space.CASES.items():
-        what = state_space.FAMILIES[family][1]
-        sim = f"{'bf16' if dtype == 'bfloat16' else 'fp32'}; {'compiled' if compiled else 'eager'}"
-        out.append((family, what, sim, "", "`test_state_space_models.py`"))
+    ssm_cases = [(f, e, c) for f, e, c, _ in state_space.CASES.values()]
+    for family in dict.fromkeys(f for f, *_ in ssm_cases):
+        sim, card = _modes(ssm_cases, family, state_space.SIM, state_space.VIRTUAL)
+        bf16 = any(f == family and d == "bfloat16" for f, _, _, d in state_space.CASES.values())
+        out.append((family, state_space.FAMILIES[family][1],
+                    f"{'bf16' if bf16 else 'fp32'}; {sim}", card and f"fp32; {card}",
+                    "`test_state_space_models.py`"))
     return out
 
 

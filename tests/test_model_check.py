@@ -47,7 +47,7 @@ CASES = {
               ["state-space layers (Mamba)", "selective_scan_fwd"]),
     "granitemoehybrid": ("GraniteMoeHybridConfig", "GraniteMoeHybridForCausalLM",
                          dict(layer_types=["mamba", "attention"], num_hidden_layers=2), True,
-                         ["state-space layers (Mamba2", "on the simulator"]),
+                         ["state-space layers (Mamba2", "registry's state-space kernels"]),
     "granitemoehybrid-attention-only": (
         "GraniteMoeHybridConfig", "GraniteMoeHybridForCausalLM",
         dict(layer_types=["attention", "attention"], num_hidden_layers=2), True, []),

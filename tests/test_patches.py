@@ -365,7 +365,28 @@ def test_cli_accepts_int8_kv_cache_dtype_once_patched():
     assert parser._option_string_actions["--kv-cache-dtype"].help.count("also accepts") == 1
 
 
-def test_card_patches_set_spawn_and_the_dist_ident(monkeypatch):
+@pytest.fixture
+def mixer2_names(monkeypatch):
+    """MambaMixer2's op names, restored after the test (card_worker rebinds them)."""
+    from vllm.model_executor.layers.mamba import mamba_mixer2
+
+    from vllm_accel.ops import state_space
+
+    for name in state_space.MIXER2_OPS:
+        monkeypatch.setattr(mamba_mixer2, name, getattr(mamba_mixer2, name))
+    return mamba_mixer2
+
+
+def test_mamba2_ops_on_cards_point_the_mixer_at_the_registry_adapters(mixer2_names):
+    from vllm_accel.ops import state_space
+
+    assert mixer2_names.selective_state_update is not state_space.selective_state_update
+    patches.apply_all("card_worker", init_method="tcp://127.0.0.1:29517")
+    for name, adapter in state_space.MIXER2_OPS.items():
+        assert getattr(mixer2_names, name) is adapter
+
+
+def test_card_patches_set_spawn_and_the_dist_ident(monkeypatch, mixer2_names):
     monkeypatch.delenv("VLLM_WORKER_MULTIPROC_METHOD", raising=False)
     patches.apply_all("card_config")
     assert os.environ["VLLM_WORKER_MULTIPROC_METHOD"] == "spawn"

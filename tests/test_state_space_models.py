@@ -1,8 +1,9 @@
-"""State-space and hybrid models on the simulator vs HF transformers: Mamba2 layers
-beside attention and MoE (Granite 4.0-H), beside attention and squared-ReLU MLPs
-(Nemotron-H), in parallel with attention (Falcon-H1), and Gated DeltaNet linear
-attention (Qwen3.5). The recurrent layers run vLLM's CPU kernels; attention, MoE and
-linears are the plugin's. What is not served says so at startup."""
+"""State-space and hybrid models vs HF transformers: Mamba2 layers beside attention
+and MoE (Granite 4.0-H), beside attention and squared-ReLU MLPs (Nemotron-H), in
+parallel with attention (Falcon-H1), and Gated DeltaNet linear attention (Qwen3.5).
+On the simulator the recurrent layers run vLLM's CPU kernels, on the virtual GCU (the
+card path) the registry's state-space kernels; attention, MoE and linears are the
+plugin's. What is not served says so at startup."""
 
 import random
 
@@ -14,12 +15,15 @@ from state_space_models import FAMILIES, build_tiny_state_space
 from test_preflight import _fails
 
 SIM = {}
-#: name: (family, compiled, dtype)
+VIRTUAL = {**VIRTUAL_GCU_ENV, "ACCEL_SIM_DEVICE_MEMORY_GB": "1"}
+#: name: (family, path env, compiled, dtype)
 CASES = {
-    "granitemoehybrid-compiled": ("granitemoehybrid", True, "float32"),
-    "qwen3_5-compiled-bf16": ("qwen3_5", True, "bfloat16"),
-    "nemotron_h-eager": ("nemotron_h", False, "float32"),
-    "falcon_h1-eager": ("falcon_h1", False, "float32"),
+    "granitemoehybrid-sim-compiled": ("granitemoehybrid", SIM, True, "float32"),
+    "qwen3_5-sim-compiled-bf16": ("qwen3_5", SIM, True, "bfloat16"),
+    "nemotron_h-sim-eager": ("nemotron_h", SIM, False, "float32"),
+    "falcon_h1-sim-eager": ("falcon_h1", SIM, False, "float32"),
+    "granitemoehybrid-virtual": ("granitemoehybrid", VIRTUAL, False, "float32"),
+    "nemotron_h-virtual": ("nemotron_h", VIRTUAL, False, "float32"),
 }
 
 
@@ -53,8 +57,8 @@ def _spec(model, prompts, dtype, compiled):
 
 @pytest.fixture(scope="module")
 def engines(models, tmp_path_factory):
-    specs = {case: (_spec(models[family], _prompts(case), dtype, compiled), SIM)
-             for case, (family, compiled, dtype) in CASES.items()}
+    specs = {case: (_spec(models[family], _prompts(case), dtype, compiled), env)
+             for case, (family, env, compiled, dtype) in CASES.items()}
     return SharedEngines(specs, tmp_path_factory.mktemp("engines"))
 
 
@@ -63,10 +67,13 @@ def engines(models, tmp_path_factory):
 def test_state_space_model_matches_hf(case, models, engines):
     """Each greedy token HF float64's top-1 (teacher-forced) with its log-prob within
     2e-3 nats; bf16 (Qwen3.5: vLLM's CPU Gated DeltaNet kernel is bf16 only) against HF
-    on the same bf16 weights in float32 math, within bf16's rounding."""
-    family, compiled, dtype = CASES[case]
+    on the same bf16 weights in float32 math, within bf16's rounding. On the virtual
+    GCU the Mamba2 layers run the registry's state-space kernels (ops/state_space.py)."""
+    family, env, compiled, dtype = CASES[case]
     results, log = engines(case)
     assert ("Warming up model for the compilation" in log) == compiled
+    if env is VIRTUAL:
+        assert "device gcu via virtual" in log
     assert "ACCEL_ATTN attention kernels:" in log
     if family == "granitemoehybrid":
         assert "AccelFusedMoEMethod" in log
@@ -79,11 +86,16 @@ def test_state_space_model_matches_hf(case, models, engines):
 
 
 def test_what_is_not_served_says_so_at_startup(models, tmp_path):
-    """The card path has no recurrent-state kernels; vLLM's CPU Gated DeltaNet kernel
-    is bf16 only; vLLM's CPU build has no Mamba (v1) selective scan: each refused
-    before any worker starts, naming the layers and what to do."""
-    last = _fails(models["granitemoehybrid"], tmp_path, env=VIRTUAL_GCU_ENV)
-    assert "Mamba2 / short convolution layers" in last and "ACCEL_BACKEND=sim" in last
+    """Gated DeltaNet layers have no card kernels, nor speculative decoding with
+    Mamba2 layers on the card path; vLLM's CPU Gated DeltaNet kernel is bf16 only;
+    vLLM's CPU build has no Mamba (v1) selective scan: each refused before any worker
+    starts, naming the layers and what to do."""
+    last = _fails(models["qwen3_5"], tmp_path, env=VIRTUAL_GCU_ENV, dtype="bfloat16")
+    assert "Gated DeltaNet layers" in last and "ACCEL_BACKEND=sim" in last
+    last = _fails(models["granitemoehybrid"], tmp_path, env=VIRTUAL_GCU_ENV,
+                  speculative_config={"method": "ngram", "num_speculative_tokens": 2,
+                                      "prompt_lookup_max": 3})
+    assert "speculative decoding" in last and "--speculative-config" in last
     last = _fails(models["qwen3_5"], tmp_path)
     assert "Gated DeltaNet layers" in last and "--dtype bfloat16" in last
     last = _fails(models["jamba"], tmp_path)

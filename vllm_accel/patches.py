@@ -123,6 +123,12 @@ def _spawn_card_workers() -> None:
     os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"
 
 
+def _mamba2_ops_on_cards(init_method: str = "") -> None:
+    from vllm_accel.ops import state_space
+
+    state_space.install()
+
+
 def _card_dist_ident(init_method: str) -> None:
     os.environ["VLLM_DIST_IDENT"] = (
         os.path.basename(init_method.removeprefix("file://"))
@@ -1000,6 +1006,24 @@ PATCHES: tuple[Patch, ...] = (
         "before the process group starts.",
         remove_when="vLLM sets the identity where the communicator is created.",
         apply=_card_dist_ident,
+        phase="card_worker",
+    ),
+    Patch(
+        name="Mamba2 ops through the kernel registry on cards",
+        why=(
+            "vLLM 0.32's MambaMixer2 calls module-level causal_conv1d_fn / "
+            "causal_conv1d_update / mamba_chunk_scan_combined_varlen / "
+            "selective_state_update, bound at import to Triton kernels, or to vLLM's C++ "
+            "CPU ops when the platform is a CPU; a card is neither."
+        ),
+        how=(
+            "When a card worker starts, the mixer module's four names are pointed at "
+            "ops/state_space.py's adapters (vLLM's signatures, the registry's "
+            "causal_conv1d / causal_conv1d_step / ssd_scan / ssm_decode_step kernels)."
+        ),
+        remove_when="vLLM dispatches the Mamba ops through the platform (a CustomOp "
+        "with forward_oot).",
+        apply=_mamba2_ops_on_cards,
         phase="card_worker",
     ),
     Patch(

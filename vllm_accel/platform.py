@@ -253,7 +253,8 @@ class AccelPlatform(CpuPlatform):
         if model_config is None:
             return
         weights = preflight.check_weights(model_config.model, model_config.dtype.itemsize)
-        preflight.check_state_space(model_config, backend.is_real_card, backend.device_name)
+        preflight.check_state_space(model_config, backend.is_real_card, backend.device_name,
+                                    vllm_config.speculative_config is not None)
         if backend.is_real_card:
             return  # a card's memory is known only in its worker (vendor library)
         parallel = vllm_config.parallel_config

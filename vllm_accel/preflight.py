@@ -191,7 +191,8 @@ def recurrent_layers(model_config) -> str | None:
     return recurrent_layer_kind(model_cls)
 
 
-def check_state_space(model_config, on_card: bool, device_name: str) -> None:
+def check_state_space(model_config, on_card: bool, device_name: str,
+                      speculative: bool = False) -> None:
     """State-space and linear-attention layers run vLLM's own CPU kernels
     (``layers/mamba/ops/cpu``) beside the plugin's attention and MoE: say at startup
     where those kernels cannot run, instead of a Triton or assertion error in a worker."""
@@ -204,11 +205,16 @@ def check_state_space(model_config, on_card: bool, device_name: str) -> None:
             "CPU build has no selective_scan_fwd kernel (stock vLLM CPU fails on them "
             "too); it is not served. Mamba2-based models (Granite 4.0-H, Nemotron-H, Falcon-H1, Bamba) "
             "are served.")
-    if on_card:
+    if on_card and kind != "Mamba2 / short convolution":
         raise StartupError(
             f"{model_config.architecture} has {kind} layers, which the {device_name} "
             "card path does not run yet (vLLM's kernels for them are Triton or CPU "
             "only). Serve it on the simulated gcu (ACCEL_BACKEND=sim).")
+    if on_card and speculative:
+        raise StartupError(
+            f"{model_config.architecture} has {kind} layers: speculative decoding with "
+            f"them is not served on the {device_name} card path; serve without "
+            "--speculative-config, or on the simulated gcu (ACCEL_BACKEND=sim).")
     if kind == "Gated DeltaNet" and model_config.dtype != torch.bfloat16:
         raise StartupError(
             f"{model_config.architecture} has Gated DeltaNet layers, which vLLM's CPU "

@@ -193,9 +193,11 @@ def _recurrent_layers(arch: str) -> Finding:
     if kind == "Mamba":
         return Finding(feature, False, "not served: vLLM 0.32's CPU build has no "
                        "selective_scan_fwd kernel (stock vLLM CPU neither)")
-    dtype = " in bfloat16 only (--dtype bfloat16)" if kind == "Gated DeltaNet" else ""
-    return Finding(feature, True, f"vLLM's CPU kernels{dtype}, on the simulator; the "
-                   "card path refuses them at startup (no recurrent-state kernels yet)")
+    if kind == "Gated DeltaNet":
+        return Finding(feature, True, "vLLM's CPU kernel on the simulator, bfloat16 only "
+                       "(--dtype bfloat16); the card path refuses them at startup")
+    return Finding(feature, True, "vLLM's CPU kernels on the simulator; on the card path "
+                   "the registry's state-space kernels (no speculative decoding)")
 
 
 def check(model_dir: str | Path) -> list[Finding]:

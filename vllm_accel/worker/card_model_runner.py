@@ -2,6 +2,7 @@
 vendor allocator. Without a card it runs on the virtual GCU
 (``ACCEL_BACKEND=virtual``), forward pass included."""
 
+import torch
 from vllm.v1.structured_output.utils import apply_grammar_bitmask
 from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
@@ -30,6 +31,23 @@ class AccelCardModelRunner(GPUModelRunner):
 
     def _sync_device(self) -> None:
         get_backend().synchronize()
+
+    def _zero_block_ids(self, block_ids: list[int]) -> None:
+        """Zero freshly allocated blocks of every layer's cache (attention pages and
+        Mamba states alike), as vLLM's GPU runner does with a Triton kernel."""
+        if not block_ids:
+            return
+        index = torch.tensor(block_ids, device=self.device)
+        seen = set()
+        for ctx in self.compilation_config.static_forward_context.values():
+            caches = getattr(ctx, "kv_cache", None)
+            for cache in caches if isinstance(caches, (list, tuple)) else (caches,):
+                if not isinstance(cache, torch.Tensor) or not cache.numel():
+                    continue
+                key = (cache.data_ptr(), cache.shape, cache.stride())
+                if key not in seen:
+                    seen.add(key)
+                    cache.index_fill_(0, index, 0)
 
     def load_model(self, *args, **kwargs) -> None:
         backend = get_backend()

@@ -1,0 +1,75 @@
+"""``torch_fast`` Mamba2 scan: the state-space duality's chunked form, a few batched
+matmuls a chunk instead of one step a token (the ``reference`` scan is the oracle).
+
+Within a chunk of ``L`` tokens, with ``a_t`` the running sum of ``dt * A`` from the
+chunk's start and ``h0`` the state entering it::
+
+    y_t   = exp(a_t) * (C_t . h0) + sum_{s<=t} exp(a_t - a_s) * dt_s * (C_t . B_s) * x_s
+    h_end = exp(a_L) * h0 + sum_s exp(a_L - a_s) * dt_s * x_s (outer) B_s
+"""
+
+import torch
+
+from vllm_accel.ops.reference.state_space import _heads, _skip_and_gate, prepare_dt
+from vllm_accel.ops.registry import register_kernel
+
+#: tokens a chunk when the caller gives no chunk boundaries (vLLM always does)
+DEFAULT_CHUNK = 256
+
+
+def _chunk(x, steps, a, Bh, Ch, h0):
+    """One chunk of one sequence: ``(y [L, H, P], h_end [H, P, N])``."""
+    cum = torch.cumsum(steps * a, dim=0)  # [L, H]
+    # decay[h, t, s] = exp(cum_t - cum_s) for s <= t, else 0
+    diff = cum.T[:, :, None] - cum.T[:, None, :]
+    causal = torch.ones(diff.shape[1:], dtype=torch.bool, device=x.device).tril()
+    decay = torch.exp(diff.masked_fill(~causal, float("-inf")))
+    scores = torch.einsum("thn,shn->hts", Ch, Bh) * decay  # [H, L, L]
+    xs = x * steps[:, :, None]  # dt_s * x_s, [L, H, P]
+    y = torch.einsum("hts,shp->thp", scores, xs)
+    y = y + torch.exp(cum)[:, :, None] * torch.einsum("thn,hpn->thp", Ch, h0)
+    tail = torch.exp(cum[-1][None] - cum)  # [L, H]
+    h_end = (torch.exp(cum[-1])[:, None, None] * h0
+             + torch.einsum("sh,shp,shn->hpn", tail, xs, Bh))
+    return y, h_end
+
+
+@register_kernel("ssd_scan", provider="torch_fast")
+def ssd_scan(x, dt, A, B, C, cu_seqlens, initial_states=None, D=None, z=None,
+             dt_bias=None, dt_softplus=False, dt_limit=(0.0, float("inf")),
+             chunk_ends=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ``reference`` ``ssd_scan``'s contract, chunk by chunk: sequences are cut at
+    ``chunk_ends`` (vLLM's chunk boundaries, which never span two sequences), else
+    every ``DEFAULT_CHUNK`` tokens."""
+    compute = torch.float64 if x.dtype == torch.float64 else torch.float32
+    heads, head_dim = x.shape[1:]
+    steps = prepare_dt(dt, dt_bias, dt_softplus, dt_limit).to(compute)
+    Bh, Ch = _heads(B.to(compute), heads), _heads(C.to(compute), heads)
+    xc, a = x.to(compute), A.to(compute)
+    bounds = cu_seqlens.tolist()
+    if chunk_ends is not None:
+        cuts = sorted(set(int(e) for e in chunk_ends) | set(bounds[1:]))
+    else:
+        cuts = sorted({e for s in range(len(bounds) - 1)
+                       for e in range(bounds[s] + DEFAULT_CHUNK, bounds[s + 1],
+                                      DEFAULT_CHUNK)} | set(bounds[1:]))
+    y = torch.empty(x.shape, dtype=compute, device=x.device)
+    state_after, finals = {}, []
+    cut = 0
+    for s in range(len(bounds) - 1):
+        h = (initial_states[s].to(compute) if initial_states is not None else
+             torch.zeros(heads, head_dim, B.shape[-1], dtype=compute, device=x.device))
+        start = bounds[s]
+        while start < bounds[s + 1]:
+            while cuts[cut] <= start:
+                cut += 1
+            end = cuts[cut]
+            y[start:end], h = _chunk(xc[start:end], steps[start:end], a, Bh[start:end],
+                                     Ch[start:end], h)
+            state_after[end] = h
+            start = end
+        finals.append(h)
+    y = _skip_and_gate(y, x, D, z)
+    if chunk_ends is None:
+        return y, torch.stack(finals)
+    return y, torch.stack([state_after[int(e)] for e in chunk_ends])
