@@ -60,11 +60,17 @@ def rows() -> list[tuple[str, str, str, str, str]]:
         out.append((family, moe_models.DESCRIPTIONS[family], sim, card,
                     "`test_moe_engine.py`"))
     ssm_cases = [(f, e, c) for f, e, c, _ in state_space.CASES.values()]
+
+    def dtypes(family, env):
+        names = {"float32": "fp32", "bfloat16": "bf16"}
+        return ", ".join(dict.fromkeys(names[d] for f, e, _, d in state_space.CASES.values()
+                                       if f == family and e is env))
+
     for family in dict.fromkeys(f for f, *_ in ssm_cases):
         sim, card = _modes(ssm_cases, family, state_space.SIM, state_space.VIRTUAL)
-        bf16 = any(f == family and d == "bfloat16" for f, _, _, d in state_space.CASES.values())
         out.append((family, state_space.FAMILIES[family][1],
-                    f"{'bf16' if bf16 else 'fp32'}; {sim}", card and f"fp32; {card}",
+                    f"{dtypes(family, state_space.SIM)}; {sim}",
+                    card and f"{dtypes(family, state_space.VIRTUAL)}; {card}",
                     "`test_state_space_models.py`"))
     return out
 

@@ -180,3 +180,39 @@ def test_speculative_rows_are_refused_by_name():
     with pytest.raises(NotImplementedError, match="speculative decoding with Mamba2"):
         state_space.causal_conv1d_update(torch.zeros(1, 4), torch.zeros(1, 4, 3),
                                          torch.zeros(4, 4), num_accepted_tokens=torch.ones(1))
+
+
+def test_gated_delta_rule_matches_hf_recurrence():
+    """Qwen3-Next / Qwen3.5's Gated DeltaNet: three packed sequences (one continuing a
+    cached state, one on the padding slot) against HF transformers' own token-by-token
+    ``torch_recurrent_gated_delta_rule`` run per sequence (key heads shared by two value
+    heads each): outputs and the final states left in the cache."""
+    from transformers.models.qwen3_next.modeling_qwen3_next import (
+        torch_recurrent_gated_delta_rule,
+    )
+
+    gen = torch.Generator().manual_seed(6)
+    hk, hv, dk, dv, lengths = 2, 4, 16, 8, [7, 3, 12]
+    total = sum(lengths)
+    q, k = torch.randn(total, hk, dk, generator=gen), torch.randn(total, hk, dk, generator=gen)
+    v = torch.randn(total, hv, dv, generator=gen)
+    g = -torch.rand(total, hv, generator=gen)
+    beta = torch.rand(total, hv, generator=gen)
+    states = torch.randn(5, hv, dv, dk, generator=gen)
+    before = states.clone()
+    cu = torch.tensor([0, 7, 10, 22])
+    slots, has_init = torch.tensor([3, -1, 1]), torch.tensor([False, False, True])
+    out = get_kernel("gated_delta_rule", "reference")(q, k, v, g, beta, states, cu, slots,
+                                                      has_init)
+    for s in (0, 2):
+        rows = slice(int(cu[s]), int(cu[s + 1]))
+        init = before[slots[s]].transpose(-1, -2)[None] if has_init[s] else None
+        expected, final = torch_recurrent_gated_delta_rule(
+            q[None, rows].repeat_interleave(2, 2), k[None, rows].repeat_interleave(2, 2),
+            v[None, rows], g[None, rows], beta[None, rows], initial_state=init,
+            output_final_state=True, use_qk_l2norm_in_kernel=True)
+        torch.testing.assert_close(out[rows], expected[0], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(states[slots[s]], final[0].transpose(-1, -2),
+                                   rtol=1e-5, atol=1e-5)
+    assert torch.equal(states[[0, 2, 4]], before[[0, 2, 4]])
+    assert not out[7:10].any()

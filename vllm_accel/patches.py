@@ -1009,20 +1009,26 @@ PATCHES: tuple[Patch, ...] = (
         phase="card_worker",
     ),
     Patch(
-        name="Mamba2 ops through the kernel registry on cards",
+        name="Mamba2 and Gated DeltaNet ops through the kernel registry on cards",
         why=(
             "vLLM 0.32's MambaMixer2 calls module-level causal_conv1d_fn / "
             "causal_conv1d_update / mamba_chunk_scan_combined_varlen / "
             "selective_state_update, bound at import to Triton kernels, or to vLLM's C++ "
-            "CPU ops when the platform is a CPU; a card is neither."
+            "CPU ops when the platform is a CPU; QwenGatedDeltaNetAttention picks its "
+            "forward (Triton/FLA, or CPU ops) from the platform in __init__. A card is "
+            "neither."
         ),
         how=(
             "When a card worker starts, the mixer module's four names are pointed at "
             "ops/state_space.py's adapters (vLLM's signatures, the registry's "
-            "causal_conv1d / causal_conv1d_step / ssd_scan / ssm_decode_step kernels)."
+            "causal_conv1d / causal_conv1d_step / ssd_scan / ssm_decode_step kernels); "
+            "the plugin's gdn_attention_core is registered as vLLM's "
+            "cpu_gdn_attention_core op (vLLM registers it on CPU platforms only) and "
+            "Gated DeltaNet layers built afterwards take vLLM's forward_cpu, which calls "
+            "that op."
         ),
-        remove_when="vLLM dispatches the Mamba ops through the platform (a CustomOp "
-        "with forward_oot).",
+        remove_when="vLLM dispatches the Mamba and GDN ops through the platform (a "
+        "CustomOp with forward_oot).",
         apply=_mamba2_ops_on_cards,
         phase="card_worker",
     ),

@@ -205,7 +205,7 @@ def check_state_space(model_config, on_card: bool, device_name: str,
             "CPU build has no selective_scan_fwd kernel (stock vLLM CPU fails on them "
             "too); it is not served. Mamba2-based models (Granite 4.0-H, Nemotron-H, Falcon-H1, Bamba) "
             "are served.")
-    if on_card and kind != "Mamba2 / short convolution":
+    if on_card and kind not in ("Mamba2 / short convolution", "Gated DeltaNet"):
         raise StartupError(
             f"{model_config.architecture} has {kind} layers, which the {device_name} "
             "card path does not run yet (vLLM's kernels for them are Triton or CPU "
@@ -215,7 +215,7 @@ def check_state_space(model_config, on_card: bool, device_name: str,
             f"{model_config.architecture} has {kind} layers: speculative decoding with "
             f"them is not served on the {device_name} card path; serve without "
             "--speculative-config, or on the simulated gcu (ACCEL_BACKEND=sim).")
-    if kind == "Gated DeltaNet" and model_config.dtype != torch.bfloat16:
+    if not on_card and kind == "Gated DeltaNet" and model_config.dtype != torch.bfloat16:
         raise StartupError(
             f"{model_config.architecture} has Gated DeltaNet layers, which vLLM's CPU "
             f"kernel runs in bfloat16 only (--dtype is {model_config.dtype}); use "

@@ -1,16 +1,19 @@
-"""Mamba2 layers on the card path: vLLM's state-space ops with the kernel registry
-behind them.
+"""State-space layers on the card path: vLLM's Mamba2 and Gated DeltaNet ops with
+the kernel registry behind them.
 
 vLLM 0.32's ``MambaMixer2`` calls four module-level functions -- the causal
 convolution over prefills and its one-token update, the chunked selective scan and
 its one-token state update -- which are Triton kernels, or vLLM's C++ CPU ops when
-the platform is a CPU. A card is neither, so :func:`install` (a patch in
-``patches.py``) points the mixer's names at the adapters here, which keep vLLM's
-signatures and run ``causal_conv1d``, ``causal_conv1d_step``, ``ssd_scan`` and
-``ssm_decode_step`` from the registry (``torch_fast`` / ``reference``, or a vendor's).
+the platform is a CPU; its Gated DeltaNet layer picks a Triton/FLA or a CPU forward
+the same way. A card is neither, so :func:`install` (a patch in ``patches.py``)
+points the mixer's names at the adapters here, which keep vLLM's signatures and run
+``causal_conv1d``, ``causal_conv1d_step``, ``ssd_scan`` and ``ssm_decode_step`` from
+the registry (``torch_fast`` / ``reference``, or a vendor's), and serves the Gated
+DeltaNet layer's core op with ``gated_delta_rule``.
 """
 
 import torch
+from vllm.utils.torch_utils import LayerNameType
 
 from vllm_accel.ops.reference import state_space as _reference  # noqa: F401  (registers)
 from vllm_accel.ops.registry import get_kernel
@@ -108,6 +111,54 @@ def selective_state_update(state, x, dt, A, B, C, D, dt_bias, z=None, dt_softplu
     return out
 
 
+def gdn_attention_core(mixed_qkv: torch.Tensor, b: torch.Tensor, a: torch.Tensor,
+                       core_attn_out: torch.Tensor, layer_name: LayerNameType) -> None:
+    """vLLM's ``cpu_gdn_attention_core`` op (what ``forward_cpu`` of a Gated DeltaNet
+    layer calls) on the registry: the causal convolution over q/k/v, the gates
+    ``g = -exp(A_log) * softplus(a + dt_bias)``, ``beta = sigmoid(b)``, then
+    ``gated_delta_rule`` over decodes and prefills alike, states in vLLM's cache."""
+    from vllm.forward_context import get_forward_context
+    from vllm.model_executor.layers.mamba.mamba_utils import is_conv_state_dim_first
+    from vllm.utils.torch_utils import _resolve_layer_name
+
+    context = get_forward_context()
+    layer = context.no_compile_layers[_resolve_layer_name(layer_name)]
+    if context.attn_metadata is None:
+        return
+    meta = context.attn_metadata[layer.prefix]
+    if meta.num_actual_tokens == 0:
+        return
+    _no_speculative_rows(meta.num_accepted_tokens)
+    conv_state, ssm_state = layer.kv_cache[0], layer.kv_cache[1]
+    if not is_conv_state_dim_first():
+        conv_state = conv_state.transpose(-1, -2)  # (dim, state) views
+    weight = layer.conv1d.weight.view(layer.conv1d.weight.size(0), -1)
+    slots = meta.non_spec_state_indices_tensor.cpu()
+    cu = meta.non_spec_query_start_loc.cpu()
+    decodes, decode_tokens = meta.num_decodes, meta.num_decode_tokens
+    tokens = decode_tokens + meta.num_prefill_tokens
+    x = mixed_qkv[:tokens]
+    conv = torch.empty_like(x)
+    if decodes:
+        conv[:decode_tokens] = get_kernel("causal_conv1d_step")(
+            x[:decode_tokens], conv_state, weight, layer.conv1d.bias, slots[:decodes],
+            layer.activation, null_slot=PAD_SLOT_ID)
+    initial = torch.ones(len(slots), dtype=torch.bool)
+    if meta.num_prefills:
+        initial[decodes:] = meta.has_initial_state[decodes:].cpu()
+        conv[decode_tokens:] = get_kernel("causal_conv1d")(
+            x[decode_tokens:].transpose(0, 1), weight, layer.conv1d.bias, conv_state,
+            cu[decodes:] - decode_tokens, slots[decodes:], initial[decodes:],
+            layer.activation, null_slot=PAD_SLOT_ID).transpose(0, 1)
+    query, key, value = (t[0] for t in layer.rearrange_mixed_qkv(conv))
+    g = -torch.exp(layer.A_log.float()) * torch.nn.functional.softplus(
+        a[:tokens].float() + layer.dt_bias.float())
+    beta = torch.sigmoid(b[:tokens].float())
+    out = get_kernel("gated_delta_rule")(query, key, value, g, beta, ssm_state, cu, slots,
+                                         initial, null_slot=PAD_SLOT_ID)
+    core_attn_out[:tokens] = out.to(core_attn_out.dtype)
+
+
 #: MambaMixer2's module-level names -> their adapters here
 MIXER2_OPS = {"causal_conv1d_fn": causal_conv1d_fn,
               "causal_conv1d_update": causal_conv1d_update,
@@ -117,8 +168,25 @@ MIXER2_OPS = {"causal_conv1d_fn": causal_conv1d_fn,
 
 def install() -> None:
     """Point ``vllm.model_executor.layers.mamba.mamba_mixer2``'s op names at the
-    adapters (idempotent)."""
+    adapters; register :func:`gdn_attention_core` as vLLM's ``cpu_gdn_attention_core``
+    op (vLLM registers it on CPU platforms only) and have Gated DeltaNet layers built
+    from here on take ``forward_cpu``, which calls it (idempotent)."""
     from vllm.model_executor.layers.mamba import mamba_mixer2
+    from vllm.model_executor.layers.mamba.gdn import qwen_gdn_linear_attn as gdn
+    from vllm.utils.torch_utils import direct_register_custom_op
 
     for name, adapter in MIXER2_OPS.items():
         setattr(mamba_mixer2, name, adapter)
+    if not hasattr(torch.ops.vllm, "cpu_gdn_attention_core"):
+        direct_register_custom_op(op_name="cpu_gdn_attention_core",
+                                  op_func=gdn_attention_core, mutates_args=["core_attn_out"])
+    layer_cls = gdn.QwenGatedDeltaNetAttention
+    if not getattr(layer_cls.__init__, "__accel_patched__", False):
+        original = layer_cls.__init__
+
+        def __init__(self, *args, **kwargs):
+            original(self, *args, **kwargs)
+            self._forward_method = self.forward_cpu
+
+        __init__.__accel_patched__ = True
+        layer_cls.__init__ = __init__

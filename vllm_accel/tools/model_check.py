@@ -195,7 +195,8 @@ def _recurrent_layers(arch: str) -> Finding:
                        "selective_scan_fwd kernel (stock vLLM CPU neither)")
     if kind == "Gated DeltaNet":
         return Finding(feature, True, "vLLM's CPU kernel on the simulator, bfloat16 only "
-                       "(--dtype bfloat16); the card path refuses them at startup")
+                       "(--dtype bfloat16); on the card path the registry's state-space "
+                       "kernels (no speculative decoding)")
     return Finding(feature, True, "vLLM's CPU kernels on the simulator; on the card path "
                    "the registry's state-space kernels (no speculative decoding)")
 

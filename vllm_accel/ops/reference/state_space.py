@@ -149,3 +149,44 @@ def causal_conv1d_step(x, conv_states, weight, bias, slots, activation=None,
         out[i] = _activate(y, activation).to(x.dtype)
         conv_states[slot, :, :width] = window[:, 1:].to(conv_states.dtype)
     return out
+
+
+def _l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """``x / sqrt(|x|^2 + eps)`` over the last dim, as vLLM's and HF's kernels have it."""
+    return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
+
+
+@register_kernel("gated_delta_rule")
+def gated_delta_rule(q, k, v, g, beta, states, cu_seqlens, slots, has_initial_state=None,
+                     null_slot=-1) -> torch.Tensor:
+    """Gated DeltaNet's recurrence (Qwen3-Next / Qwen3.5 linear attention) over packed
+    sequences, token by token. ``q``/``k [T, Hk, K]`` (each head's key heads shared by
+    ``Hv / Hk`` value heads), ``v [T, Hv, V]``, ``g [T, Hv]`` (log decay), ``beta
+    [T, Hv]``; ``states [slots, Hv, V, K]`` (read where ``has_initial_state``, else
+    zeros; each sequence's final state written back). With q and k L2-normalised and q
+    scaled by ``K ** -0.5``::
+
+        S = exp(g_t) * S;  S += beta_t * (v_t - S k_t) (outer) k_t;  o_t = S q_t
+
+    Returns ``o [T, Hv, V]``."""
+    compute = torch.float64 if v.dtype == torch.float64 else torch.float32
+    heads, key_dim = v.shape[1], q.shape[-1]
+    q = _l2norm(q.to(compute)) * key_dim ** -0.5
+    k = _l2norm(k.to(compute))
+    q, k = q.repeat_interleave(heads // q.shape[1], 1), k.repeat_interleave(heads // k.shape[1], 1)
+    v, g, beta = v.to(compute), g.to(compute), beta.to(compute)
+    out = torch.zeros(v.shape, dtype=compute, device=v.device)
+    bounds = cu_seqlens.tolist()
+    for s, slot in enumerate(slots.tolist()):
+        if slot == null_slot:
+            continue
+        S = (states[slot].to(compute) if has_initial_state is not None
+             and bool(has_initial_state[s]) else
+             torch.zeros(heads, v.shape[-1], key_dim, dtype=compute, device=v.device))
+        for t in range(bounds[s], bounds[s + 1]):
+            S = torch.exp(g[t])[:, None, None] * S
+            delta = beta[t][:, None] * (v[t] - (S @ k[t][:, :, None])[..., 0])
+            S = S + delta[:, :, None] * k[t][:, None, :]
+            out[t] = (S @ q[t][:, :, None])[..., 0]
+        states[slot] = S.to(states.dtype)
+    return out
