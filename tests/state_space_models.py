@@ -6,7 +6,8 @@ Each is built from HF transformers' own config class with the layer mix the fami
 ships (a few recurrent layers, then attention), small widths, and weights drawn wider
 than HF's init (std 0.08, LM head 0.4) so logits are peaked. The recurrent layers'
 own parameters keep HF's init (their decay ``A_log``, ``dt_bias`` and ``D`` have
-meaning; a random draw would make the state blow up or vanish).
+meaning; a random draw would make the state blow up or vanish). MoE routers are drawn
+wide (std 0.3) as in ``moe_models``.
 """
 
 from pathlib import Path
@@ -41,6 +42,17 @@ FAMILIES = {
                           "full_attention"],
              linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=128,
              linear_value_head_dim=128, linear_conv_kernel_dim=4)),
+    "qwen3_5_moe": (
+        "Qwen3_5MoeTextConfig",
+        "Gated DeltaNet then gated attention; MoE top-2 of 8 with a gated shared expert "
+        "(Qwen3.5-MoE)",
+        dict(num_hidden_layers=4, head_dim=32,
+             layer_types=["linear_attention", "linear_attention", "linear_attention",
+                          "full_attention"],
+             linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=128,
+             linear_value_head_dim=128, linear_conv_kernel_dim=4, num_experts=8,
+             num_experts_per_tok=2, moe_intermediate_size=64,
+             shared_expert_intermediate_size=64)),
     "nemotron_h": (
         "NemotronHConfig",
         "Mamba2, attention and squared-ReLU MLP layers (Nemotron-H)",
@@ -83,6 +95,8 @@ def build_tiny_state_space(path: Path, family: str, *, hidden: int = 128, vocab:
     with torch.no_grad():
         for name, p in model.named_parameters():
             if p.dim() > 1 and not any(k in name for k in KEEP_INIT):
-                p.normal_(0, 0.4 if p is head.weight else 0.08)
+                # routers drawn wide too: decisive expert choices, which bf16 keeps
+                router = "gate.weight" in name or "router" in name
+                p.normal_(0, 0.4 if p is head.weight else 0.3 if router else 0.08)
     model.save_pretrained(path, safe_serialization=True)
     return path

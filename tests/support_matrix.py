@@ -69,7 +69,7 @@ def rows() -> list[tuple[str, str, str, str, str]]:
     for family in dict.fromkeys(f for f, *_ in ssm_cases):
         sim, card = _modes(ssm_cases, family, state_space.SIM, state_space.VIRTUAL)
         out.append((family, state_space.FAMILIES[family][1],
-                    f"{dtypes(family, state_space.SIM)}; {sim}",
+                    sim and f"{dtypes(family, state_space.SIM)}; {sim}",
                     card and f"{dtypes(family, state_space.VIRTUAL)}; {card}",
                     "`test_state_space_models.py`"))
     return out

@@ -1,6 +1,7 @@
 """State-space and hybrid models vs HF transformers: Mamba2 layers beside attention
 and MoE (Granite 4.0-H), beside attention and squared-ReLU MLPs (Nemotron-H), in
-parallel with attention (Falcon-H1), and Gated DeltaNet linear attention (Qwen3.5).
+parallel with attention (Falcon-H1), and Gated DeltaNet linear attention (Qwen3.5,
+Qwen3.5-MoE).
 On the simulator the recurrent layers run vLLM's CPU kernels, on the virtual GCU (the
 card path) the registry's state-space kernels (Gated DeltaNet in float32 too); attention, MoE and linears are the
 plugin's. What is not served says so at startup."""
@@ -26,6 +27,10 @@ CASES = {
     "nemotron_h-virtual": ("nemotron_h", VIRTUAL, False, "float32"),
     # (the card path's Gated DeltaNet kernels take float32, vLLM's CPU one does not)
     "qwen3_5-virtual": ("qwen3_5", VIRTUAL, False, "float32"),
+    # (not on the simulator: there vLLM's bf16-only CPU kernel and bf16 routing leave
+    # this model's tokens up to 0.8-1.5 nats below HF's top on the 100-token prompts,
+    # too loose to be a test; stock vLLM CPU, 3.4 nats on other prompts)
+    "qwen3_5_moe-virtual": ("qwen3_5_moe", VIRTUAL, False, "float32"),
 }
 
 
@@ -80,9 +85,9 @@ def test_state_space_model_matches_hf(case, models, engines):
     if env is VIRTUAL:
         assert "device gcu via virtual" in log
     assert "ACCEL_ATTN attention kernels:" in log
-    if family == "granitemoehybrid":
+    if family in ("granitemoehybrid", "qwen3_5_moe"):
         assert "AccelFusedMoEMethod" in log
-    if family != "qwen3_5":  # (a Gated DeltaNet state page is 1088 tokens of attention)
+    if not family.startswith("qwen3_5"):  # (a Gated DeltaNet state is 1088 tokens' page)
         assert results["prefix_cache"]["vllm:prefix_cache_hits"] >= 64
     outputs = [o for batch in results["batch_outputs"] for o in batch]
     prompts = _prompts(case)
