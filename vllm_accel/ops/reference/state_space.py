@@ -169,11 +169,30 @@ def gated_delta_rule(q, k, v, g, beta, states, cu_seqlens, slots, has_initial_st
         S = exp(g_t) * S;  S += beta_t * (v_t - S k_t) (outer) k_t;  o_t = S q_t
 
     Returns ``o [T, Hv, V]``."""
+    return delta_rule_over_sequences(_delta_tokens, q, k, v, g, beta, states, cu_seqlens,
+                                     slots, has_initial_state, null_slot)
+
+
+def _delta_tokens(q, k, v, g, beta, S):
+    """One sequence token by token (``q``/``k``/``v [L, H, *]``, ``g``/``beta [L, H]``)."""
+    out = torch.empty(v.shape, dtype=v.dtype, device=v.device)
+    for t in range(v.shape[0]):
+        S = torch.exp(g[t])[:, None, None] * S
+        delta = beta[t][:, None] * (v[t] - (S @ k[t][:, :, None])[..., 0])
+        S = S + delta[:, :, None] * k[t][:, None, :]
+        out[t] = (S @ q[t][:, :, None])[..., 0]
+    return out, S
+
+
+def delta_rule_over_sequences(sequence_fn, q, k, v, g, beta, states, cu_seqlens, slots,
+                              has_initial_state, null_slot) -> torch.Tensor:
+    """What every provider's ``gated_delta_rule`` shares: q/k normalised (q scaled) and
+    repeated over their value heads, each sequence's state read from its slot or zeros,
+    ``sequence_fn(q, k, v, g, beta, S) -> (o, S)`` run on it, the state written back."""
     compute = torch.float64 if v.dtype == torch.float64 else torch.float32
     heads, key_dim = v.shape[1], q.shape[-1]
-    q = _l2norm(q.to(compute)) * key_dim ** -0.5
-    k = _l2norm(k.to(compute))
-    q, k = q.repeat_interleave(heads // q.shape[1], 1), k.repeat_interleave(heads // k.shape[1], 1)
+    q = (_l2norm(q.to(compute)) * key_dim ** -0.5).repeat_interleave(heads // q.shape[1], 1)
+    k = _l2norm(k.to(compute)).repeat_interleave(heads // k.shape[1], 1)
     v, g, beta = v.to(compute), g.to(compute), beta.to(compute)
     out = torch.zeros(v.shape, dtype=compute, device=v.device)
     bounds = cu_seqlens.tolist()
@@ -183,10 +202,7 @@ def gated_delta_rule(q, k, v, g, beta, states, cu_seqlens, slots, has_initial_st
         S = (states[slot].to(compute) if has_initial_state is not None
              and bool(has_initial_state[s]) else
              torch.zeros(heads, v.shape[-1], key_dim, dtype=compute, device=v.device))
-        for t in range(bounds[s], bounds[s + 1]):
-            S = torch.exp(g[t])[:, None, None] * S
-            delta = beta[t][:, None] * (v[t] - (S @ k[t][:, :, None])[..., 0])
-            S = S + delta[:, :, None] * k[t][:, None, :]
-            out[t] = (S @ q[t][:, :, None])[..., 0]
+        rows = slice(bounds[s], bounds[s + 1])
+        out[rows], S = sequence_fn(q[rows], k[rows], v[rows], g[rows], beta[rows], S)
         states[slot] = S.to(states.dtype)
     return out

@@ -1,16 +1,23 @@
-"""``torch_fast`` Mamba2 scan: the state-space duality's chunked form, a few batched
-matmuls a chunk instead of one step a token (the ``reference`` scan is the oracle).
+"""``torch_fast`` state-space kernels, chunked: a few batched matmuls a chunk instead
+of one step a token (the ``reference`` recurrences are the oracle).
 
-Within a chunk of ``L`` tokens, with ``a_t`` the running sum of ``dt * A`` from the
-chunk's start and ``h0`` the state entering it::
+Mamba2's scan in the state-space duality's form: within a chunk of ``L`` tokens, with
+``a_t`` the running sum of ``dt * A`` from the chunk's start and ``h0`` the state
+entering it::
 
     y_t   = exp(a_t) * (C_t . h0) + sum_{s<=t} exp(a_t - a_s) * dt_s * (C_t . B_s) * x_s
     h_end = exp(a_L) * h0 + sum_s exp(a_L - a_s) * dt_s * x_s (outer) B_s
-"""
+
+The gated delta rule: see :func:`_delta_chunk`."""
 
 import torch
 
-from vllm_accel.ops.reference.state_space import _heads, _skip_and_gate, prepare_dt
+from vllm_accel.ops.reference.state_space import (
+    _heads,
+    _skip_and_gate,
+    delta_rule_over_sequences,
+    prepare_dt,
+)
 from vllm_accel.ops.registry import register_kernel
 
 #: tokens a chunk when the caller gives no chunk boundaries (vLLM always does)
@@ -73,3 +80,52 @@ def ssd_scan(x, dt, A, B, C, cu_seqlens, initial_states=None, D=None, z=None,
     if chunk_ends is None:
         return y, torch.stack(finals)
     return y, torch.stack([state_after[int(e)] for e in chunk_ends])
+
+
+#: tokens a chunk of the gated delta rule
+DELTA_CHUNK = 64
+
+
+def _delta_chunk(q, k, v, g, beta, S):
+    """One chunk of one sequence, heads batched: ``q``/``k [H, L, K]`` (normalised,
+    q scaled), ``v [H, L, V]``, ``g``/``beta [H, L]``, entering state ``S [H, V, K]``.
+
+    With ``c_t`` the running sum of ``g`` and ``u_t`` the value each token writes,
+    ``S_t = exp(c_t) S + sum_{i<=t} exp(c_t - c_i) u_i k_i^T``; the delta rule makes
+    ``u = beta * (v - exp(c) * (S k) - A u)`` with ``A[t, i] = exp(c_t - c_i) k_t.k_i``
+    (i < t), a unit lower-triangular system solved for all tokens at once."""
+    c = torch.cumsum(g, dim=-1)  # [H, L]
+    diff = c[:, :, None] - c[:, None, :]
+    length = g.shape[-1]
+    lower = torch.ones(length, length, dtype=torch.bool, device=g.device).tril()
+    decay = torch.exp(diff.masked_fill(~lower, float("-inf")))  # exp(c_t - c_i), i <= t
+    strict = decay * (k @ k.transpose(-1, -2))
+    strict = strict.masked_fill(torch.eye(length, dtype=torch.bool, device=g.device), 0)
+    system = torch.eye(length, dtype=q.dtype, device=q.device) + beta[..., None] * strict
+    rhs = beta[..., None] * (v - torch.exp(c)[..., None] * (k @ S.transpose(-1, -2)))
+    u = torch.linalg.solve_triangular(system, rhs, upper=False, unitriangular=True)
+    out = (torch.exp(c)[..., None] * (q @ S.transpose(-1, -2))
+           + (decay * (q @ k.transpose(-1, -2))) @ u)
+    tail = torch.exp(c[:, -1:] - c)[..., None]  # exp(c_L - c_i)
+    S = torch.exp(c[:, -1])[:, None, None] * S + (u * tail).transpose(-1, -2) @ k
+    return out, S
+
+
+@register_kernel("gated_delta_rule", provider="torch_fast")
+def gated_delta_rule(q, k, v, g, beta, states, cu_seqlens, slots, has_initial_state=None,
+                     null_slot=-1) -> torch.Tensor:
+    """The ``reference`` ``gated_delta_rule``'s contract, ``DELTA_CHUNK`` tokens a step
+    (a few matmuls and one triangular solve per chunk instead of a loop per token)."""
+    return delta_rule_over_sequences(_delta_chunks, q, k, v, g, beta, states, cu_seqlens,
+                                     slots, has_initial_state, null_slot)
+
+
+def _delta_chunks(q, k, v, g, beta, S):
+    """One sequence (``q``/``k``/``v [L, H, *]``, ``g``/``beta [L, H]``), chunk by chunk."""
+    out = torch.empty(v.shape, dtype=v.dtype, device=v.device)
+    for start in range(0, v.shape[0], DELTA_CHUNK):
+        rows = slice(start, start + DELTA_CHUNK)
+        o, S = _delta_chunk(q[rows].transpose(0, 1), k[rows].transpose(0, 1),
+                            v[rows].transpose(0, 1), g[rows].T, beta[rows].T, S)
+        out[rows] = o.transpose(0, 1)
+    return out, S
