@@ -177,7 +177,7 @@ def test_convolution_adapters_match_vllm_cpu_kernels():
 
 
 def test_speculative_rows_are_refused_by_name():
-    with pytest.raises(NotImplementedError, match="speculative decoding with Mamba2"):
+    with pytest.raises(NotImplementedError, match="speculative decoding with state-space layers"):
         state_space.causal_conv1d_update(torch.zeros(1, 4), torch.zeros(1, 4, 3),
                                          torch.zeros(4, 4), num_accepted_tokens=torch.ones(1))
 

@@ -36,7 +36,7 @@ def _first_column(indices: torch.Tensor) -> torch.Tensor:
 def _no_speculative_rows(num_accepted_tokens) -> None:
     if num_accepted_tokens is not None:
         raise NotImplementedError(
-            "speculative decoding with Mamba2 layers is not served on the card path; "
+            "speculative decoding with state-space layers is not served; "
             "serve without --speculative-config")
 
 

@@ -196,9 +196,9 @@ def _recurrent_layers(arch: str) -> Finding:
     if kind == "Gated DeltaNet":
         return Finding(feature, True, "vLLM's CPU kernel on the simulator, bfloat16 only "
                        "(--dtype bfloat16); on the card path the registry's state-space "
-                       "kernels (no speculative decoding)")
+                       "kernels; no speculative decoding")
     return Finding(feature, True, "vLLM's CPU kernels on the simulator; on the card path "
-                   "the registry's state-space kernels (no speculative decoding)")
+                   "the registry's state-space kernels; no speculative decoding")
 
 
 def check(model_dir: str | Path) -> list[Finding]:
