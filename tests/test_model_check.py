@@ -51,6 +51,9 @@ CASES = {
     "granitemoehybrid-attention-only": (
         "GraniteMoeHybridConfig", "GraniteMoeHybridForCausalLM",
         dict(layer_types=["attention", "attention"], num_hidden_layers=2), True, []),
+    "lfm2": ("Lfm2Config", "Lfm2ForCausalLM", {}, True,
+             ["state-space layers (linear-attention / short-convolution)",
+              "card path refuses them"]),
     "qwen3_5": ("Qwen3_5TextConfig", "Qwen3_5ForCausalLM", {}, True,
                 ["state-space layers (Gated DeltaNet)", "--dtype bfloat16"]),
     "qwen2_vl": ("Qwen2VLConfig", "Qwen2VLForConditionalGeneration", {}, True,

@@ -161,25 +161,26 @@ def check_cores_for_ranks(parallel_config) -> None:
             f"--tensor-parallel-size to {cores} or fewer, or run on more cores.")
 
 
-#: vLLM's modules of recurrent layers -> what a message calls them (a package ends in ".")
+#: vLLM's modules of recurrent layers -> what a message calls them, first match wins
 _RECURRENT_LAYER_MODULES = {
-    "vllm.model_executor.layers.mamba.gdn.": "Gated DeltaNet",
-    "vllm.model_executor.layers.mamba.mamba_mixer": "Mamba",  # v1 (not mamba_mixer2)
+    "vllm.model_executor.layers.mamba.gdn.qwen_gdn_linear_attn": "Gated DeltaNet",
+    "vllm.model_executor.layers.mamba.mamba_mixer2": "Mamba2",
+    "vllm.model_executor.layers.mamba.mamba_mixer": "Mamba",  # v1
 }
+#: the kinds the card path serves (ops/state_space.py)
+CARD_RECURRENT_KINDS = frozenset({"Gated DeltaNet", "Mamba2"})
 
 
 def recurrent_layer_kind(model_cls: type) -> str:
     """What a hybrid or attention-free model's recurrent-state layers are
-    (``"Gated DeltaNet"``, ``"Mamba"``, ``"Mamba2 / short convolution"``), read from
-    the layer classes vLLM's model module uses (HF configs call Mamba2 layers
-    "linear_attention" too)."""
+    (``"Gated DeltaNet"`` (Qwen's), ``"Mamba2"``, ``"Mamba"``, else ``"linear-attention
+    / short-convolution"``), read from the layer classes vLLM's model module uses (HF
+    configs call Mamba2 layers "linear_attention" too)."""
     used = {getattr(obj, "__module__", "")
             for obj in vars(sys.modules[model_cls.__module__]).values()
             if isinstance(obj, type)}
-    for module, kind in _RECURRENT_LAYER_MODULES.items():
-        if any(m.startswith(module) if module.endswith(".") else m == module for m in used):
-            return kind
-    return "Mamba2 / short convolution"
+    return next((kind for module, kind in _RECURRENT_LAYER_MODULES.items() if module in used),
+                "linear-attention / short-convolution")
 
 
 def recurrent_layers(model_config) -> str | None:
@@ -203,9 +204,9 @@ def check_state_space(model_config, on_card: bool, device_name: str,
         raise StartupError(
             f"{model_config.architecture} has Mamba (selective-scan) layers; vLLM 0.32's "
             "CPU build has no selective_scan_fwd kernel (stock vLLM CPU fails on them "
-            "too); it is not served. Mamba2-based models (Granite 4.0-H, Nemotron-H, Falcon-H1, Bamba) "
-            "are served.")
-    if on_card and kind not in ("Mamba2 / short convolution", "Gated DeltaNet"):
+            "too); it is not served. Mamba2-based models (Granite 4.0-H, Nemotron-H, "
+            "Falcon-H1) are served.")
+    if on_card and kind not in CARD_RECURRENT_KINDS:
         raise StartupError(
             f"{model_config.architecture} has {kind} layers, which the {device_name} "
             "card path does not run yet (vLLM's kernels for them are Triton or CPU "

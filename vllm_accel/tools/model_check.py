@@ -197,8 +197,11 @@ def _recurrent_layers(arch: str) -> Finding:
         return Finding(feature, True, "vLLM's CPU kernel on the simulator, bfloat16 only "
                        "(--dtype bfloat16); on the card path the registry's state-space "
                        "kernels; no speculative decoding")
-    return Finding(feature, True, "vLLM's CPU kernels on the simulator; on the card path "
-                   "the registry's state-space kernels; no speculative decoding")
+    if kind == "Mamba2":
+        return Finding(feature, True, "vLLM's CPU kernels on the simulator; on the card "
+                       "path the registry's state-space kernels; no speculative decoding")
+    return Finding(feature, True, "vLLM's CPU kernels on the simulator (untested); the card "
+                   "path refuses them at startup")
 
 
 def check(model_dir: str | Path) -> list[Finding]:
