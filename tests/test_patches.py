@@ -294,9 +294,15 @@ def test_enginecores_reply_wait_sleeps_and_still_reads_promptly():
     cpu, late = _reply_wait(wrap=True, delay_s=0.3)
     assert cpu < 0.05, cpu
     assert late < patches.REPLY_WAIT_MAX_S + 0.02, late
-    spin_cpu, _ = _reply_wait(wrap=False, delay_s=0.3)
     # the spin's share of a core falls with the engines make test runs beside it (0.045 s
-    # of the 0.3 s once on an Intel Xeon with AMX): a tenth of it, and 5x the sleeping wait
+    # of the 0.3 s once on an Intel Xeon with AMX; 0.002 s once on an AMD EPYC Zen 4, the
+    # other worker's engine holding the core): the best of up to five controls must
+    # reach a tenth of it and 5x the sleeping wait
+    spin_cpu = 0.0
+    for _ in range(5):
+        spin_cpu = max(spin_cpu, _reply_wait(wrap=False, delay_s=0.3)[0])
+        if spin_cpu > max(0.03, 5 * cpu):
+            break
     assert spin_cpu > max(0.03, 5 * cpu), (spin_cpu, cpu)
 
 
