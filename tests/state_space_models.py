@@ -14,6 +14,13 @@ from pathlib import Path
 
 import torch
 
+#: Qwen3.5's layers: three Gated DeltaNet, then gated attention
+_GATED_DELTANET = dict(
+    num_hidden_layers=4, head_dim=32,
+    layer_types=["linear_attention", "linear_attention", "linear_attention", "full_attention"],
+    linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=128,
+    linear_value_head_dim=128, linear_conv_kernel_dim=4)
+
 #: family -> (HF config class, what its layers are, config arguments)
 FAMILIES = {
     "granitemoehybrid": (
@@ -37,20 +44,12 @@ FAMILIES = {
         "Qwen3_5TextConfig",
         "Gated DeltaNet linear attention (2 key / 4 value heads of 128) then gated "
         "attention (Qwen3.5)",
-        dict(num_hidden_layers=4, head_dim=32,
-             layer_types=["linear_attention", "linear_attention", "linear_attention",
-                          "full_attention"],
-             linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=128,
-             linear_value_head_dim=128, linear_conv_kernel_dim=4)),
+        _GATED_DELTANET),
     "qwen3_5_moe": (
         "Qwen3_5MoeTextConfig",
         "Gated DeltaNet then gated attention; MoE top-2 of 8 with a gated shared expert "
         "(Qwen3.5-MoE)",
-        dict(num_hidden_layers=4, head_dim=32,
-             layer_types=["linear_attention", "linear_attention", "linear_attention",
-                          "full_attention"],
-             linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=128,
-             linear_value_head_dim=128, linear_conv_kernel_dim=4, num_experts=8,
+        dict(**_GATED_DELTANET, num_experts=8,
              num_experts_per_tok=2, moe_intermediate_size=64,
              shared_expert_intermediate_size=64)),
     "nemotron_h": (

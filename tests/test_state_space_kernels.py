@@ -221,18 +221,20 @@ def test_gated_delta_rule_matches_hf_recurrence():
 def test_chunked_delta_rule_equals_token_by_token_float64():
     """``torch_fast``'s chunked gated delta rule (64 tokens a chunk, a triangular solve
     each) against the ``reference`` recurrence in float64: sequences of 1 to 150 tokens
-    (three chunks, a partial one last), from a cached state or zeros, one padding row."""
+    (three chunks, a partial one last), from a cached state or zeros, padding rows; the
+    one-token sequences (decodes, batched in one step) among them."""
     gen = torch.Generator().manual_seed(7)
-    hk, hv, dk, dv, lengths = 2, 4, 16, 8, [150, 1, 64, 30]
+    hk, hv, dk, dv, lengths = 2, 4, 16, 8, [150, 1, 64, 30, 1, 1]
     total = sum(lengths)
     q = torch.randn(total, hk, dk, generator=gen, dtype=torch.float64)
     k = torch.randn(total, hk, dk, generator=gen, dtype=torch.float64)
     v = torch.randn(total, hv, dv, generator=gen, dtype=torch.float64)
     g = -torch.rand(total, hv, generator=gen, dtype=torch.float64) * 0.2
     beta = torch.rand(total, hv, generator=gen, dtype=torch.float64)
-    states = torch.randn(6, hv, dv, dk, generator=gen, dtype=torch.float64)
-    cu = torch.tensor([0, 150, 151, 215, 245])
-    slots, has_init = torch.tensor([1, 2, -1, 5]), torch.tensor([True, False, False, True])
+    states = torch.randn(8, hv, dv, dk, generator=gen, dtype=torch.float64)
+    cu = torch.tensor([0, 150, 151, 215, 245, 246, 247])
+    slots = torch.tensor([1, 2, -1, 5, 6, -1])
+    has_init = torch.tensor([True, False, False, True, True, True])
     expected_states = states.clone()
     expected = get_kernel("gated_delta_rule", "reference")(q, k, v, g, beta, expected_states,
                                                            cu, slots, has_init)
@@ -240,3 +242,30 @@ def test_chunked_delta_rule_equals_token_by_token_float64():
                                                        has_init)
     torch.testing.assert_close(out, expected, rtol=1e-9, atol=1e-9)
     torch.testing.assert_close(states, expected_states, rtol=1e-9, atol=1e-9)
+
+
+def test_batched_decode_steps_equal_the_reference_float64():
+    """``torch_fast``'s one-step-for-all ``ssm_decode_step`` (a different destination
+    slot for one sequence) and ``causal_conv1d_step`` equal the reference's loop over
+    sequences, padding rows included."""
+    t = _inputs([1, 1, 1, 1], torch.float64, seed=8)
+    slots, dst = torch.tensor([3, 0, 1, 4]), torch.tensor([3, 0, 2, 4])
+    state = torch.randn(5, H, P, N, dtype=torch.float64)
+    states = {p: state.clone() for p in ("reference", "torch_fast")}
+    ys = {p: get_kernel("ssm_decode_step", p)(states[p], t["x"], t["dt"], t["A"], t["B"],
+                                                 t["C"], slots, D=t["D"], dt_bias=t["dt_bias"],
+                                                 dt_softplus=True, null_slot=0, dst_slots=dst)
+          for p in states}
+    torch.testing.assert_close(ys["torch_fast"], ys["reference"], rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(states["torch_fast"], states["reference"], rtol=1e-12,
+                               atol=1e-12)
+    dim = 12
+    x = torch.randn(4, dim, dtype=torch.float64)
+    weight, bias = torch.randn(dim, K, dtype=torch.float64), torch.randn(dim, dtype=torch.float64)
+    conv = torch.randn(5, K - 1, dim, dtype=torch.float64).transpose(1, 2)
+    convs = {p: conv.clone() for p in ("reference", "torch_fast")}
+    outs = {p: get_kernel("causal_conv1d_step", p)(x, convs[p], weight, bias,
+                                                    torch.tensor([2, -1, 4, 0]), "silu")
+            for p in convs}
+    torch.testing.assert_close(outs["torch_fast"], outs["reference"], rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(convs["torch_fast"], convs["reference"])

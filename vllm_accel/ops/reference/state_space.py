@@ -184,16 +184,24 @@ def _delta_tokens(q, k, v, g, beta, S):
     return out, S
 
 
+def delta_rule_inputs(q, k, v, g, beta):
+    """In float32 (float64 stays): q/k L2-normalised (q scaled by ``K ** -0.5``) and
+    repeated over their value heads."""
+    compute = torch.float64 if v.dtype == torch.float64 else torch.float32
+    heads, key_dim = v.shape[1], q.shape[-1]
+    q = (_l2norm(q.to(compute)) * key_dim ** -0.5).repeat_interleave(heads // q.shape[1], 1)
+    k = _l2norm(k.to(compute)).repeat_interleave(heads // k.shape[1], 1)
+    return q, k, v.to(compute), g.to(compute), beta.to(compute)
+
+
 def delta_rule_over_sequences(sequence_fn, q, k, v, g, beta, states, cu_seqlens, slots,
                               has_initial_state, null_slot) -> torch.Tensor:
     """What every provider's ``gated_delta_rule`` shares: q/k normalised (q scaled) and
     repeated over their value heads, each sequence's state read from its slot or zeros,
     ``sequence_fn(q, k, v, g, beta, S) -> (o, S)`` run on it, the state written back."""
-    compute = torch.float64 if v.dtype == torch.float64 else torch.float32
+    q, k, v, g, beta = delta_rule_inputs(q, k, v, g, beta)
     heads, key_dim = v.shape[1], q.shape[-1]
-    q = (_l2norm(q.to(compute)) * key_dim ** -0.5).repeat_interleave(heads // q.shape[1], 1)
-    k = _l2norm(k.to(compute)).repeat_interleave(heads // k.shape[1], 1)
-    v, g, beta = v.to(compute), g.to(compute), beta.to(compute)
+    compute = v.dtype
     out = torch.zeros(v.shape, dtype=compute, device=v.device)
     bounds = cu_seqlens.tolist()
     for s, slot in enumerate(slots.tolist()):

@@ -13,8 +13,10 @@ The gated delta rule: see :func:`_delta_chunk`."""
 import torch
 
 from vllm_accel.ops.reference.state_space import (
+    _activate,
     _heads,
     _skip_and_gate,
+    delta_rule_inputs,
     delta_rule_over_sequences,
     prepare_dt,
 )
@@ -115,9 +117,29 @@ def _delta_chunk(q, k, v, g, beta, S):
 def gated_delta_rule(q, k, v, g, beta, states, cu_seqlens, slots, has_initial_state=None,
                      null_slot=-1) -> torch.Tensor:
     """The ``reference`` ``gated_delta_rule``'s contract, ``DELTA_CHUNK`` tokens a step
-    (a few matmuls and one triangular solve per chunk instead of a loop per token)."""
-    return delta_rule_over_sequences(_delta_chunks, q, k, v, g, beta, states, cu_seqlens,
-                                     slots, has_initial_state, null_slot)
+    (a few matmuls and one triangular solve per chunk instead of a loop per token); the
+    one-token sequences (decodes) in one batched step."""
+    single = (cu_seqlens.diff() == 1) & (slots != null_slot)
+    out = delta_rule_over_sequences(_delta_chunks, q, k, v, g, beta, states, cu_seqlens,
+                                    torch.where(single, null_slot, slots),
+                                    has_initial_state, null_slot)
+    if single.any():
+        rows = cu_seqlens[:-1][single].to(v.device)
+        src = slots[single].to(states.device)
+        q1, k1, v1, g1, beta1 = delta_rule_inputs(q[rows], k[rows], v[rows], g[rows],
+                                                  beta[rows])
+        S = states[src].to(v1.dtype)
+        if has_initial_state is not None:
+            keep = has_initial_state.cpu()[single].to(S.device)
+            S = torch.where(keep[:, None, None, None], S, 0)
+        else:
+            S = torch.zeros_like(S)
+        S = torch.exp(g1)[..., None, None] * S
+        delta = beta1[..., None] * (v1 - (S @ k1[..., None])[..., 0])
+        S = S + delta[..., None] * k1[:, :, None, :]
+        out[rows] = (S @ q1[..., None])[..., 0]
+        states[src] = S.to(states.dtype)
+    return out
 
 
 def _delta_chunks(q, k, v, g, beta, S):
@@ -129,3 +151,40 @@ def _delta_chunks(q, k, v, g, beta, S):
                             v[rows].transpose(0, 1), g[rows].T, beta[rows].T, S)
         out[rows] = o.transpose(0, 1)
     return out, S
+
+
+@register_kernel("ssm_decode_step", provider="torch_fast")
+def ssm_decode_step(state, x, dt, A, B, C, slots, D=None, z=None, dt_bias=None,
+                    dt_softplus=False, null_slot=-1, dst_slots=None) -> torch.Tensor:
+    """The ``reference`` ``ssm_decode_step``'s contract, every sequence in one step."""
+    compute = torch.float64 if x.dtype == torch.float64 else torch.float32
+    heads = x.shape[1]
+    live = torch.nonzero(slots != null_slot).flatten()
+    src = slots[live].to(state.device)
+    dst = src if dst_slots is None else dst_slots[live].to(state.device)
+    rows = live.to(x.device)
+    steps = prepare_dt(dt[rows], dt_bias, dt_softplus, (0.0, float("inf"))).to(compute)
+    h = (torch.exp(steps * A.to(compute))[:, :, None, None] * state[src].to(compute)
+         + (steps[:, :, None] * x[rows].to(compute))[..., None]
+         * _heads(B[rows].to(compute), heads)[:, :, None, :])
+    state[dst] = h.to(state.dtype)
+    y = torch.zeros(x.shape, dtype=compute, device=x.device)
+    y[rows] = (h * _heads(C[rows].to(compute), heads)[:, :, None, :]).sum(-1)
+    return _skip_and_gate(y, x, D, z)
+
+
+@register_kernel("causal_conv1d_step", provider="torch_fast")
+def causal_conv1d_step(x, conv_states, weight, bias, slots, activation=None,
+                       null_slot=-1) -> torch.Tensor:
+    """The ``reference`` ``causal_conv1d_step``'s contract, every sequence at once."""
+    width = weight.shape[1] - 1
+    live = torch.nonzero(slots != null_slot).flatten()
+    index, rows = slots[live].to(conv_states.device), live.to(x.device)
+    window = torch.cat([conv_states[index, :, :width].to(x.dtype), x[rows][:, :, None]], dim=2)
+    y = (window.to(weight.dtype) * weight).sum(-1)
+    if bias is not None:
+        y = y + bias
+    out = torch.zeros_like(x)
+    out[rows] = _activate(y, activation).to(x.dtype)
+    conv_states[index, :, :width] = window[:, :, 1:].to(conv_states.dtype)
+    return out
