@@ -21,10 +21,12 @@ VIRTUAL = {**VIRTUAL_GCU_ENV, "ACCEL_SIM_DEVICE_MEMORY_GB": "1"}
 CASES = {
     "granitemoehybrid-sim-compiled": ("granitemoehybrid", SIM, True, "float32"),
     "qwen3_5-sim-compiled-bf16": ("qwen3_5", SIM, True, "bfloat16"),
+    # (eager: its Mamba2, attention and MLP layers are the ops Granite's compiled graph has)
     "nemotron_h-sim-eager": ("nemotron_h", SIM, False, "float32"),
-    "falcon_h1-sim-eager": ("falcon_h1", SIM, False, "float32"),
+    "falcon_h1-sim-compiled": ("falcon_h1", SIM, True, "float32"),
     "granitemoehybrid-virtual": ("granitemoehybrid", VIRTUAL, False, "float32"),
     "nemotron_h-virtual": ("nemotron_h", VIRTUAL, False, "float32"),
+    "falcon_h1-virtual": ("falcon_h1", VIRTUAL, False, "float32"),
     # (the card path's Gated DeltaNet kernels take float32, vLLM's CPU one does not)
     "qwen3_5-virtual": ("qwen3_5", VIRTUAL, False, "float32"),
     # (not on the simulator: there vLLM's bf16-only CPU kernel and bf16 routing leave
