@@ -5,7 +5,8 @@ plain causal (a few MB each, HF safetensors), for the engine tests of
 Each family is built from HF transformers' own config class, with the feature that
 matters set small enough that the tests' sequences (up to ~90 tokens) cross it: a
 sliding window of ``WINDOW`` tokens (per layer where the family alternates), Gemma 2's
-logit soft-caps, Bloom's ALiBi, GraniteSWA's attention sinks; and encoder-only
+logit soft-caps, Bloom's ALiBi, GraniteSWA's attention sinks, Llama 4's attention
+chunks; and encoder-only
 embedding models (BERT, XLM-RoBERTa: bidirectional attention, no KV cache). Weights are drawn wider
 than HF's init (std 0.08, LM head / tied embedding 0.4) so the logits are peaked and a
 kernel's rounding flips no token.
@@ -18,6 +19,10 @@ import torch
 #: the sliding window of the windowed families: shorter than the prompts, not a
 #: multiple of the block size
 WINDOW = 21
+
+#: Llama 4's attention chunk: vLLM's chunked local attention needs a multiple of the
+#: block size (16 in the tests); the prompts run past two chunks
+CHUNK = 32
 
 #: family -> (HF config class, architecture vLLM serves, what its attention adds,
 #: config arguments beyond the common ones)
@@ -47,6 +52,13 @@ FAMILIES = {
                     "alternate ones",
                     dict(sliding_window=WINDOW,
                          layer_types=["sliding_attention", "full_attention"])),
+    "llama4_text": ("Llama4TextConfig", "chunked local attention (chunks of 32) with rope, "
+                    "global layers without rope, q/k L2 norms; MoE top-1 of 4 with a "
+                    "shared expert (Llama 4)",
+                    dict(head_dim=32, attention_chunk_size=CHUNK, no_rope_layers=[1, 0],
+                         use_qk_norm=True, num_local_experts=4, num_experts_per_tok=1,
+                         intermediate_size=64, intermediate_size_mlp=256,
+                         interleave_moe_layer_step=1)),
     # MLA: vLLM checks the latent width (kv_lora_rank + rope) is 320, 512 or 576
     "deepseek_v2": ("DeepseekV2Config", "MLA (V2-Lite: no q LoRA, latent 256 + rope 64); "
                     "softmax top-2 of 8 experts, a shared expert, the first layer dense",
@@ -71,17 +83,19 @@ FAMILIES = {
 #: the LM head's spread (tied: the embedding's too) where 0.4 saturates the logits:
 #: Gemma scales its embeddings by sqrt(hidden) and soft-caps the logits, so with 0.4
 #: every row is one-hot (log-probs 0 and < -30) and no error in between shows
-HEAD_STD = {"gemma2": 0.1, "gemma3_text": 0.1}
+HEAD_STD = {"gemma": 0.1, "gemma2": 0.1, "gemma3_text": 0.1}
 
 
 def build_tiny(path: Path, family: str, *, hidden: int = 128, layers: int = 2,
-               vocab: int = 512, seed: int = 0, norm_spread: float = 0.0) -> Path:
+               vocab: int = 512, seed: int = 0, norm_spread: float = 0.0,
+               families: dict | None = None) -> Path:
     """A ``family`` checkpoint at ``path`` (4 query / 2 KV heads where the family has
-    GQA; Bloom is MHA); ``norm_spread`` draws the norms' weights away from their init."""
+    GQA; Bloom is MHA); ``norm_spread`` draws the norms' weights away from their init;
+    ``families``: the table naming it (this module's :data:`FAMILIES` by default)."""
     import transformers
     from transformers import AutoModelForCausalLM
 
-    config_name, _, extra = FAMILIES[family]
+    config_name, _, extra = (families or FAMILIES)[family]
     common = dict(vocab_size=vocab, hidden_size=hidden, num_hidden_layers=layers,
                   num_attention_heads=4, num_key_value_heads=2, intermediate_size=2 * hidden,
                   max_position_embeddings=1024, rms_norm_eps=1e-5, tie_word_embeddings=False,

@@ -52,6 +52,12 @@ FAMILIES = {
         dict(**_GATED_DELTANET, num_experts=8,
              num_experts_per_tok=2, moe_intermediate_size=64,
              shared_expert_intermediate_size=64)),
+    "qwen3_next": (
+        "Qwen3NextConfig",
+        "Gated DeltaNet then gated attention; MoE top-2 of 8 with a gated shared expert "
+        "(Qwen3-Next)",
+        dict(**_GATED_DELTANET, num_experts=8, num_experts_per_tok=2,
+             moe_intermediate_size=64, shared_expert_intermediate_size=64)),
     "nemotron_h": (
         "NemotronHConfig",
         "Mamba2, attention and squared-ReLU MLP layers (Nemotron-H)",

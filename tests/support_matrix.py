@@ -40,8 +40,10 @@ def _modes(cases, family, sim, virtual):
 def rows() -> list[tuple[str, str, str, str, str]]:
     sys.path.insert(0, str(TESTS))
     import attention_models
+    import model_families
     import moe_models
     import test_attention_models as attention
+    import test_model_families as families
     import test_moe_engine as moe
     import test_state_space_models as state_space
 
@@ -54,6 +56,10 @@ def rows() -> list[tuple[str, str, str, str, str]]:
     for family, (_, what) in attention_models.ENCODERS.items():
         sim, card = _modes(enc, family, attention.SIM, attention.VIRTUAL)
         out.append((f"{family} (embeddings)", what, sim, card, "`test_attention_models.py`"))
+    family_cases = list(families.CASES.values())
+    for family, (_, what, _) in model_families.FAMILIES.items():
+        sim, card = _modes(family_cases, family, families.SIM, families.VIRTUAL)
+        out.append((family, what, sim, card, "`test_model_families.py`"))
     moe_cases = [(f, e, c) for f, e, c, _ in moe.CASES.values()]
     for family in moe_models.FAMILIES:
         sim, card = _modes(moe_cases, family, moe.SIM, moe.VIRTUAL)

@@ -1,7 +1,8 @@
 """Model families whose attention goes beyond plain causal, through the whole plugin vs
 HF transformers: tiny random-weight Mistral, Phi-3 and Qwen2 with sliding windows,
 Gemma 2 (alternating windows, logit soft-caps), Gemma 3 text, StarCoder2 (vLLM's
-Transformers backend), Bloom (ALiBi) and GraniteSWA (attention sinks), on the
+Transformers backend), Bloom (ALiBi), GraniteSWA (attention sinks) and Llama 4
+(chunked local attention: vLLM's virtual batches, one per chunk), on the
 simulator (compiled and eager) and on the virtual GCU (the card path), DeepSeek also
 through the whole-layer MLA path of cards whose kernel takes the latents, with prefix
 caching and chunked prefill over prompts longer than the window, in blocks of 16 so
@@ -47,6 +48,8 @@ CASES = {
     "bloom-virtual": ("bloom", VIRTUAL, False),
     "granite_swa-sim-compiled": ("granite_swa", SIM, True),
     "granite_swa-virtual": ("granite_swa", VIRTUAL, False),
+    "llama4_text-sim-compiled": ("llama4_text", SIM, True),
+    "llama4_text-virtual": ("llama4_text", VIRTUAL, False),
     "deepseek_v2-sim-compiled": ("deepseek_v2", SIM, True),
     "deepseek_v2-virtual": ("deepseek_v2", VIRTUAL, False),
     "deepseek_v3-sim-compiled": ("deepseek_v3", SIM, True),

@@ -33,6 +33,8 @@ CASES = {
     "bloom": ("BloomConfig", "BloomForCausalLM", {}, True, ["ALiBi"]),
     "granite_swa": ("GraniteSWAConfig", "GraniteSWAForCausalLM", {}, True,
                     ["attention sinks", "sliding window 128 on 18 of 24 layers"]),
+    "llama4": ("Llama4TextConfig", "Llama4ForCausalLM", dict(num_hidden_layers=8), True,
+               ["chunked local attention (chunks of 8192) on 6 of 8 layers"]),
     "bert": ("BertConfig", "BertModel", {}, True, ["pooling model"]),
     "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", {}, True,
                   ["mixture of experts (128 experts, top-8)"]),

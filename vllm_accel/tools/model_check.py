@@ -78,6 +78,14 @@ def _attention(config: dict, text: dict, model_type: str) -> list[Finding]:
             f"sliding window {window} on {windowed} of {layers} layers", True,
             "ACCEL_ATTN reads only the window's blocks (vLLM frees the rest): the C++ "
             "reader on the simulator, torch_fast / Triton on a card"))
+    chunk = text.get("attention_chunk_size")
+    if chunk:
+        # (vLLM's Llama 4: layers whose no_rope_layers entry is 0 attend globally)
+        chunked = sum(map(bool, text.get("no_rope_layers") or [1] * layers))
+        found.append(Finding(
+            f"chunked local attention (chunks of {chunk}) on {chunked} of {layers} layers",
+            True, "vLLM's chunked local attention (a virtual request per chunk) over "
+            "ACCEL_ATTN (every provider); needs a --block-size dividing the chunk"))
     cap = text.get("attn_logit_softcapping")
     if cap:
         found.append(Finding(f"attention logit soft-cap {cap}", True, "ACCEL_ATTN (every "

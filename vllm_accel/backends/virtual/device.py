@@ -196,6 +196,8 @@ def device_module(name: str, capacity: int, device_name: str) -> types.ModuleTyp
         "get_device_name": lambda device=None: module.get_device_properties(device).name,
         "get_device_capability": lambda device=None: (3, 0),
         "is_bf16_supported": lambda: True,
+        # (torch.amp.autocast asks the device module; vendor modules answer it)
+        "get_amp_supported_dtype": lambda: [torch.bfloat16, torch.float16],
         "manual_seed": lambda seed: _ops().manual_seed(current_device(), int(seed)),
         "manual_seed_all": manual_seed_all,
         "seed": lambda: _ops().seed(current_device()),

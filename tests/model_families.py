@@ -1,0 +1,93 @@
+"""Tiny random-weight checkpoints of the model families users serve whose attention is
+plain causal or windowed and whose novelty is in vLLM's model code (norm placement,
+partial or skipped rope, biases, multipliers, MoE routing rules), for
+``test_model_families.py``. Built by :func:`attention_models.build_tiny` from HF
+transformers' own config classes (4 query / 2 KV heads, hidden 128, two layers).
+
+Left out, with what was measured (stock vLLM 0.32 CPU the same): Cohere / Cohere2
+(vLLM's and HF's tiny models disagree on the top token, stock too), GPT-NeoX and JetMoE
+(stock vLLM CPU's own attention crashes on them), Phi-3.5-MoE (vLLM serves it through
+its Transformers backend, and transformers 5's PhiMoE forward fails, stock too), Apertus
+(vLLM's xIELU is 3.7e-3 nats from HF's, stock too), MPT (removed from vLLM in 0.28).
+"""
+
+from attention_models import WINDOW
+
+#: two layers: the first windowed (or roped), the second global
+_ALTERNATE = ["sliding_attention", "full_attention"]
+#: MoE widths shared by the MoE families: 8 experts of 64, top-2
+_EXPERTS = dict(moe_intermediate_size=64, num_experts_per_tok=2)
+#: DeepSeek-style MoE layers after a dense first layer, one group
+_DEEPSEEK_MOE = dict(n_routed_experts=8, n_shared_experts=1, first_k_dense_replace=1,
+                     n_group=1, topk_group=1, **_EXPERTS)
+
+#: family -> (HF config class, what its layers add, config arguments)
+FAMILIES = {
+    "qwen3": ("Qwen3Config", "q/k RMSNorm per head (Qwen3)", dict(head_dim=32)),
+    "glm": ("GlmConfig", "half-width interleaved rope, qkv biases (GLM-4)",
+            dict(head_dim=32, partial_rotary_factor=0.5, pad_token_id=0)),
+    "glm4": ("Glm4Config", "half-width rope, norms after attention and MLP (GLM-4-0414)",
+             dict(head_dim=32, partial_rotary_factor=0.5, pad_token_id=0)),
+    "glm4_moe": ("Glm4MoeConfig", "MoE: sigmoid top-2 of 8 with correction bias, routed "
+                 "scaling 2.5, a shared expert, the first layer dense; q/k norms, half-width "
+                 "rope (GLM-4.5)",
+                 dict(head_dim=32, partial_rotary_factor=0.5, use_qk_norm=True,
+                      routed_scaling_factor=2.5, norm_topk_prob=True, pad_token_id=0,
+                      **_DEEPSEEK_MOE)),
+    "ernie4_5": ("Ernie4_5Config", "interleaved rope (ERNIE 4.5)",
+                 dict(head_dim=32, pad_token_id=0)),
+    "ernie4_5_moe": ("Ernie4_5_MoeConfig", "MoE: top-2 of 8 with a shared expert, the "
+                     "first layer dense (ERNIE 4.5 MoE)",
+                     dict(head_dim=32, moe_num_experts=8, moe_k=2, moe_layer_start_index=1,
+                          moe_intermediate_size=64, moe_num_shared_experts=1,
+                          pad_token_id=0)),
+    "hunyuan_v1_dense": ("HunYuanDenseV1Config", "q/k norms after rope (Hunyuan)",
+                         dict(head_dim=32, pad_token_id=0)),
+    # (HF's experts take intermediate_size, vLLM's moe_intermediate_size: equal here)
+    "hunyuan_v1_moe": ("HunYuanMoEV1Config", "MoE: top-2 of 8 with a shared expert; q/k "
+                       "norms after rope (Hunyuan-A13B)",
+                       dict(head_dim=32, num_experts=8, moe_topk=2, intermediate_size=64,
+                            moe_intermediate_size=64, num_shared_expert=1, pad_token_id=0)),
+    "olmo2": ("Olmo2Config", "q/k RMSNorm over all heads, norms after attention and MLP "
+              "(OLMo 2)", dict(pad_token_id=0)),
+    "olmo3": ("Olmo3Config", "OLMo 2's layers, a window on alternate layers (OLMo 3)",
+              dict(sliding_window=WINDOW, layer_types=_ALTERNATE, pad_token_id=0)),
+    "olmoe": ("OlmoeConfig", "MoE: top-2 of 8 not renormalised; q/k norms (OLMoE)",
+              dict(num_experts=8, num_experts_per_tok=2, intermediate_size=64,
+                   pad_token_id=0)),
+    "exaone4": ("Exaone4Config", "a window on alternate layers, global layers without "
+                "rope, q/k norms, norms after attention and MLP (EXAONE 4.0)",
+                dict(sliding_window=WINDOW, layer_types=_ALTERNATE, head_dim=32,
+                     pad_token_id=0)),
+    "smollm3": ("SmolLM3Config", "rope skipped on every second layer (SmolLM3)",
+                dict(no_rope_layer_interval=2, pad_token_id=0)),
+    "seed_oss": ("SeedOssConfig", "qkv biases (Seed-OSS)", dict(head_dim=32, pad_token_id=0)),
+    "falcon": ("FalconConfig", "attention and MLP in parallel from one LayerNorm, GQA "
+               "(Falcon's new decoder architecture)",
+               dict(new_decoder_architecture=True, num_kv_heads=2, layer_norm_epsilon=1e-5,
+                    pad_token_id=0)),
+    "stablelm": ("StableLmConfig", "quarter-width rope, LayerNorm (StableLM)",
+                 dict(layer_norm_eps=1e-5, partial_rotary_factor=0.25, pad_token_id=0)),
+    "granite": ("GraniteConfig", "embedding, residual, attention and logit multipliers "
+                "(Granite 3)",
+                dict(embedding_multiplier=2.0, residual_multiplier=0.5,
+                     attention_multiplier=0.1, logits_scaling=2.0, pad_token_id=0)),
+    "granitemoe": ("GraniteMoeConfig", "Granite's multipliers; MoE top-2 of 8 (Granite 3 "
+                   "MoE)",
+                   dict(num_local_experts=8, num_experts_per_tok=2, intermediate_size=64,
+                        embedding_multiplier=2.0, residual_multiplier=0.5,
+                        attention_multiplier=0.1, logits_scaling=2.0, pad_token_id=0)),
+    "dots1": ("Dots1Config", "MoE: top-2 of 8 with a shared expert, the first layer dense; "
+              "q/k norms (dots.llm1)", dict(head_dim=32, pad_token_id=0, **_DEEPSEEK_MOE)),
+    "phi": ("PhiConfig", "half-width rope, attention and MLP in parallel, LayerNorm and "
+            "biases (Phi-2)",
+            dict(partial_rotary_factor=0.5, layer_norm_eps=1e-5, pad_token_id=0)),
+    "nemotron": ("NemotronConfig", "LayerNorm with 1 + w, squared-ReLU MLP, half-width "
+                 "rope (Nemotron)",
+                 dict(partial_rotary_factor=0.5, head_dim=32, norm_eps=1e-5,
+                      pad_token_id=0)),
+    "gemma": ("GemmaConfig", "GeGLU, embeddings scaled by sqrt(hidden), RMSNorm with 1 + w "
+              "(Gemma)", dict(head_dim=32, tie_word_embeddings=True, pad_token_id=0)),
+    "arcee": ("ArceeConfig", "squared-ReLU MLP without a gate (Arcee AFM)",
+              dict(head_dim=32, pad_token_id=0)),
+}

@@ -1,0 +1,56 @@
+"""The model families of ``model_families.py`` (Qwen3, GLM-4 and GLM-4.5, ERNIE 4.5,
+Hunyuan and Hunyuan-MoE, OLMo 2/3, OLMoE, EXAONE 4.0, SmolLM3, Seed-OSS, Falcon, StableLM, Granite 3,
+dots.llm1, Phi-2, Nemotron, Gemma, Arcee) through the whole plugin vs HF transformers,
+on the simulator and on the virtual GCU, with prefix caching and chunked prefill.
+
+Teacher-forced: each greedy token is HF float64's top-1 given the tokens before it,
+its log-prob within 2e-3 nats of HF's. The simulator's engines run one after another
+in one process, the virtual GCU's in another (``conftest.SharedEngines``).
+"""
+
+import pytest
+
+from attention_models import build_tiny
+from conftest import SharedEngines
+from model_families import FAMILIES
+from moe_models import assert_matches_hf
+from test_attention_models import SIM, VIRTUAL, _prompts, _spec
+
+#: compiled on the simulator (vLLM's default): a MoE family with DeepSeek-style routing
+#: and one whose global layers skip rope; the rest eager, their layers the same ops
+COMPILED = ("glm4_moe", "exaone4")
+#: the families with MoE layers (the plugin's MoE method serves them)
+MOE = ("glm4_moe", "ernie4_5_moe", "hunyuan_v1_moe", "olmoe", "granitemoe", "dots1")
+#: name: (family, path env, compiled)
+CASES = {f"{family}-sim-{'compiled' if family in COMPILED else 'eager'}":
+         (family, SIM, family in COMPILED) for family in FAMILIES}
+CASES |= {f"{family}-virtual": (family, VIRTUAL, False) for family in FAMILIES}
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("families")
+    return {family: build_tiny(root / family, family, seed=i, families=FAMILIES)
+            for i, family in enumerate(FAMILIES)}
+
+
+@pytest.fixture(scope="module")
+def engines(models, tmp_path_factory):
+    specs = {case: (_spec(models[family], _prompts(case), compiled), env)
+             for case, (family, env, compiled) in CASES.items()}
+    return SharedEngines(specs, tmp_path_factory.mktemp("engines"))
+
+
+@pytest.mark.engine
+@pytest.mark.parametrize("case", list(CASES))
+def test_family_matches_hf(case, models, engines):
+    family, env, compiled = CASES[case]
+    results, log = engines(case)
+    assert ("Warming up model for the compilation" in log) == compiled
+    if env is VIRTUAL:
+        assert "device gcu via virtual" in log
+    assert "ACCEL_ATTN attention kernels:" in log
+    if family in MOE:
+        assert "AccelFusedMoEMethod" in log
+    outputs = [o for batch in results["batch_outputs"] for o in batch]
+    assert_matches_hf(models[family], _prompts(case), outputs)
