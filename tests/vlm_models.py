@@ -6,6 +6,12 @@
   dynamic resolution (the image's size sets its token count);
 - Qwen2.5-VL: the same with a windowed vision tower (RMSNorm, SwiGLU; one windowed and
   one full-attention block) and time-aligned M-RoPE;
+- Qwen3-VL: 16-pixel patches, learned positions interpolated per image, DeepStack
+  (a tower block's features added into the decoder's first layer), a Qwen3 decoder with
+  interleaved M-RoPE; Qwen3-VL-MoE the same over a Qwen3-MoE decoder (experts saved in
+  the released fused layout);
+- GLM-4.1V: its tower (2D RoPE, interpolated positions) and a GLM-4 decoder with
+  half-width M-RoPE;
 - LLaVA: a CLIP vision tower (CLS dropped, second-to-last layer) through a 2-layer
   projector into a Llama decoder; LLaVA-Next the same with anyres tiles and an
   image-newline embedding;
@@ -30,6 +36,7 @@ INTERNVL_TOKENS = {"start_image_token": "<img>", "end_image_token": "</img>",
 #: the prompt text that stands for one image, per family (BLIP-2's processors put
 #: its query tokens first themselves, one image per prompt)
 PLACEHOLDERS = {"blip2": "", "qwen2_vl": QWEN_IMAGE, "qwen2_5_vl": QWEN_IMAGE,
+                "qwen3_vl": QWEN_IMAGE, "qwen3_vl_moe": QWEN_IMAGE, "glm4v": "<|begin_of_image|><|image|><|end_of_image|>",
                 "llava": IMAGE_TOKEN, "llava_next": IMAGE_TOKEN,
                 "internvl": INTERNVL_TOKENS["context_image_token"]}
 
@@ -62,8 +69,9 @@ def _qwen_text_config(tok) -> dict:
 
 def build_tiny_qwen_vl(path: Path, default_model: Path, family: str = "qwen2_vl",
                        seed: int = 0) -> Path:
-    """Qwen2-VL (``family="qwen2_vl"``) or Qwen2.5-VL (``"qwen2_5_vl"``); images are
-    resized to at most 224x224 pixels (up to 64 image tokens)."""
+    """Qwen2-VL (``family="qwen2_vl"``), Qwen2.5-VL (``"qwen2_5_vl"``), Qwen3-VL
+    (``"qwen3_vl"``) or Qwen3-VL-MoE (``"qwen3_vl_moe"``); images are resized to at most
+    224x224 pixels (Qwen3-VL: 256x256; up to 64 image tokens)."""
     import transformers
     from transformers.models.qwen2_vl.image_processing_qwen2_vl import Qwen2VLImageProcessor
     from transformers.models.qwen2_vl.video_processing_qwen2_vl import Qwen2VLVideoProcessor
@@ -76,20 +84,84 @@ def build_tiny_qwen_vl(path: Path, default_model: Path, family: str = "qwen2_vl"
         config_cls, model_cls = transformers.Qwen2VLConfig, \
             transformers.Qwen2VLForConditionalGeneration
         processor_cls = transformers.Qwen2VLProcessor
-    else:
+    elif family == "qwen2_5_vl":
         vision = dict(depth=2, hidden_size=64, intermediate_size=128, num_heads=2,
                       out_hidden_size=128, window_size=112, fullatt_block_indexes=[1])
         config_cls, model_cls = transformers.Qwen2_5_VLConfig, \
             transformers.Qwen2_5_VLForConditionalGeneration
         processor_cls = transformers.Qwen2_5_VLProcessor
-    config = config_cls(text_config=_qwen_text_config(tok), vision_config=vision, **ids)
+    else:
+        # Qwen3-VL's tower: 16-pixel patches, learned positions interpolated from an
+        # 8x8 grid, the first block's features added into the decoder's first layer
+        # (DeepStack); Qwen3-VL-MoE's the same over a Qwen3-MoE decoder
+        vision = dict(depth=2, hidden_size=64, intermediate_size=128, num_heads=2,
+                      out_hidden_size=128, patch_size=16, num_position_embeddings=64,
+                      deepstack_visual_indexes=[0])
+        moe = family == "qwen3_vl_moe"
+        config_cls = transformers.Qwen3VLMoeConfig if moe else transformers.Qwen3VLConfig
+        model_cls = (transformers.Qwen3VLMoeForConditionalGeneration if moe
+                     else transformers.Qwen3VLForConditionalGeneration)
+        processor_cls = transformers.Qwen3VLProcessor
+    text = _qwen_text_config(tok)
+    if family.startswith("qwen3_vl"):  # (Qwen3 layers: q/k norms; interleaved M-RoPE)
+        text |= dict(head_dim=32, rope_parameters={
+            "rope_type": "default", "mrope_section": [4, 6, 6], "mrope_interleaved": True,
+            "rope_theta": 10000.0})
+    if family == "qwen3_vl_moe":
+        # (HF's router always renormalises; vLLM reads the flag, which released
+        # configs carry. 48: no expert matrix square, so a wrong transpose cannot load)
+        text |= dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=48,
+                     decoder_sparse_step=1, norm_topk_prob=True)
+    config = config_cls(text_config=text, vision_config=vision, **ids)
     torch.manual_seed(seed)
     model = model_cls(config)
     _peaked(model)
     model.save_pretrained(path)
+    if family == "qwen3_vl_moe":
+        _released_expert_layout(path / "model.safetensors")
     pixels = {"min_pixels": 56 * 56, "max_pixels": 224 * 224}
+    if family.startswith("qwen3_vl"):
+        from transformers.models.qwen3_vl.video_processing_qwen3_vl import (
+            Qwen3VLVideoProcessor)
+
+        pixels = dict(patch_size=16, min_pixels=64 * 64, max_pixels=256 * 256)
+        video = Qwen3VLVideoProcessor(patch_size=16)
+    else:
+        video = Qwen2VLVideoProcessor(**pixels)
     processor_cls(image_processor=Qwen2VLImageProcessor(**pixels), tokenizer=tok,
-                  video_processor=Qwen2VLVideoProcessor(**pixels)).save_pretrained(path)
+                  video_processor=video).save_pretrained(path)
+    return path
+
+
+GLM_TOKENS = ["<|begin_of_image|>", "<|end_of_image|>", "<|image|>", "<|begin_of_video|>",
+              "<|end_of_video|>", "<|video|>"]
+
+
+def build_tiny_glm4v(path: Path, default_model: Path, seed: int = 0) -> Path:
+    """GLM-4.1V: its vision tower (2D RoPE and learned positions interpolated from a
+    4x4 grid, 2x2 patch merger), a GLM-4 decoder with half-width M-RoPE; dynamic
+    resolution as Qwen2-VL's (images resized to at most 224x224 pixels)."""
+    import transformers
+    from transformers.models.glm4v.image_processing_glm4v import Glm4vImageProcessor
+    from transformers.models.glm4v.video_processing_glm4v import Glm4vVideoProcessor
+
+    tok = _tokenizer(default_model, GLM_TOKENS)
+    ids = dict(zip(("image_start_token_id", "image_end_token_id", "image_token_id",
+                    "video_start_token_id", "video_end_token_id", "video_token_id"),
+                   tok.convert_tokens_to_ids(GLM_TOKENS), strict=True))
+    text = _qwen_text_config(tok) | dict(head_dim=32, rope_parameters={
+        "rope_type": "default", "mrope_section": [2, 3, 3], "rope_theta": 10000.0,
+        "partial_rotary_factor": 0.5})
+    vision = dict(depth=2, hidden_size=64, intermediate_size=128, num_heads=2,
+                  out_hidden_size=128, image_size=56)
+    config = transformers.Glm4vConfig(text_config=text, vision_config=vision, **ids)
+    torch.manual_seed(seed)
+    model = transformers.Glm4vForConditionalGeneration(config)
+    _peaked(model)
+    model.save_pretrained(path)
+    size = {"shortest_edge": 56 * 56, "longest_edge": 224 * 224}
+    transformers.Glm4vProcessor(image_processor=Glm4vImageProcessor(size=size), tokenizer=tok,
+                                video_processor=Glm4vVideoProcessor()).save_pretrained(path)
     return path
 
 
@@ -195,6 +267,18 @@ def _released_clip_layout(file: Path) -> None:
     save_file(tensors, file, metadata={"format": "pt"})
 
 
+def _released_expert_layout(file: Path) -> None:
+    """transformers 5 saves Qwen3-VL-MoE's fused experts as it holds them
+    (``gate_up_proj [E, 2I, H]``, ``down_proj [E, H, I]``); the released checkpoints
+    and vLLM's loader have them transposed (transformers transposes them at load)."""
+    from safetensors.torch import load_file, save_file
+
+    tensors = {k: (v.transpose(1, 2).contiguous() if k.endswith(("experts.gate_up_proj",
+                                                                 "experts.down_proj"))
+                   else v) for k, v in load_file(file).items()}
+    save_file(tensors, file, metadata={"format": "pt"})
+
+
 def build_tiny_blip2(path: Path, default_model: Path, seed: int = 0) -> Path:
     import transformers
     from transformers.models.blip.image_processing_pil_blip import BlipImageProcessorPil
@@ -242,6 +326,9 @@ def image_of(entry):
 HF_CLASSES = {"blip-2": "Blip2ForConditionalGeneration",
               "qwen2_vl": "Qwen2VLForConditionalGeneration",
               "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration",
+              "qwen3_vl": "Qwen3VLForConditionalGeneration",
+              "qwen3_vl_moe": "Qwen3VLMoeForConditionalGeneration",
+              "glm4v": "Glm4vForConditionalGeneration",
               "llava": "LlavaForConditionalGeneration",
               "llava_next": "LlavaNextForConditionalGeneration",
               "internvl": "InternVLForConditionalGeneration"}
@@ -253,7 +340,8 @@ def _hf_model(model_dir: str):
 
     model_type = transformers.AutoConfig.from_pretrained(model_dir).model_type
     model = getattr(transformers, HF_CLASSES[model_type]).from_pretrained(
-        model_dir, dtype=torch.float64, attn_implementation="eager")
+        model_dir, dtype=torch.float64, attn_implementation="eager",
+        experts_implementation="eager")  # (HF's grouped matmul has no float64)
     return transformers.AutoProcessor.from_pretrained(model_dir), model, model_type
 
 

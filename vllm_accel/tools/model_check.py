@@ -36,7 +36,9 @@ SINK_TYPES = {"gpt_oss", "granite_swa", "granitemoe_swa"}
 #: vision-language architectures whose image requests tests/test_vlm.py holds to HF
 VERIFIED_MULTIMODAL = {"Blip2ForConditionalGeneration", "Qwen2VLForConditionalGeneration",
                        "Qwen2_5_VLForConditionalGeneration", "LlavaForConditionalGeneration",
-                       "LlavaNextForConditionalGeneration", "InternVLForConditionalGeneration"}
+                       "LlavaNextForConditionalGeneration", "InternVLForConditionalGeneration",
+                       "Qwen3VLForConditionalGeneration", "Qwen3VLMoeForConditionalGeneration",
+                       "Glm4vForConditionalGeneration"}
 
 
 @dataclass
