@@ -120,11 +120,16 @@ def build_tiny(path: Path, family: str, *, hidden: int = 128, layers: int = 2,
     return path
 
 
-#: encoder-only embedding families -> (HF config class, what vLLM serves them as)
+#: encoder-only embedding families -> (HF config class, what vLLM serves them as,
+#: config arguments beyond the common ones)
 ENCODERS = {
-    "bert": ("BertConfig", "BertModel -> BertEmbeddingModel, CLS pooling"),
+    "bert": ("BertConfig", "BertModel -> BertEmbeddingModel, CLS pooling", {}),
     "xlm_roberta": ("XLMRobertaConfig", "XLMRobertaModel -> RobertaEmbeddingModel (position "
-                    "ids after the padding index), CLS pooling"),
+                    "ids after the padding index), CLS pooling", {}),
+    "modernbert": ("ModernBertConfig", "ModernBertModel: a two-way window of 16 tokens on "
+                   "alternate layers, global rope and local rope, CLS pooling",
+                   dict(layer_types=["full_attention", "sliding_attention"],
+                        local_attention=16, cls_token_id=0, sep_token_id=2)),
 }
 
 
@@ -135,15 +140,17 @@ def build_tiny_encoder(path: Path, family: str, *, hidden: int = 128, layers: in
     import transformers
     from transformers import AutoModel
 
-    config = getattr(transformers, ENCODERS[family][0])(
+    config_name, _, extra = ENCODERS[family]
+    config = getattr(transformers, config_name)(
         vocab_size=vocab, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=4,
         intermediate_size=2 * hidden, max_position_embeddings=514, pad_token_id=1,
         bos_token_id=0, eos_token_id=2, layer_norm_eps=1e-5,
         # (released checkpoints' config.json carry it; vLLM 0.32 reads it)
-        position_embedding_type="absolute")
+        position_embedding_type="absolute", **extra)
     config.dtype = torch.float32
     torch.manual_seed(seed)
-    model = AutoModel.from_config(config, dtype=torch.float32, add_pooling_layer=False)
+    pooler = {} if family == "modernbert" else {"add_pooling_layer": False}  # (it has none)
+    model = AutoModel.from_config(config, dtype=torch.float32, **pooler)
     with torch.no_grad():
         for p in model.parameters():
             if p.dim() > 1:

@@ -53,7 +53,7 @@ def rows() -> list[tuple[str, str, str, str, str]]:
         sim, card = _modes(cases, family, attention.SIM, attention.VIRTUAL)
         out.append((family, what, sim, card, "`test_attention_models.py`"))
     enc = [(f, e, c) for f, e, c in attention.ENCODER_CASES.values()]
-    for family, (_, what) in attention_models.ENCODERS.items():
+    for family, (_, what, _) in attention_models.ENCODERS.items():
         sim, card = _modes(enc, family, attention.SIM, attention.VIRTUAL)
         out.append((f"{family} (embeddings)", what, sim, card, "`test_attention_models.py`"))
     family_cases = list(families.CASES.values())

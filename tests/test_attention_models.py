@@ -7,7 +7,8 @@ simulator (compiled and eager) and on the virtual GCU (the card path), DeepSeek 
 through the whole-layer MLA path of cards whose kernel takes the latents, with prefix
 caching and chunked prefill over prompts longer than the window, in blocks of 16 so
 that vLLM frees the blocks behind the window while requests run. Encoder-only
-embedding models (BERT, XLM-RoBERTa) through vLLM's pooling runner: their embeddings
+embedding models (BERT, XLM-RoBERTa, ModernBERT with its two-way windows) through
+vLLM's pooling runner: their embeddings
 vs HF's CLS hidden state.
 
 Teacher-forced: each greedy token is HF float64's top-1 given the tokens before it,
@@ -176,6 +177,8 @@ ENCODER_CASES = {
     "bert-virtual": ("bert", VIRTUAL, False),
     "xlm_roberta-sim-eager": ("xlm_roberta", SIM, False),
     "xlm_roberta-virtual": ("xlm_roberta", VIRTUAL, False),
+    "modernbert-sim-compiled": ("modernbert", SIM, True),
+    "modernbert-virtual": ("modernbert", VIRTUAL, False),
 }
 
 
