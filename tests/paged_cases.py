@@ -88,13 +88,15 @@ def make_case(reqs, bs, h, hkv, d, dtype, seed, layout="LHBNC", fill=None):
 
 
 def reference(q, k, v, scale, sliding_window=None, logits_soft_cap=None, alibi_slopes=None,
-              sinks=None, causal=True):
+              sinks=None, causal=True, two_way_ranges=()):
     """float64 causal attention; q holds the last len(q) of len(k) positions. The model
     features, written out from their definitions: logits soft-capped as
     ``c * tanh(s / c)``, plus ``slope[h] * (j - i)`` (ALiBi), keys ``j`` with
     ``i - j < window`` only, and a sink logit per head in the softmax's denominator.
     Bidirectional (``causal=False``, q and k the same positions): every key, the window
-    ``|i - j| < window`` and ALiBi ``-slope[h] * |i - j|``."""
+    ``|i - j| < window`` and ALiBi ``-slope[h] * |i - j|``. ``two_way_ranges``:
+    inclusive ``(first, last)`` positions whose tokens also see the later ones among
+    them."""
     q, k, v = q.double(), k.double(), v.double()
     group = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
@@ -108,6 +110,10 @@ def reference(q, k, v, scale, sliding_window=None, logits_soft_cap=None, alibi_s
         scores = scores + torch.as_tensor(alibi_slopes).double()[:, None, None] * (
             distance if causal else -distance.abs())
     hidden = distance > 0 if causal else torch.zeros_like(distance, dtype=torch.bool)
+    key_pos = torch.arange(k.shape[0])[None, :]
+    for first, last in two_way_ranges:
+        both = (first <= q_pos) & (q_pos <= last) & (first <= key_pos) & (key_pos <= last)
+        hidden &= ~both
     if sliding_window is not None:
         hidden |= distance.abs() >= sliding_window
     scores = scores.masked_fill(hidden, float("-inf"))

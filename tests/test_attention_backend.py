@@ -81,3 +81,20 @@ def test_mla_impl_refuses_what_it_cannot_serve():
                                 **args)._suffix == "_fp8"
     with pytest.raises(NotImplementedError, match="MLA with a sliding window"):
         AccelMLAImpl(4, 320, 0.1, 1, None, 128, "auto", None, "decoder", None, **args)
+
+
+def test_two_way_ranges_kept_for_the_prefills_whose_queries_they_cover():
+    """vLLM's multimodal prefix ranges reach the impl only for prefill requests whose
+    queries this step fall in them: never for decodes, not for a range wholly in the
+    cached context, clipped to nothing past the sequence."""
+    from types import SimpleNamespace
+
+    from vllm_accel.ops.attention import _two_way_ranges
+
+    # request 0 decodes; 1 prefills positions 40..59; 2 prefills 0..9
+    cm = SimpleNamespace(query_start_loc_cpu=torch.tensor([0, 1, 21, 31]),
+                         seq_lens=torch.tensor([70, 60, 10]),
+                         mm_req_doc_ranges={0: [(5, 9)], 1: [(2, 8), (35, 44), (50, 52)],
+                                            2: [(12, 20)]})
+    assert _two_way_ranges(cm, num_decodes=1) == {1: [(35, 44), (50, 52)]}
+    assert _two_way_ranges(SimpleNamespace(mm_req_doc_ranges=None), 0) is None

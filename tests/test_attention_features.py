@@ -228,3 +228,28 @@ def test_varlen_attention_matches_the_float64_oracle(provider, features, causal)
                           for a, b in zip(starts[:-1].tolist(), starts[1:].tolist())])
     torch.testing.assert_close(out[:-3].double(), expected, **TOL[torch.float32])
     assert (out[-3:] == 0).all()
+
+
+@pytest.mark.parametrize("window", [None, 9])
+def test_two_way_ranges_match_the_float64_oracle(window):
+    """The reference reader with multimodal prefix ranges (Gemma 3's images: their
+    tokens see each other both ways): a prompt whose image lies wholly in this step,
+    one after cached context whose image starts in the context, one without; with and
+    without a window (HF: the window AND (causal OR the range))."""
+    reqs = [(30, 30), (20, 50), (12, 12)]
+    ranges = [[(3, 10), (15, 20)], [(28, 37)], []]
+    d, hkv, ratio = 32, 2, 2
+    qs, ks, vs, block_table, kv_cache = make_case(reqs, 16, hkv * ratio, hkv, d,
+                                                  torch.float32, seed=5)
+    query_start_loc, seq_lens = kernel_args(reqs)
+    f = {} if window is None else {"sliding_window": window}
+    out = _reference.paged_attention(torch.cat(qs), kv_cache, block_table, query_start_loc,
+                                     seq_lens, d ** -0.5, two_way_ranges=ranges, **f)
+    starts = query_start_loc.tolist()
+    for i in range(len(reqs)):
+        want = reference(qs[i], ks[i], vs[i], d ** -0.5, two_way_ranges=ranges[i], **f)
+        torch.testing.assert_close(out[starts[i]:starts[i + 1]].double(), want,
+                                   **TOL[torch.float32])
+    causal = reference(qs[0], ks[0], vs[0], d ** -0.5, **f)
+    assert (out[:30].double() - causal).abs().max() > 1e-2  # (the ranges change the rows)
+

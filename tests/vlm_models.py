@@ -10,6 +10,8 @@
   (a tower block's features added into the decoder's first layer), a Qwen3 decoder with
   interleaved M-RoPE; Qwen3-VL-MoE the same over a Qwen3-MoE decoder (experts saved in
   the released fused layout);
+- Gemma 3: a SigLIP tower pooled to 4 tokens an image, a Gemma 3 decoder whose image
+  tokens attend to each other both ways;
 - GLM-4.1V: its tower (2D RoPE, interpolated positions) and a GLM-4 decoder with
   half-width M-RoPE;
 - LLaVA: a CLIP vision tower (CLS dropped, second-to-last layer) through a 2-layer
@@ -36,6 +38,7 @@ INTERNVL_TOKENS = {"start_image_token": "<img>", "end_image_token": "</img>",
 #: the prompt text that stands for one image, per family (BLIP-2's processors put
 #: its query tokens first themselves, one image per prompt)
 PLACEHOLDERS = {"blip2": "", "qwen2_vl": QWEN_IMAGE, "qwen2_5_vl": QWEN_IMAGE,
+                "gemma3": "<start_of_image>",
                 "qwen3_vl": QWEN_IMAGE, "qwen3_vl_moe": QWEN_IMAGE, "glm4v": "<|begin_of_image|><|image|><|end_of_image|>",
                 "llava": IMAGE_TOKEN, "llava_next": IMAGE_TOKEN,
                 "internvl": INTERNVL_TOKENS["context_image_token"]}
@@ -165,6 +168,46 @@ def build_tiny_glm4v(path: Path, default_model: Path, seed: int = 0) -> Path:
     return path
 
 
+GEMMA3_TOKENS = {"boi_token": "<start_of_image>", "eoi_token": "<end_of_image>",
+                 "image_token": "<image_soft_token>"}
+
+
+def build_tiny_gemma3(path: Path, default_model: Path, seed: int = 0) -> Path:
+    """Gemma 3 (multimodal): a SigLIP tower of 56x56 images pooled to 4 tokens, a Gemma 3
+    decoder (a window on alternate layers) whose image tokens attend to each other both
+    ways (HF's blockwise mask; vLLM's mm-prefix ranges)."""
+    import transformers
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(default_model, extra_special_tokens=GEMMA3_TOKENS)
+    # (Gemma's vocabulary has runs of newlines as tokens; vLLM's processor merges the
+    # ones around an image into them)
+    tok.add_tokens(["\n", "\n\n", "\n\n\n", "\n\n\n\n"])
+    ids = tok.convert_tokens_to_ids(list(GEMMA3_TOKENS.values()))
+    text = dict(vocab_size=len(tok), hidden_size=128, intermediate_size=256,
+                num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                query_pre_attn_scalar=32, sliding_window=21,
+                layer_types=["sliding_attention", "full_attention"],
+                max_position_embeddings=2048, bos_token_id=tok.bos_token_id,
+                eos_token_id=tok.eos_token_id, pad_token_id=0)
+    vision = dict(image_size=56, patch_size=14, hidden_size=64, intermediate_size=128,
+                  num_hidden_layers=2, num_attention_heads=2, vision_use_head=False)
+    config = transformers.Gemma3Config(text_config=text, vision_config=vision,
+                                       mm_tokens_per_image=4, boi_token_id=ids[0],
+                                       eoi_token_id=ids[1], image_token_id=ids[2])
+    torch.manual_seed(seed)
+    model = transformers.Gemma3ForConditionalGeneration(config)
+    _peaked(model)
+    with torch.no_grad():  # (Gemma scales embeddings by sqrt(hidden): a narrower head)
+        model.get_output_embeddings().weight.normal_(0, 0.1)
+    model.save_pretrained(path)
+    _released_clip_layout(path / "model.safetensors")  # (SigLIP's, as CLIP's)
+    transformers.Gemma3Processor(
+        image_processor=transformers.Gemma3ImageProcessor(size={"height": 56, "width": 56}),
+        tokenizer=tok, image_seq_length=4).save_pretrained(path)
+    return path
+
+
 def _clip_llava(family: str, tok, seed: int):
     """A LLaVA (``family="llava"``) or LLaVA-Next (``"llava_next"``: 2x2 tiles at most
     plus the base image, an image-newline embedding) model over a 2-layer CLIP tower
@@ -257,8 +300,9 @@ def build_tiny_internvl(path: Path, default_model: Path, seed: int = 0) -> Path:
 
 
 def _released_clip_layout(file: Path) -> None:
-    """transformers 5 saves LLaVA's CLIP tower as ``vision_tower.<...>``; the released
-    checkpoints (llava-hf) and vLLM's loader have ``vision_tower.vision_model.<...>``."""
+    """transformers 5 saves LLaVA's CLIP tower (Gemma 3's SigLIP) as
+    ``vision_tower.<...>``; the released checkpoints and vLLM's loader have
+    ``vision_tower.vision_model.<...>``."""
     from safetensors.torch import load_file, save_file
 
     prefix = "vision_tower."
@@ -329,6 +373,7 @@ HF_CLASSES = {"blip-2": "Blip2ForConditionalGeneration",
               "qwen3_vl": "Qwen3VLForConditionalGeneration",
               "qwen3_vl_moe": "Qwen3VLMoeForConditionalGeneration",
               "glm4v": "Glm4vForConditionalGeneration",
+              "gemma3": "Gemma3ForConditionalGeneration",
               "llava": "LlavaForConditionalGeneration",
               "llava_next": "LlavaNextForConditionalGeneration",
               "internvl": "InternVLForConditionalGeneration"}

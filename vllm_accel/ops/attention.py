@@ -31,7 +31,7 @@ from vllm_accel import envs
 from vllm_accel.logger import init_logger
 from vllm_accel.ops.cpu_native import attention as _cpu_native  # noqa: F401  (registers)
 from vllm_accel.ops.paged_layout import FP8_KV_FORMATS, INT8_SCALE_BYTES
-from vllm_accel.ops.reference import attention as _reference  # noqa: F401  (registers)
+from vllm_accel.ops.reference import attention as _reference  # (also registers)
 from vllm_accel.ops.reference import cache_write as _writers  # noqa: F401  (registers)
 from vllm_accel.ops.torch_fast import attention as _torch_fast  # noqa: F401  (registers)
 from vllm_accel.ops.kv_scales import load_kv_scales
@@ -144,6 +144,10 @@ class AccelAttentionBackend(AttentionBackend):
     def supports_attn_type(cls, attn_type: str) -> bool:
         return attn_type in SUPPORTED_ATTN_TYPES
 
+    @classmethod
+    def supports_mm_prefix(cls) -> bool:
+        return True  # two-way image ranges: AccelAttentionImpl._two_way_ranges
+
 
 @dataclass
 class AccelAttentionMetadata:
@@ -156,6 +160,9 @@ class AccelAttentionMetadata:
     block_table: torch.Tensor  # [num_reqs, max_blocks]
     slot_mapping: torch.Tensor  # [num_tokens]
     causal: bool = True  # False: vLLM's encoder-only layers (bidirectional)
+    #: prefill request index -> the two-way ranges (inclusive positions) that its
+    #: queries this step fall in (multimodal prefix models: Gemma 3's images)
+    two_way_ranges: dict[int, list[tuple[int, int]]] | None = None
 
 
 class AccelAttentionMetadataBuilder(AttentionMetadataBuilder[AccelAttentionMetadata]):
@@ -193,7 +200,29 @@ class AccelAttentionMetadataBuilder(AttentionMetadataBuilder[AccelAttentionMetad
             block_table=common_attn_metadata.block_table_tensor,
             slot_mapping=common_attn_metadata.slot_mapping,
             causal=common_attn_metadata.causal,
+            two_way_ranges=_two_way_ranges(common_attn_metadata, num_decodes),
         )
+
+
+def _two_way_ranges(cm: CommonAttentionMetadata,
+                    num_decodes: int) -> dict[int, list[tuple[int, int]]] | None:
+    """The prefill requests whose query tokens this step fall in one of vLLM's
+    multimodal prefix ranges (``mm_req_doc_ranges``), with those ranges. vLLM keeps an
+    image's tokens in one step for these models (no chunked multimodal input), and a
+    decode token is never inside an image."""
+    if not cm.mm_req_doc_ranges:
+        return None
+    starts = cm.query_start_loc_cpu.tolist()
+    seq_lens = cm.seq_lens.cpu().tolist()
+    found = {}
+    for req, ranges in cm.mm_req_doc_ranges.items():
+        if req < num_decodes or req >= len(seq_lens):
+            continue
+        first_query = seq_lens[req] - (starts[req + 1] - starts[req])
+        inside = [(a, b) for a, b in ranges if b >= first_query and a < seq_lens[req]]
+        if inside:
+            found[req] = inside
+    return found or None
 
 
 def _fused_attention_step(suffix: str):
@@ -333,6 +362,7 @@ class AccelAttentionImpl(AttentionImpl):
                 query, key, value, kv_cache, md.slot_mapping, md.block_table,
                 md.query_start_loc_cpu, md.seq_lens, output, self.scale,
                 *self._layer_kv_scales(layer), **features)):
+            self._two_way_ranges(layer, query, kv_cache, md, output)
             return output
         if writes:
             self.do_kv_cache_update(layer, key, value, kv_cache, md.slot_mapping)
@@ -363,7 +393,30 @@ class AccelAttentionImpl(AttentionImpl):
                 *fp8_scales,
                 **features,
             )
+        self._two_way_ranges(layer, query, kv_cache, md, output)
         return output
+
+    def _two_way_ranges(self, layer, query, kv_cache, md, output) -> None:
+        """Recompute the prefill requests with two-way ranges this step (images of a
+        multimodal prefix model, a few per batch) through the reference reader, the
+        only one that takes them; every other row keeps its provider's result."""
+        if not md.two_way_ranges:
+            return
+        n = md.num_actual_tokens
+        query = query[:n].view(n, self.num_heads, self.head_size)
+        out = output[:n].view(n, self.num_heads, self.head_size)
+        fp8_scales = ()
+        if self._fp8 is not None:
+            kv_cache = kv_cache.view(self._fp8)
+            fp8_scales = (layer._k_scale_float, layer._v_scale_float)
+        starts = md.query_start_loc_cpu.tolist()
+        for req, ranges in md.two_way_ranges.items():
+            rows = slice(starts[req], starts[req + 1])
+            out[rows] = _reference.paged_attention(
+                query[rows], kv_cache, md.block_table[req:req + 1],
+                torch.tensor([0, rows.stop - rows.start], dtype=torch.int32),
+                md.seq_lens[req:req + 1], self.scale, *fp8_scales,
+                two_way_ranges=[ranges], **self._device_features(query.device))
 
     def _device_features(self, device: torch.device) -> dict:
         """The features with the ALiBi slopes on the query's device (moved once)."""

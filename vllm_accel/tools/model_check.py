@@ -38,7 +38,7 @@ VERIFIED_MULTIMODAL = {"Blip2ForConditionalGeneration", "Qwen2VLForConditionalGe
                        "Qwen2_5_VLForConditionalGeneration", "LlavaForConditionalGeneration",
                        "LlavaNextForConditionalGeneration", "InternVLForConditionalGeneration",
                        "Qwen3VLForConditionalGeneration", "Qwen3VLMoeForConditionalGeneration",
-                       "Glm4vForConditionalGeneration"}
+                       "Glm4vForConditionalGeneration", "Gemma3ForConditionalGeneration"}
 
 
 @dataclass

@@ -17,6 +17,11 @@ at position ``i`` and a key at position ``j <= i``:
   the blocks before the window may be vLLM's null block (freed), never read;
 - ``sinks`` ``[H]`` float32: a learned logit per head that joins the softmax's
   denominator and adds no value (gpt-oss).
+
+Only this provider's ``paged_attention`` also takes ``two_way_ranges`` (per request,
+inclusive ``(first, last)`` positions): within a range, every token sees every other,
+later ones too (Gemma 3's image tokens; vLLM's ``mm_req_doc_ranges``). The attention
+backend recomputes the few prefill requests that have them through it.
 """
 
 import torch
@@ -46,10 +51,11 @@ def paged_attention(query, kv_cache, block_table, query_start_loc, seq_lens, sca
                     k_scale: float = 1.0, v_scale: float = 1.0, *,
                     sliding_window: int | None = None, logits_soft_cap: float | None = None,
                     alibi_slopes: torch.Tensor | None = None,
-                    sinks: torch.Tensor | None = None):
+                    sinks: torch.Tensor | None = None,
+                    two_way_ranges: list[list[tuple[int, int]]] | None = None):
     """Causal attention of each request's newest ``q_len`` tokens over its cache
-    (``k_scale``/``v_scale``: a float8 cache's per-layer scales; the features: the
-    module docstring)."""
+    (``k_scale``/``v_scale``: a float8 cache's per-layer scales; the features and
+    ``two_way_ranges``: the module docstring)."""
     out = torch.zeros_like(query)
     h = query.shape[1]
     block_size = kv_cache.shape[2]
@@ -77,9 +83,12 @@ def paged_attention(query, kv_cache, block_table, query_start_loc, seq_lens, sca
         if alibi_slopes is not None:
             scores = scores + alibi_slopes.float().view(h, 1, 1) * distance
         hidden = distance > 0
+        for first, last in two_way_ranges[i] if two_way_ranges else ():
+            hidden &= ~(((q_pos >= first) & (q_pos <= last))[:, None]
+                        & ((key_pos >= first) & (key_pos <= last))[None, :])
         if sliding_window is not None:
             hidden |= distance <= -sliding_window
-        scores.masked_fill_(hidden, float("-inf"))
+        scores.masked_fill_(hidden.to(scores.device), float("-inf"))
         if sinks is not None:  # one more logit per head, with no value
             sink = sinks.float().view(h, 1, 1).expand(h, end - start, 1)
             probs = torch.softmax(torch.cat((scores, sink), dim=-1), dim=-1)[..., :-1]
