@@ -370,11 +370,7 @@ class AccelAttentionImpl(AttentionImpl):
         out = output[:n].view(n, self.num_heads, self.head_size)
         query = query[:n].view(n, self.num_heads, self.head_size)
 
-        # a float8 cache: its view and the layer's scales (vLLM's, 1.0 by default)
-        fp8_scales = ()
-        if self._fp8 is not None:
-            kv_cache = kv_cache.view(self._fp8)
-            fp8_scales = (layer._k_scale_float, layer._v_scale_float)
+        kv_cache, fp8_scales = self._readable(layer, kv_cache)
         nd, ndt = md.num_decodes, md.num_decode_tokens
         if nd:
             out[:ndt] = self._paged_decode(
@@ -396,6 +392,13 @@ class AccelAttentionImpl(AttentionImpl):
         self._two_way_ranges(layer, query, kv_cache, md, output)
         return output
 
+    def _readable(self, layer, kv_cache: torch.Tensor) -> tuple[torch.Tensor, tuple]:
+        """The cache as the readers take it: a float8 cache's view and the layer's
+        scales (vLLM's, 1.0 by default); other caches as they are."""
+        if self._fp8 is None:
+            return kv_cache, ()
+        return kv_cache.view(self._fp8), (layer._k_scale_float, layer._v_scale_float)
+
     def _two_way_ranges(self, layer, query, kv_cache, md, output) -> None:
         """Recompute the prefill requests with two-way ranges this step (images of a
         multimodal prefix model, a few per batch) through the reference reader, the
@@ -405,10 +408,7 @@ class AccelAttentionImpl(AttentionImpl):
         n = md.num_actual_tokens
         query = query[:n].view(n, self.num_heads, self.head_size)
         out = output[:n].view(n, self.num_heads, self.head_size)
-        fp8_scales = ()
-        if self._fp8 is not None:
-            kv_cache = kv_cache.view(self._fp8)
-            fp8_scales = (layer._k_scale_float, layer._v_scale_float)
+        kv_cache, fp8_scales = self._readable(layer, kv_cache)
         starts = md.query_start_loc_cpu.tolist()
         for req, ranges in md.two_way_ranges.items():
             rows = slice(starts[req], starts[req + 1])
