@@ -52,13 +52,6 @@ FAMILIES = {
                     "alternate ones",
                     dict(sliding_window=WINDOW,
                          layer_types=["sliding_attention", "full_attention"])),
-    "llama4_text": ("Llama4TextConfig", "chunked local attention (chunks of 32) with rope, "
-                    "global layers without rope, q/k L2 norms; MoE top-1 of 4 with a "
-                    "shared expert (Llama 4)",
-                    dict(head_dim=32, attention_chunk_size=CHUNK, no_rope_layers=[1, 0],
-                         use_qk_norm=True, num_local_experts=4, num_experts_per_tok=1,
-                         intermediate_size=64, intermediate_size_mlp=256,
-                         interleave_moe_layer_step=1)),
     # MLA: vLLM checks the latent width (kv_lora_rank + rope) is 320, 512 or 576
     "deepseek_v2": ("DeepseekV2Config", "MLA (V2-Lite: no q LoRA, latent 256 + rope 64); "
                     "softmax top-2 of 8 experts, a shared expert, the first layer dense",
@@ -77,6 +70,14 @@ FAMILIES = {
                          topk_group=1, routed_scaling_factor=2.5, norm_topk_prob=True,
                          # (released V3 configs name them; vLLM reads them)
                          topk_method="noaux_tc", scoring_func="sigmoid")),
+    # (last: each family's seed is its place here)
+    "llama4_text": ("Llama4TextConfig", "chunked local attention (chunks of 32) with rope, "
+                    "global layers without rope, q/k L2 norms; MoE top-1 of 4 with a "
+                    "shared expert (Llama 4)",
+                    dict(head_dim=32, attention_chunk_size=CHUNK, no_rope_layers=[1, 0],
+                         use_qk_norm=True, num_local_experts=4, num_experts_per_tok=1,
+                         intermediate_size=64, intermediate_size_mlp=256,
+                         interleave_moe_layer_step=1)),
 }
 
 

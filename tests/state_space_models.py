@@ -52,12 +52,6 @@ FAMILIES = {
         dict(**_GATED_DELTANET, num_experts=8,
              num_experts_per_tok=2, moe_intermediate_size=64,
              shared_expert_intermediate_size=64)),
-    "qwen3_next": (
-        "Qwen3NextConfig",
-        "Gated DeltaNet then gated attention; MoE top-2 of 8 with a gated shared expert "
-        "(Qwen3-Next)",
-        dict(**_GATED_DELTANET, num_experts=8, num_experts_per_tok=2,
-             moe_intermediate_size=64, shared_expert_intermediate_size=64)),
     "nemotron_h": (
         "NemotronHConfig",
         "Mamba2, attention and squared-ReLU MLP layers (Nemotron-H)",
@@ -75,6 +69,13 @@ FAMILIES = {
         "Mamba2 only (attention-free)",
         dict(num_hidden_layers=2, num_heads=8, head_dim=32, n_groups=1, state_size=16,
              expand=2, conv_kernel=4, chunk_size=16)),
+    # (last: each family's seed is its place here)
+    "qwen3_next": (
+        "Qwen3NextConfig",
+        "Gated DeltaNet then gated attention; MoE top-2 of 8 with a gated shared expert "
+        "(Qwen3-Next)",
+        dict(**_GATED_DELTANET, num_experts=8, num_experts_per_tok=2,
+             moe_intermediate_size=64, shared_expert_intermediate_size=64)),
 }
 
 #: parameters of the recurrent layers whose HF init is kept (see the module docstring)
