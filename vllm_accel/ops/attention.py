@@ -146,7 +146,7 @@ class AccelAttentionBackend(AttentionBackend):
 
     @classmethod
     def supports_mm_prefix(cls) -> bool:
-        return True  # two-way image ranges: AccelAttentionImpl._two_way_ranges
+        return True  # two-way image ranges: AccelAttentionImpl._recompute_two_way_requests
 
 
 @dataclass
@@ -362,7 +362,7 @@ class AccelAttentionImpl(AttentionImpl):
                 query, key, value, kv_cache, md.slot_mapping, md.block_table,
                 md.query_start_loc_cpu, md.seq_lens, output, self.scale,
                 *self._layer_kv_scales(layer), **features)):
-            self._two_way_ranges(layer, query, kv_cache, md, output)
+            self._recompute_two_way_requests(layer, query, kv_cache, md, output)
             return output
         if writes:
             self.do_kv_cache_update(layer, key, value, kv_cache, md.slot_mapping)
@@ -389,7 +389,7 @@ class AccelAttentionImpl(AttentionImpl):
                 *fp8_scales,
                 **features,
             )
-        self._two_way_ranges(layer, query, kv_cache, md, output)
+        self._recompute_two_way_requests(layer, query, kv_cache, md, output)
         return output
 
     def _readable(self, layer, kv_cache: torch.Tensor) -> tuple[torch.Tensor, tuple]:
@@ -399,7 +399,7 @@ class AccelAttentionImpl(AttentionImpl):
             return kv_cache, ()
         return kv_cache.view(self._fp8), (layer._k_scale_float, layer._v_scale_float)
 
-    def _two_way_ranges(self, layer, query, kv_cache, md, output) -> None:
+    def _recompute_two_way_requests(self, layer, query, kv_cache, md, output) -> None:
         """Recompute the prefill requests with two-way ranges this step (images of a
         multimodal prefix model, a few per batch) through the reference reader, the
         only one that takes them; every other row keeps its provider's result."""
