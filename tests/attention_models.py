@@ -7,7 +7,8 @@ matters set small enough that the tests' sequences (up to ~90 tokens) cross it: 
 sliding window of ``WINDOW`` tokens (per layer where the family alternates), Gemma 2's
 logit soft-caps, Bloom's ALiBi, GraniteSWA's attention sinks, Llama 4's attention
 chunks; and encoder-only
-embedding models (BERT, XLM-RoBERTa: bidirectional attention, no KV cache). Weights are drawn wider
+embedding models (BERT, XLM-RoBERTa, ModernBERT, EmbeddingGemma: bidirectional
+attention, no KV cache). Weights are drawn wider
 than HF's init (std 0.08, LM head / tied embedding 0.4) so the logits are peaked and a
 kernel's rounding flips no token.
 """
@@ -115,8 +116,13 @@ def build_tiny(path: Path, family: str, *, hidden: int = 128, layers: int = 2,
                 p.normal_(0, 1.0)
             elif "e_score_correction_bias" in name:  # (HF inits zeros)
                 p.normal_(0, 0.1)
+            elif "per_expert_scale" in name or name.endswith("router.scale"):  # (ones)
+                p.uniform_(0.5, 1.5)
             elif "norm" in name and norm_spread:
                 p.add_(torch.randn_like(p) * norm_spread)
+        for name, buffer in model.named_buffers():
+            if name.endswith("layer_scalar"):  # (Gemma 4's, HF inits ones)
+                buffer.uniform_(0.5, 1.5)
     model.save_pretrained(path, safe_serialization=True)
     return path
 
@@ -164,6 +170,88 @@ def build_tiny_encoder(path: Path, family: str, *, hidden: int = 128, layers: in
 
     _copy_side_files(prepare_default_model(), path)
     return path
+
+
+#: what EmbeddingGemma adds (the support table's row)
+EMBEDDING_GEMMA = ("Gemma3TextModel attending both ways (a two-way window on alternate "
+                   "layers), mean pooling, sentence-transformers Dense layers")
+#: EmbeddingGemma's sentence-transformers head: mean pooling, two Dense layers without
+#: bias (hidden -> 2 x hidden -> hidden), then L2 normalisation
+_ST_DENSE = ((128, 256), (256, 128))
+
+
+def build_tiny_embedding_gemma(path: Path, *, seed: int = 0) -> Path:
+    """An EmbeddingGemma checkpoint: Gemma 3 text layers with two-way attention (a window
+    of 16 on the first layer), saved as ``Gemma3TextModel`` with sentence-transformers'
+    ``modules.json``, mean pooling and Dense folders (what vLLM's pooler loads)."""
+    import json
+
+    from safetensors.torch import save_file
+    from transformers import AutoModel, Gemma3TextConfig
+
+    config = Gemma3TextConfig(
+        vocab_size=512, hidden_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=32, intermediate_size=256,
+        max_position_embeddings=1024,
+        rms_norm_eps=1e-5, sliding_window=16,
+        layer_types=["sliding_attention", "full_attention"],
+        use_bidirectional_attention=True, query_pre_attn_scalar=32, bos_token_id=2,
+        eos_token_id=1, pad_token_id=0, architectures=["Gemma3TextModel"])
+    config.dtype = torch.float32
+    torch.manual_seed(seed)
+    model = AutoModel.from_config(config, dtype=torch.float32)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() > 1:
+                p.normal_(0, 0.08)
+            elif "norm" in name:  # (Gemma's norms scale by 1 + w, HF inits w = 0)
+                p.normal_(0, 0.3)
+    model.save_pretrained(path, safe_serialization=True)
+    modules = [{"idx": 0, "name": "0", "path": "",
+                "type": "sentence_transformers.models.Transformer"},
+               {"idx": 1, "name": "1", "path": "1_Pooling",
+                "type": "sentence_transformers.models.Pooling"}]
+    (path / "1_Pooling").mkdir()
+    (path / "1_Pooling" / "config.json").write_text(json.dumps(
+        {"word_embedding_dimension": 128, "pooling_mode_mean_tokens": True,
+         "pooling_mode_cls_token": False, "include_prompt": True}))
+    for i, (width_in, width_out) in enumerate(_ST_DENSE, start=2):
+        folder = path / f"{i}_Dense"
+        folder.mkdir()
+        (folder / "config.json").write_text(json.dumps(
+            {"in_features": width_in, "out_features": width_out, "bias": False,
+             "activation_function": "torch.nn.modules.linear.Identity"}))
+        save_file({"linear.weight": torch.randn(width_out, width_in) * 0.1},
+                  str(folder / "model.safetensors"))
+        modules.append({"idx": i, "name": str(i), "path": folder.name,
+                        "type": "sentence_transformers.models.Dense"})
+    modules.append({"idx": 4, "name": "4", "path": "4_Normalize",
+                    "type": "sentence_transformers.models.Normalize"})
+    (path / "modules.json").write_text(json.dumps(modules))
+    from quantizer import _copy_side_files
+    from vllm_accel.tools.models import prepare_default_model
+
+    _copy_side_files(prepare_default_model(), path)
+    return path
+
+
+def hf_mean_dense_embeddings(model_dir: Path, prompts: list[list[int]]) -> list[torch.Tensor]:
+    """HF float64 then sentence-transformers' head written out: each prompt's hidden
+    states averaged, through the Dense folders' weights, L2-normalised."""
+    from safetensors.torch import load_file
+    from transformers import AutoModel
+
+    hf = AutoModel.from_pretrained(model_dir, dtype=torch.float64, attn_implementation="eager")
+    dense = [load_file(str(model_dir / f"{i}_Dense" / "model.safetensors"))["linear.weight"]
+             .double() for i in range(2, 2 + len(_ST_DENSE))]
+    out = []
+    with torch.no_grad():
+        for prompt in prompts:
+            pooled = hf(torch.tensor([prompt])).last_hidden_state[0].mean(0)
+            for weight in dense:
+                pooled = weight @ pooled
+            out.append(torch.nn.functional.normalize(pooled, dim=0))
+    return out
 
 
 def hf_cls_embeddings(model_dir: Path, prompts: list[list[int]]) -> list[torch.Tensor]:

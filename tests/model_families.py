@@ -2,7 +2,8 @@
 plain causal or windowed and whose novelty is in vLLM's model code (norm placement,
 partial or skipped rope, biases, multipliers, MoE routing rules), for
 ``test_model_families.py``. Built by :func:`attention_models.build_tiny` from HF
-transformers' own config classes (4 query / 2 KV heads, hidden 128, two layers).
+transformers' own config classes (4 query / 2 KV heads, hidden 128, two layers; four
+where layers share a KV cache).
 
 Left out, with what was measured (stock vLLM 0.32 CPU the same): Cohere / Cohere2
 (vLLM's and HF's tiny models disagree on the top token, stock too), GPT-NeoX and JetMoE
@@ -20,6 +21,14 @@ _EXPERTS = dict(moe_intermediate_size=64, num_experts_per_tok=2)
 #: DeepSeek-style MoE layers after a dense first layer, one group
 _DEEPSEEK_MOE = dict(n_routed_experts=8, n_shared_experts=1, first_k_dense_replace=1,
                      n_group=1, topk_group=1, **_EXPERTS)
+
+#: Gemma 3n / Gemma 4 E-models: four layers, windowed and global in turn, the last two
+#: sharing the KV cache of the first two; per-layer embeddings of 16 per layer
+_GEMMA_KV_SHARING = dict(num_hidden_layers=4, layer_types=_ALTERNATE * 2, head_dim=32,
+                         sliding_window=WINDOW, num_kv_shared_layers=2,
+                         hidden_size_per_layer_input=16, vocab_size_per_layer_input=512,
+                         final_logit_softcapping=30.0, tie_word_embeddings=True,
+                         pad_token_id=0)
 
 #: family -> (HF config class, what its layers add, config arguments)
 FAMILIES = {
@@ -90,4 +99,26 @@ FAMILIES = {
               "(Gemma)", dict(head_dim=32, tie_word_embeddings=True, pad_token_id=0)),
     "arcee": ("ArceeConfig", "squared-ReLU MLP without a gate (Arcee AFM)",
               dict(head_dim=32, pad_token_id=0)),
+    # (new families go last: each family's seed is its place in this table)
+    "gemma3n_text": ("Gemma3nTextConfig", "AltUp over 4 streams, LAuReL, per-layer "
+                     "embeddings, Gaussian top-k activation sparsity, the last 2 of 4 "
+                     "layers reading earlier layers' KV cache, a window on alternate "
+                     "layers, final soft-cap (Gemma 3n)",
+                     dict(_GEMMA_KV_SHARING, laurel_rank=8, altup_num_inputs=4,
+                          activation_sparsity_pattern=[0.95, 0.95, 0.0, 0.0])),
+    "gemma4_text": ("Gemma4TextConfig", "per-layer embeddings, the last 2 of 4 layers "
+                    "reading earlier layers' KV cache (their MLPs double-wide), head size "
+                    "32 on windowed layers and 64 with quarter-width proportional rope on "
+                    "global ones, v norm, learned layer scalars, final soft-cap (Gemma 4 "
+                    "E2B/E4B)",
+                    dict(_GEMMA_KV_SHARING, global_head_dim=64, use_double_wide_mlp=True)),
+    "gemma4_text_moe": ("Gemma4TextConfig", "MoE: top-2 of 8 with per-expert scales beside "
+                        "the dense MLP; global layers with keys as values (one KV head of "
+                        "64), windowed ones with 32 (Gemma 4 26B-A4B)",
+                        dict(head_dim=32, global_head_dim=64, attention_k_eq_v=True,
+                             num_global_key_value_heads=1, enable_moe_block=True,
+                             num_experts=8, top_k_experts=2, moe_intermediate_size=64,
+                             hidden_size_per_layer_input=0, sliding_window=WINDOW,
+                             layer_types=_ALTERNATE, final_logit_softcapping=30.0,
+                             tie_word_embeddings=True, pad_token_id=0)),
 }

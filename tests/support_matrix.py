@@ -56,6 +56,9 @@ def rows() -> list[tuple[str, str, str, str, str]]:
     for family, (_, what, _) in attention_models.ENCODERS.items():
         sim, card = _modes(enc, family, attention.SIM, attention.VIRTUAL)
         out.append((f"{family} (embeddings)", what, sim, card, "`test_attention_models.py`"))
+    sim, card = _modes(enc, "embeddinggemma", attention.SIM, attention.VIRTUAL)
+    out.append(("gemma3_text (embeddings: EmbeddingGemma)", attention_models.EMBEDDING_GEMMA,
+                sim, card, "`test_attention_models.py`"))
     family_cases = list(families.CASES.values())
     for family, (_, what, _) in model_families.FAMILIES.items():
         sim, card = _modes(family_cases, family, families.SIM, families.VIRTUAL)

@@ -7,9 +7,10 @@ simulator (compiled and eager) and on the virtual GCU (the card path), DeepSeek 
 through the whole-layer MLA path of cards whose kernel takes the latents, with prefix
 caching and chunked prefill over prompts longer than the window, in blocks of 16 so
 that vLLM frees the blocks behind the window while requests run. Encoder-only
-embedding models (BERT, XLM-RoBERTa, ModernBERT with its two-way windows) through
-vLLM's pooling runner: their embeddings
-vs HF's CLS hidden state.
+embedding models (BERT, XLM-RoBERTa, ModernBERT with its two-way windows, EmbeddingGemma:
+Gemma 3 layers attending both ways, a two-way window on one, mean pooling and
+sentence-transformers Dense layers) through vLLM's pooling runner: their embeddings vs
+HF's CLS hidden state (EmbeddingGemma: HF's mean through the Dense weights).
 
 Teacher-forced: each greedy token is HF float64's top-1 given the tokens before it,
 its log-prob within 2e-3 nats of HF's. The simulator's engines run one after another
@@ -22,8 +23,9 @@ import pytest
 
 import torch
 
-from attention_models import (ENCODERS, FAMILIES, WINDOW, build_tiny, build_tiny_encoder,
-                              hf_cls_embeddings)
+from attention_models import (ENCODERS, FAMILIES, WINDOW, build_tiny,
+                              build_tiny_embedding_gemma, build_tiny_encoder,
+                              hf_cls_embeddings, hf_mean_dense_embeddings)
 from conftest import VIRTUAL_GCU_ENV, SharedEngines
 from moe_models import assert_matches_hf
 
@@ -179,14 +181,18 @@ ENCODER_CASES = {
     "xlm_roberta-virtual": ("xlm_roberta", VIRTUAL, False),
     "modernbert-sim-compiled": ("modernbert", SIM, True),
     "modernbert-virtual": ("modernbert", VIRTUAL, False),
+    "embeddinggemma-sim-compiled": ("embeddinggemma", SIM, True),
+    "embeddinggemma-virtual": ("embeddinggemma", VIRTUAL, False),
 }
 
 
 @pytest.fixture(scope="module")
 def encoders(tmp_path_factory):
     root = tmp_path_factory.mktemp("encoders")
-    return {family: build_tiny_encoder(root / family, family, seed=i)
-            for i, family in enumerate(ENCODERS)}
+    built = {family: build_tiny_encoder(root / family, family, seed=i)
+             for i, family in enumerate(ENCODERS)}
+    built["embeddinggemma"] = build_tiny_embedding_gemma(root / "embeddinggemma")
+    return built
 
 
 def _encoder_prompts(case):
@@ -219,14 +225,16 @@ def engines(models, encoders, tmp_path_factory):
 def test_encoder_embeddings_match_hf(case, encoders, engines):
     """Bidirectional attention within each sequence (``varlen_attention``), several
     sequences of different lengths in one batch: each embedding within 1e-5 of HF
-    float64's (cosine >= 0.99999)."""
+    float64's (cosine >= 0.99999): the CLS hidden state, or for EmbeddingGemma the mean
+    through its sentence-transformers Dense layers."""
     family, env, compiled = ENCODER_CASES[case]
     prompts = _encoder_prompts(case)
     results, log = engines("encoder-" + case)
     assert "encoder_only" not in log or "does not support" not in log
     if env is VIRTUAL:
         assert "device gcu via virtual" in log
-    for got, want in zip(results["embeddings"], hf_cls_embeddings(encoders[family], prompts),
+    oracle = hf_mean_dense_embeddings if family == "embeddinggemma" else hf_cls_embeddings
+    for got, want in zip(results["embeddings"], oracle(encoders[family], prompts),
                          strict=True):
         got = torch.tensor(got, dtype=torch.float64)
         assert torch.nn.functional.cosine_similarity(got, want, dim=0) >= 0.99999

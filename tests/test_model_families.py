@@ -1,7 +1,8 @@
 """The model families of ``model_families.py`` (Qwen3, GLM-4 and GLM-4.5, ERNIE 4.5,
-Hunyuan and Hunyuan-MoE, OLMo 2/3, OLMoE, EXAONE 4.0, SmolLM3, Seed-OSS, Falcon, StableLM, Granite 3,
-dots.llm1, Phi-2, Nemotron, Gemma, Arcee) through the whole plugin vs HF transformers,
-on the simulator and on the virtual GCU, with prefix caching and chunked prefill.
+Hunyuan and Hunyuan-MoE, OLMo 2/3, OLMoE, EXAONE 4.0, SmolLM3, Seed-OSS, Falcon,
+StableLM, Granite 3, dots.llm1, Phi-2, Nemotron, Gemma, Arcee, Gemma 3n, Gemma 4 and its
+MoE) through the whole plugin vs HF transformers, on the simulator and on the virtual
+GCU, with prefix caching and chunked prefill.
 
 Teacher-forced: each greedy token is HF float64's top-1 given the tokens before it,
 its log-prob within 2e-3 nats of HF's. The simulator's engines run one after another
@@ -16,11 +17,13 @@ from model_families import FAMILIES
 from moe_models import assert_matches_hf
 from test_attention_models import SIM, VIRTUAL, _prompts, _spec
 
-#: compiled on the simulator (vLLM's default): a MoE family with DeepSeek-style routing
-#: and one whose global layers skip rope; the rest eager, their layers the same ops
-COMPILED = ("glm4_moe", "exaone4")
+#: compiled on the simulator (vLLM's default): a MoE family with DeepSeek-style routing,
+#: one whose global layers skip rope, and one with KV sharing and a head size per layer
+#: type; the rest eager, their layers the same ops
+COMPILED = ("glm4_moe", "exaone4", "gemma4_text")
 #: the families with MoE layers (the plugin's MoE method serves them)
-MOE = ("glm4_moe", "ernie4_5_moe", "hunyuan_v1_moe", "olmoe", "granitemoe", "dots1")
+MOE = ("glm4_moe", "ernie4_5_moe", "hunyuan_v1_moe", "olmoe", "granitemoe", "dots1",
+       "gemma4_text_moe")
 #: name: (family, path env, compiled)
 CASES = {f"{family}-sim-{'compiled' if family in COMPILED else 'eager'}":
          (family, SIM, family in COMPILED) for family in FAMILIES}

@@ -88,6 +88,18 @@ def _attention(config: dict, text: dict, model_type: str) -> list[Finding]:
             f"chunked local attention (chunks of {chunk}) on {chunked} of {layers} layers",
             True, "vLLM's chunked local attention (a virtual request per chunk) over "
             "ACCEL_ATTN (every provider); needs a --block-size dividing the chunk"))
+    shared = text.get("num_kv_shared_layers")
+    if shared:
+        found.append(Finding(
+            f"KV cache shared by the last {shared} of {layers} layers", True,
+            "vLLM's KV sharing: those layers read an earlier layer's cache and write "
+            "none (ACCEL_ATTN, every provider)"))
+    head_sizes = _head_sizes(text)
+    if len(head_sizes) > 1:
+        found.append(Finding(
+            f"head sizes {' and '.join(map(str, head_sizes))} by layer", True,
+            "a KV cache group per head size (vLLM's hybrid KV cache manager), ACCEL_ATTN "
+            "on each"))
     cap = text.get("attn_logit_softcapping")
     if cap:
         found.append(Finding(f"attention logit soft-cap {cap}", True, "ACCEL_ATTN (every "
@@ -99,12 +111,21 @@ def _attention(config: dict, text: dict, model_type: str) -> list[Finding]:
     return found
 
 
+def _head_sizes(text: dict) -> list[int]:
+    """The attention head sizes of the model's layers (Gemma 4's global layers: wider,
+    as ``global_head_dim`` or transformers' ``per_layer_config``)."""
+    sizes = {text.get("head_dim"), text.get("global_head_dim")}
+    sizes |= {layer.get("head_dim") for layer in (text.get("per_layer_config") or {}).values()}
+    return sorted(size for size in sizes if size)
+
+
 def _moe(text: dict, quant: dict | None) -> list[Finding]:
     experts = (text.get("num_local_experts") or text.get("num_experts")
                or text.get("n_routed_experts") or text.get("moe_num_experts"))
     if not experts:
         return []
-    top_k = text.get("num_experts_per_tok") or text.get("moe_topk")
+    top_k = (text.get("num_experts_per_tok") or text.get("moe_topk")
+             or text.get("top_k_experts"))
     found = [Finding(f"mixture of experts ({experts} experts, top-{top_k})", True,
                      "AccelFusedMoEMethod: moe_route / moe_experts (the C++ experts op on "
                      "the simulator, torch_fast on a card); --enable-expert-parallel")]

@@ -100,12 +100,15 @@ class AccelSimModelRunner(CPUModelRunner):
         A real card measures this with a profiling forward pass; host RSS is too
         noisy for that, so the simulator reserves an upper estimate: per batched
         token the residual stream, QKV, MLP activations (fp32 worst case), plus
-        fp32 logits and sampler buffers for every running sequence.
+        fp32 logits and sampler buffers for every running sequence. Where the MLP
+        width is per layer (Gemma 3n's list), the widest layer's.
         """
         model_config = self.model_config
         text_config = model_config.hf_text_config
         hidden = model_config.get_hidden_size()
         intermediate = getattr(text_config, "intermediate_size", None) or 4 * hidden
+        if isinstance(intermediate, (list, tuple)):
+            intermediate = max(intermediate)
         tokens = self.scheduler_config.max_num_batched_tokens
         seqs = self.scheduler_config.max_num_seqs
         per_token = (6 * hidden + 3 * intermediate) * 4
