@@ -98,3 +98,33 @@ def test_two_way_ranges_kept_for_the_prefills_whose_queries_they_cover():
                                             2: [(12, 20)]})
     assert _two_way_ranges(cm, num_decodes=1) == {1: [(35, 44), (50, 52)]}
     assert _two_way_ranges(SimpleNamespace(mm_req_doc_ranges=None), 0) is None
+
+
+def test_gemma4_clears_the_two_way_ranges_of_its_global_layers(monkeypatch):
+    """Gemma 4 keeps images two-way on its windowed layers only: before each step vLLM's
+    model sets ``mm_prefix_range`` to None in the metadata of its global layers' KV cache
+    group. Run on the plugin's metadata, that leaves the windowed group's ranges and
+    drops the global group's, whose layers then attend causally (no recompute)."""
+    from types import SimpleNamespace
+
+    import vllm.forward_context
+    from vllm.model_executor.models.gemma4_mm import Gemma4ForConditionalGeneration
+
+    from vllm_accel.ops.attention import AccelAttentionMetadata
+
+    def metadata():
+        return AccelAttentionMetadata(
+            num_actual_tokens=10, num_decodes=0, num_decode_tokens=0, max_seq_len=10,
+            query_start_loc_cpu=torch.tensor([0, 10]), seq_lens=torch.tensor([10]),
+            block_table=torch.zeros(1, 1, dtype=torch.int32),
+            slot_mapping=torch.arange(10), mm_prefix_range={0: [(2, 8)]})
+
+    windowed, global_ = metadata(), metadata()
+    layers = {"language_model.model.layers.0.self_attn.attn": windowed,
+              "language_model.model.layers.1.self_attn.attn": global_}
+    monkeypatch.setattr(vllm.forward_context, "get_forward_context",
+                        lambda: SimpleNamespace(attn_metadata=layers))
+    Gemma4ForConditionalGeneration._clear_mm_prefix_for_full_attn_layers(
+        SimpleNamespace(_full_attn_layer_idxs={1}))
+    assert windowed.mm_prefix_range == {0: [(2, 8)]}
+    assert global_.mm_prefix_range is None

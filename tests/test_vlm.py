@@ -2,24 +2,27 @@
 processors built locally: BLIP-2 (Q-Former), Qwen2-VL (M-RoPE, dynamic resolution),
 Qwen2.5-VL (windowed vision tower), Qwen3-VL and Qwen3-VL-MoE (DeepStack, interleaved
 M-RoPE), GLM-4.1V, Gemma 3 (SigLIP; image tokens attend to each other both ways),
+Gemma 4 (its own tower; both ways on the windowed layers only),
 LLaVA (CLIP tower), LLaVA-Next (anyres tiles) and InternVL (InternViT,
 pixel shuffle, tiles), each on the simulator and the virtual GCU (BLIP-2 on the virtual
 GCU); compiled on the simulator where the language model differs (LLaVA's Llama,
-Qwen2-VL's, Qwen2.5-VL's and Qwen3-VL's M-RoPE, Gemma 3's two-way image ranges), eager for the others (their decoders'
-layers compiled in other tests; vision towers run eagerly either way).
+Qwen2-VL's, Qwen2.5-VL's and Qwen3-VL's M-RoPE, Gemma 3's and Gemma 4's two-way image
+ranges), eager for the others (their decoders' layers compiled in other tests; vision
+towers run eagerly either way).
 Image and text-only requests in one batch, two images of different sizes in one
 request, the same image again (vLLM's encoder cache, prefix caching), teacher-forced
 against HF float64 on the processor's inputs; the vision tower's attention runs the
-plugin's ``varlen_attention`` (``AccelMMEncoderAttention``), not a silent SDPA."""
+plugin's ``varlen_attention`` (``AccelMMEncoderAttention``), not a silent SDPA, except
+in the towers vLLM takes from transformers (``HF_TOWERS``)."""
 
 import functools
 
 import pytest
 
 from conftest import VIRTUAL_GCU_ENV, SharedEngines
-from vlm_models import (PLACEHOLDERS, build_tiny_blip2, build_tiny_gemma3, build_tiny_glm4v,
-                        build_tiny_internvl, build_tiny_llava, build_tiny_qwen_vl, hf_logprobs,
-                        image_of, random_image)
+from vlm_models import (PLACEHOLDERS, build_tiny_blip2, build_tiny_gemma3, build_tiny_gemma4,
+                        build_tiny_glm4v, build_tiny_internvl, build_tiny_llava,
+                        build_tiny_qwen_vl, hf_logprobs, image_of, random_image)
 
 VIRTUAL = {**VIRTUAL_GCU_ENV, "ACCEL_SIM_DEVICE_MEMORY_GB": "1"}
 CASES = {"sim-compiled": ({}, True), "sim-eager": ({}, False), "virtual": (VIRTUAL, False)}
@@ -30,7 +33,7 @@ BUILDERS = {"blip2": build_tiny_blip2, "llava": build_tiny_llava,
             "qwen2_5_vl": functools.partial(build_tiny_qwen_vl, family="qwen2_5_vl"),
             "qwen3_vl": functools.partial(build_tiny_qwen_vl, family="qwen3_vl"),
             "qwen3_vl_moe": functools.partial(build_tiny_qwen_vl, family="qwen3_vl_moe"),
-            "glm4v": build_tiny_glm4v, "gemma3": build_tiny_gemma3}
+            "glm4v": build_tiny_glm4v, "gemma3": build_tiny_gemma3, "gemma4": build_tiny_gemma4}
 
 
 def prompts(family: str) -> list[tuple[str, list]]:
@@ -63,7 +66,11 @@ def vlm_dir(tmp_path_factory, default_model):
 SIM_CASE = {"blip2": None, "llava": "sim-compiled", "llava_next": "sim-eager",
             "internvl": "sim-eager", "qwen2_vl": "sim-compiled", "qwen2_5_vl": "sim-compiled",
             "qwen3_vl": "sim-compiled", "qwen3_vl_moe": "sim-eager",
-            "glm4v": "sim-eager", "gemma3": "sim-compiled"}
+            "glm4v": "sim-eager", "gemma3": "sim-compiled", "gemma4": "sim-compiled"}
+#: families whose vision tower vLLM 0.32 builds from transformers' own module (Gemma 4:
+#: ``AutoModel.from_config``): its attention is transformers' SDPA on the device, not
+#: vLLM's encoder attention layer, so not the plugin's ``varlen_attention``
+HF_TOWERS = {"gemma4"}
 #: (family, path) pairs: every family on the virtual GCU and its simulator case
 PAIRS = [(f, c) for f in BUILDERS for c in (SIM_CASE[f], "virtual") if c]
 
@@ -97,7 +104,8 @@ def test_images_match_hf(family, case, vlm_dir, engines):
     assert ("Warming up model for the compilation" in log) == (compiled and not env)
     if env:
         assert "device gcu via virtual" in log
-    assert "Multimodal encoder attention: varlen_attention (torch_fast)" in log
+    assert ("Multimodal encoder attention: varlen_attention (torch_fast)" in log) == (
+        family not in HF_TOWERS)
     for (prompt, images), out in zip(cases, results["mm_outputs"], strict=True):
         logp, n = hf_logprobs(model_dir, prompt, [image_of(i) for i in images],
                               out["token_ids"])

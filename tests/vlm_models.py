@@ -38,7 +38,7 @@ INTERNVL_TOKENS = {"start_image_token": "<img>", "end_image_token": "</img>",
 #: the prompt text that stands for one image, per family (BLIP-2's processors put
 #: its query tokens first themselves, one image per prompt)
 PLACEHOLDERS = {"blip2": "", "qwen2_vl": QWEN_IMAGE, "qwen2_5_vl": QWEN_IMAGE,
-                "gemma3": "<start_of_image>",
+                "gemma3": "<start_of_image>", "gemma4": "<|image|>",
                 "qwen3_vl": QWEN_IMAGE, "qwen3_vl_moe": QWEN_IMAGE, "glm4v": "<|begin_of_image|><|image|><|end_of_image|>",
                 "llava": IMAGE_TOKEN, "llava_next": IMAGE_TOKEN,
                 "internvl": INTERNVL_TOKENS["context_image_token"]}
@@ -208,6 +208,50 @@ def build_tiny_gemma3(path: Path, default_model: Path, seed: int = 0) -> Path:
     return path
 
 
+#: Gemma 4's special tokens (its processor wants the audio ones named too)
+GEMMA4_TOKENS = {"boi_token": "<|image>", "eoi_token": "<image|>", "image_token": "<|image|>",
+                 "audio_token": "<|audio|>", "boa_token": "<|audio>", "eoa_token": "<audio|>"}
+
+
+def build_tiny_gemma4(path: Path, default_model: Path, seed: int = 0) -> Path:
+    """Gemma 4 (multimodal): its vision tower (2-D rope, 3x3 pooling to the smallest
+    budget of 70 soft tokens per image), a Gemma 4 decoder of four layers, windowed and
+    global in turn (head sizes 32 and 64), whose image tokens attend to each other both
+    ways on the windowed layers only (``use_bidirectional_attention="vision"``: vLLM
+    clears the ranges on the global ones); no audio tower."""
+    import transformers
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(default_model, extra_special_tokens=GEMMA4_TOKENS)
+    ids = dict(zip(GEMMA4_TOKENS, tok.convert_tokens_to_ids(list(GEMMA4_TOKENS.values()))))
+    text = dict(vocab_size=len(tok), hidden_size=128, intermediate_size=256,
+                num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                global_head_dim=64, sliding_window=21,
+                layer_types=["sliding_attention", "full_attention"] * 2,
+                hidden_size_per_layer_input=0, use_bidirectional_attention="vision",
+                max_position_embeddings=2048, final_logit_softcapping=30.0,
+                bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=0)
+    vision = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=2, num_key_value_heads=2, head_dim=32, patch_size=16,
+                  pooling_kernel_size=3, default_output_length=70)
+    config = transformers.Gemma4Config(text_config=text, vision_config=vision, audio_config=None,
+                                       boi_token_id=ids["boi_token"],
+                                       eoi_token_id=ids["eoi_token"],
+                                       image_token_id=ids["image_token"])
+    torch.manual_seed(seed)
+    model = transformers.Gemma4ForConditionalGeneration(config)
+    _peaked(model)
+    with torch.no_grad():  # image tokens on the scale of the text's (scaled) embeddings
+        model.model.embed_vision.embedding_projection.weight.normal_(0, 0.6)
+    model.save_pretrained(path)
+    transformers.Gemma4Processor(
+        feature_extractor=transformers.Gemma4AudioFeatureExtractor(),
+        image_processor=transformers.Gemma4ImageProcessor(max_soft_tokens=70),
+        video_processor=transformers.Gemma4VideoProcessor(), tokenizer=tok,
+        image_seq_length=70).save_pretrained(path)
+    return path
+
+
 def _clip_llava(family: str, tok, seed: int):
     """A LLaVA (``family="llava"``) or LLaVA-Next (``"llava_next"``: 2x2 tiles at most
     plus the base image, an image-newline embedding) model over a 2-layer CLIP tower
@@ -374,6 +418,7 @@ HF_CLASSES = {"blip-2": "Blip2ForConditionalGeneration",
               "qwen3_vl_moe": "Qwen3VLMoeForConditionalGeneration",
               "glm4v": "Glm4vForConditionalGeneration",
               "gemma3": "Gemma3ForConditionalGeneration",
+              "gemma4": "Gemma4ForConditionalGeneration",
               "llava": "LlavaForConditionalGeneration",
               "llava_next": "LlavaNextForConditionalGeneration",
               "internvl": "InternVLForConditionalGeneration"}

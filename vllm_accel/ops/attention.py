@@ -161,8 +161,10 @@ class AccelAttentionMetadata:
     slot_mapping: torch.Tensor  # [num_tokens]
     causal: bool = True  # False: vLLM's encoder-only layers (bidirectional)
     #: prefill request index -> the two-way ranges (inclusive positions) that its
-    #: queries this step fall in (multimodal prefix models: Gemma 3's images)
-    two_way_ranges: dict[int, list[tuple[int, int]]] | None = None
+    #: queries this step fall in (multimodal prefix models: Gemma 3's images). vLLM's
+    #: name for it: a model whose layers differ clears it on the layers where images
+    #: stay causal (Gemma 4's global layers, each KV cache group its own metadata)
+    mm_prefix_range: dict[int, list[tuple[int, int]]] | None = None
 
 
 class AccelAttentionMetadataBuilder(AttentionMetadataBuilder[AccelAttentionMetadata]):
@@ -200,7 +202,7 @@ class AccelAttentionMetadataBuilder(AttentionMetadataBuilder[AccelAttentionMetad
             block_table=common_attn_metadata.block_table_tensor,
             slot_mapping=common_attn_metadata.slot_mapping,
             causal=common_attn_metadata.causal,
-            two_way_ranges=_two_way_ranges(common_attn_metadata, num_decodes),
+            mm_prefix_range=_two_way_ranges(common_attn_metadata, num_decodes),
         )
 
 
@@ -403,14 +405,14 @@ class AccelAttentionImpl(AttentionImpl):
         """Recompute the prefill requests with two-way ranges this step (images of a
         multimodal prefix model, a few per batch) through the reference reader, the
         only one that takes them; every other row keeps its provider's result."""
-        if not md.two_way_ranges:
+        if not md.mm_prefix_range:
             return
         n = md.num_actual_tokens
         query = query[:n].view(n, self.num_heads, self.head_size)
         out = output[:n].view(n, self.num_heads, self.head_size)
         kv_cache, fp8_scales = self._readable(layer, kv_cache)
         starts = md.query_start_loc_cpu.tolist()
-        for req, ranges in md.two_way_ranges.items():
+        for req, ranges in md.mm_prefix_range.items():
             rows = slice(starts[req], starts[req + 1])
             out[rows] = _reference.paged_attention(
                 query[rows], kv_cache, md.block_table[req:req + 1],

@@ -38,7 +38,10 @@ VERIFIED_MULTIMODAL = {"Blip2ForConditionalGeneration", "Qwen2VLForConditionalGe
                        "Qwen2_5_VLForConditionalGeneration", "LlavaForConditionalGeneration",
                        "LlavaNextForConditionalGeneration", "InternVLForConditionalGeneration",
                        "Qwen3VLForConditionalGeneration", "Qwen3VLMoeForConditionalGeneration",
-                       "Glm4vForConditionalGeneration", "Gemma3ForConditionalGeneration"}
+                       "Glm4vForConditionalGeneration", "Gemma3ForConditionalGeneration",
+                       "Gemma4ForConditionalGeneration"}
+#: of those, the ones whose vision tower vLLM builds from transformers' own module
+HF_VISION_TOWERS = {"Gemma4ForConditionalGeneration"}
 
 
 @dataclass
@@ -199,9 +202,12 @@ def _architecture(config: dict) -> list[Finding]:
                              "layers through varlen_attention"))
     if info.supports_multimodal:
         if arch in VERIFIED_MULTIMODAL:
+            tower = ("transformers' own vision tower (vLLM 0.32 builds it so), its attention "
+                     "torch's SDPA on the device" if arch in HF_VISION_TOWERS else
+                     "the vision tower's attention on varlen_attention "
+                     "(AccelMMEncoderAttention)")
             found.append(Finding("image inputs", True,
-                                 "vLLM's processor and encoder cache; the vision tower's "
-                                 "attention on varlen_attention (AccelMMEncoderAttention)"))
+                                 f"vLLM's processor and encoder cache; {tower}"))
         else:
             found.append(Finding("multimodal inputs", False,
                                  "not verified through the plugin yet; text-only requests "
