@@ -40,7 +40,7 @@ CASES = {
     "mistral-virtual": ("mistral", VIRTUAL, False),
     "phi3-sim-eager": ("phi3", SIM, False),
     "phi3-virtual": ("phi3", VIRTUAL, False),
-    "qwen2-sim-compiled": ("qwen2", SIM, True),
+    "qwen2-sim-eager": ("qwen2", SIM, False),
     "gemma2-sim-compiled": ("gemma2", SIM, True),
     "gemma2-virtual": ("gemma2", VIRTUAL, False),
     "gemma3_text-sim-eager": ("gemma3_text", SIM, False),
@@ -53,7 +53,7 @@ CASES = {
     "granite_swa-virtual": ("granite_swa", VIRTUAL, False),
     "llama4_text-sim-compiled": ("llama4_text", SIM, True),
     "llama4_text-virtual": ("llama4_text", VIRTUAL, False),
-    "deepseek_v2-sim-compiled": ("deepseek_v2", SIM, True),
+    "deepseek_v2-sim-eager": ("deepseek_v2", SIM, False),
     "deepseek_v2-virtual": ("deepseek_v2", VIRTUAL, False),
     "deepseek_v3-sim-compiled": ("deepseek_v3", SIM, True),
     "deepseek_v3-virtual": ("deepseek_v3", VIRTUAL, False),
@@ -181,7 +181,7 @@ ENCODER_CASES = {
     "xlm_roberta-virtual": ("xlm_roberta", VIRTUAL, False),
     "modernbert-sim-compiled": ("modernbert", SIM, True),
     "modernbert-virtual": ("modernbert", VIRTUAL, False),
-    "embeddinggemma-sim-compiled": ("embeddinggemma", SIM, True),
+    "embeddinggemma-sim-eager": ("embeddinggemma", SIM, False),
     "embeddinggemma-virtual": ("embeddinggemma", VIRTUAL, False),
 }
 

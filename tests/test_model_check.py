@@ -11,6 +11,16 @@ import pytest
 from vllm_accel.tools.model_check import check
 
 
+@pytest.fixture(autouse=True)
+def _inspect_in_process(monkeypatch):
+    """vLLM inspects each architecture in a fresh interpreter (to keep CUDA out of
+    the caller; ~2.5 s each from cold caches); here, with no CUDA, in this one. The
+    CLI test below runs the tool as users do, subprocess and all."""
+    from vllm.model_executor.models import registry
+
+    monkeypatch.setattr(registry, "_run_in_subprocess", lambda fn: fn())
+
+
 def _write(tmp_path, name: str, config_cls: str, **kwargs):
     import transformers
 

@@ -5,10 +5,10 @@ M-RoPE), GLM-4.1V, Gemma 3 (SigLIP; image tokens attend to each other both ways)
 Gemma 4 (its own tower; both ways on the windowed layers only),
 LLaVA (CLIP tower), LLaVA-Next (anyres tiles) and InternVL (InternViT,
 pixel shuffle, tiles), each on the simulator and the virtual GCU (BLIP-2 on the virtual
-GCU); compiled on the simulator where the language model differs (LLaVA's Llama,
-Qwen2-VL's, Qwen2.5-VL's and Qwen3-VL's M-RoPE, Gemma 3's and Gemma 4's two-way image
-ranges), eager for the others (their decoders' layers compiled in other tests; vision
-towers run eagerly either way).
+GCU); compiled on the simulator where the language model differs (Qwen2-VL's and
+Qwen3-VL's M-RoPE, Gemma 3's and Gemma 4's two-way image ranges), eager for the others
+(their decoders compiled in other tests or cases: LLaVA's Llama, Qwen2.5-VL's M-RoPE as
+Qwen2-VL's; vision towers run eagerly either way).
 Image and text-only requests in one batch, two images of different sizes in one
 request, the same image again (vLLM's encoder cache, prefix caching), teacher-forced
 against HF float64 on the processor's inputs; the vision tower's attention runs the
@@ -63,8 +63,8 @@ def vlm_dir(tmp_path_factory, default_model):
 
 #: family: its simulator case (None: BLIP-2, whose Q-Former is the only part the others
 #: do not cover, on the virtual GCU alone; suite time)
-SIM_CASE = {"blip2": None, "llava": "sim-compiled", "llava_next": "sim-eager",
-            "internvl": "sim-eager", "qwen2_vl": "sim-compiled", "qwen2_5_vl": "sim-compiled",
+SIM_CASE = {"blip2": None, "llava": "sim-eager", "llava_next": "sim-eager",
+            "internvl": "sim-eager", "qwen2_vl": "sim-compiled", "qwen2_5_vl": "sim-eager",
             "qwen3_vl": "sim-compiled", "qwen3_vl_moe": "sim-eager",
             "glm4v": "sim-eager", "gemma3": "sim-compiled", "gemma4": "sim-compiled"}
 #: families whose vision tower vLLM 0.32 builds from transformers' own module (Gemma 4:
