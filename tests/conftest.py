@@ -42,23 +42,22 @@ VIRTUAL_GCU_ENV = {"ACCEL_BACKEND": "virtual", "TORCH_DEVICE_BACKEND_AUTOLOAD": 
 
 VLLM = str(Path(sys.executable).parent / "vllm")
 
-#: the slowest files first (summed seconds each in `make test`, AMD EPYC Zen 5, 2 cores):
-#: `make test` runs two pytest-xdist workers that take whole files in this order
-#: (`--no-loadscope-reorder`: xdist would otherwise start the files with the most tests
-#: first, which left the engine-heavy ones running alone at the end), so no long file
-#: starts last
-SLOW_FILES = ("test_attention_models.py", "test_scaling_out.py", "test_vlm.py",  # 230-400 s
-              "test_moe_engine.py", "test_virtual_gcu.py", "test_as_cpu.py",
-              "test_pooling_server.py", "test_quant_w8a8.py", "test_moe_quant.py",
-              "test_server.py", "test_reliability.py", "test_quant_compiled.py",  # 130-200
-              "test_spec_decode.py", "test_e2e_tiny.py", "test_e2e_fp8_kv.py",
-              "test_quant_compressed_tensors.py", "test_lora.py", "test_fused_layer.py",
-              "test_quant_awq.py", "test_quant_gptq.py", "test_e2e_scheduling.py",  # 85-130
-              "test_quant_fp8_mxfp4.py", "test_state_space_models.py",
-              "test_e2e_default_model.py", "test_e2e_tensor_parallel.py",
-              "test_quant_w8a16.py", "test_e2e_int8_kv.py", "test_repack_cache.py",
-              "test_backend_faithful.py", "test_model_check.py",
-              "test_cpu_native_bf16_linear.py")
+#: the slowest files first (summed seconds each in `make test`'s xdist part, AMD EPYC
+#: Zen 4, 2 cores, 2026-12-07): `make test` runs two pytest-xdist workers that take whole
+#: files in this order (`--no-loadscope-reorder`: xdist would otherwise start the files
+#: with the most tests first, which left the engine-heavy ones running alone at the
+#: end), so no long file starts last
+SLOW_FILES = ("test_vlm.py", "test_attention_models.py", "test_as_cpu.py",  # 260-340 s
+              "test_e2e_fp8_kv.py", "test_pooling_server.py", "test_quant_compiled.py",
+              "test_state_space_models.py", "test_moe_engine.py", "test_model_families.py",
+              "test_spec_decode.py", "test_server.py", "test_e2e_scheduling.py",  # 130-165
+              "test_moe_quant.py", "test_lora.py", "test_reliability.py", "test_e2e_tiny.py",
+              "test_virtual_gcu.py", "test_backend_faithful.py", "test_e2e_default_model.py",
+              "test_fused_layer.py", "test_quant_w8a8.py", "test_quant_fp8_mxfp4.py",  # 90-125
+              "test_quant_gptq.py", "test_triton_kernels.py", "test_repack_cache.py",
+              "test_e2e_int8_kv.py", "test_registration.py", "test_quant_awq.py",
+              "test_quant_compressed_tensors.py", "test_scaling_out.py", "test_preflight.py",
+              "test_models.py", "test_model_check.py")
 
 
 def pytest_collection_modifyitems(items):
