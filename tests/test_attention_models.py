@@ -181,7 +181,7 @@ ENCODER_CASES = {
     "xlm_roberta-virtual": ("xlm_roberta", VIRTUAL, False),
     "modernbert-sim-compiled": ("modernbert", SIM, True),
     "modernbert-virtual": ("modernbert", VIRTUAL, False),
-    "embeddinggemma-sim-eager": ("embeddinggemma", SIM, False),
+    "embeddinggemma-sim-compiled": ("embeddinggemma", SIM, True),
     "embeddinggemma-virtual": ("embeddinggemma", VIRTUAL, False),
 }
 

@@ -18,9 +18,10 @@ from moe_models import assert_matches_hf
 from test_attention_models import SIM, VIRTUAL, _prompts, _spec
 
 #: compiled on the simulator (vLLM's default): a MoE family with DeepSeek-style routing,
-#: one whose global layers skip rope, and one with KV sharing and a head size per layer
-#: type; the rest eager, their layers the same ops
-COMPILED = ("glm4_moe", "exaone4", "gemma4_text")
+#: one whose global layers skip rope, and the Gemma 3n / Gemma 4 families (KV sharing,
+#: per-layer embeddings, a head size per layer type, AltUp); the rest eager, their layers
+#: the same ops
+COMPILED = ("glm4_moe", "exaone4", "gemma3n_text", "gemma4_text", "gemma4_text_moe")
 #: the families with MoE layers (the plugin's MoE method serves them)
 MOE = ("glm4_moe", "ernie4_5_moe", "hunyuan_v1_moe", "olmoe", "granitemoe", "dots1",
        "gemma4_text_moe")
