@@ -8,7 +8,9 @@ of their state). Input: a JSON file path with ``llm`` (LLM kwargs), ``prompts``
 generated one batch after another, e.g. to hit the prefix cache), ``embed`` (optional: token-id
 prompts embedded by a pooling model), ``lora_requests`` (optional, per prompt:
 ``[name, id, path]`` of a LoRA adapter or null), ``mm_prompts`` (optional: text prompts
-with images, each ``{"prompt", "images": [vlm_models.image_of entries]}``), ``requests``
+with images, each ``{"prompt", "images": [vlm_models.image_of entries]}``), ``audio_prompts``
+(optional: encoder-decoder requests, each ``{"decoder_prompt", "audio":
+[speech_models.audio_of entry]}`` and optionally its own ``sampling`` overrides), ``requests``
 (optional: {"prompt", "sampling"} pairs, each with its own SamplingParams kwargs;
 ``structured_outputs`` there is a StructuredOutputsParams dict). Output: one
 stdout line "ENGINE_RESULT <json>" (outputs, batch outputs, prefix-cache and
@@ -126,6 +128,18 @@ def run(spec: dict):
               for p in spec["mm_prompts"]]
         outs = llm.generate(mm, params, use_tqdm=False)
         results["mm_outputs"] = [_output(o) for o in outs]
+    if spec.get("audio_prompts"):  # encoder-decoder (Whisper): {"decoder_prompt", "audio"}
+        sys.path.insert(0, str(__import__("pathlib").Path(__file__).parent))
+        from speech_models import audio_of
+
+        requests = [{"encoder_prompt": {"prompt": "", "multi_modal_data": {
+            "audio": audio_of(p["audio"])}}, "decoder_prompt": p["decoder_prompt"]}
+            for p in spec["audio_prompts"]]
+        per_request = [SamplingParams(**{**spec["sampling"], **p.get("sampling", {})})
+                       for p in spec["audio_prompts"]]
+        outs = llm.generate(requests, per_request, use_tqdm=False)
+        results["audio_outputs"] = [_output(o) | {"prompt_token_ids": o.prompt_token_ids}
+                                    for o in outs]
     if spec.get("embed"):  # a pooling model: one embedding per token-id prompt
         outs = llm.embed([TokensPrompt(prompt_token_ids=p) for p in spec["embed"]],
                          use_tqdm=False)

@@ -42,7 +42,9 @@ def rows() -> list[tuple[str, str, str, str, str]]:
     import attention_models
     import model_families
     import moe_models
+    import speech_models
     import test_attention_models as attention
+    import test_encoder_decoder as encoder_decoder
     import test_model_families as families
     import test_moe_engine as moe
     import test_state_space_models as state_space
@@ -81,6 +83,11 @@ def rows() -> list[tuple[str, str, str, str, str]]:
                     sim and f"{dtypes(family, state_space.SIM)}; {sim}",
                     card and f"{dtypes(family, state_space.VIRTUAL)}; {card}",
                     "`test_state_space_models.py`"))
+    whisper = [("whisper", env, compiled) for env, compiled in encoder_decoder.CASES.values()]
+    sim, card = _modes(whisper, "whisper", *(encoder_decoder.CASES[case][0]
+                                             for case in ("sim-compiled", "virtual")))
+    out.append(("whisper (speech-to-text)", speech_models.WHISPER, sim, card,
+                "`test_encoder_decoder.py`"))
     return out
 
 

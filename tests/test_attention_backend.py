@@ -55,8 +55,8 @@ def test_impl_takes_the_features_and_rejects_what_it_cannot_serve():
     assert AccelAttentionImpl(8, 64, 0.125, 2, None, None, "auto").features == {}
     assert AccelAttentionImpl(8, 64, 0.125, 2, None, None, "auto",
                               attn_type="encoder_only").attn_type == "encoder_only"
-    with pytest.raises(NotImplementedError, match="encoder_decoder attention"):
-        AccelAttentionImpl(8, 64, 0.125, 2, None, None, "auto", attn_type="encoder_decoder")
+    with pytest.raises(NotImplementedError, match="encoder attention"):
+        AccelAttentionImpl(8, 64, 0.125, 2, None, None, "auto", attn_type="encoder")
     with pytest.raises(NotImplementedError, match="attention sinks of shape"):
         AccelAttentionImpl(8, 64, 0.125, 2, None, None, "auto", sinks=torch.zeros(4))
 
@@ -128,3 +128,64 @@ def test_gemma4_clears_the_two_way_ranges_of_its_global_layers(monkeypatch):
         SimpleNamespace(_full_attn_layer_idxs={1}))
     assert windowed.mm_prefix_range == {0: [(2, 8)]}
     assert global_.mm_prefix_range is None
+
+
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+def test_cross_attention_reads_each_requests_whole_encoder_output(dtype, tol):
+    """Encoder-decoder layers: every decoder token attends to all of its request's
+    encoder output, nothing masked. A step with one decode (its encoder K/V cached by
+    an earlier step) beside two prefills of 3 and 5 tokens whose encoder K/V this step
+    writes through the cross slot mapping, then a step of three decodes writing
+    nothing; vs float64 attention over the original K/V. The cache holds garbage
+    (1e4) wherever no request wrote, so reading a slot a request does not own fails."""
+    from types import SimpleNamespace
+
+    from vllm_accel.ops.attention import AccelAttentionImpl, AccelAttentionMetadata
+
+    heads, kv_heads, d, bs = 4, 2, 64, 16
+    enc_lens, q_lens = [37, 20, 50], [1, 3, 5]
+    gen = torch.Generator().manual_seed(0)
+    keys = [torch.randn(n, kv_heads, d, generator=gen) for n in enc_lens]
+    values = [torch.randn(n, kv_heads, d, generator=gen) for n in enc_lens]
+    blocks = [-(-n // bs) for n in enc_lens]
+    order = torch.randperm(sum(blocks) + 3, generator=gen)
+    table = torch.zeros(3, max(blocks) + 1, dtype=torch.int32)
+    for r, start in enumerate([0, blocks[0], blocks[0] + blocks[1]]):
+        table[r, :blocks[r]] = order[start:start + blocks[r]]
+    slots = [table[r, torch.arange(n) // bs].long() * bs + torch.arange(n) % bs
+             for r, n in enumerate(enc_lens)]
+    cache = torch.full((len(order), kv_heads, bs, 2 * d), 1e4, dtype=dtype)
+    impl = AccelAttentionImpl(heads, d, d ** -0.5, kv_heads, None, None, "auto",
+                              attn_type="encoder_decoder")
+    layer = SimpleNamespace(_k_scale_float=1.0, _v_scale_float=1.0,
+                            layer_name="model.decoder.layers.0.encoder_attn.attn")
+    impl.do_kv_cache_update(layer, keys[0].to(dtype), values[0].to(dtype), cache, slots[0])
+
+    def step(q_lens, new):
+        """One forward: ``q_lens`` query tokens per request, the requests in ``new``
+        writing their encoder K/V; returns (output, float64 oracle)."""
+        n = sum(q_lens)
+        query = torch.randn(n, heads, d, generator=gen)
+        starts = torch.tensor([0, *q_lens]).cumsum(0).to(torch.int32)
+        md = AccelAttentionMetadata(
+            num_actual_tokens=n, num_decodes=sum(q == 1 for q in q_lens),
+            num_decode_tokens=sum(q == 1 for q in q_lens), max_seq_len=max(enc_lens),
+            query_start_loc_cpu=starts, seq_lens=torch.tensor(enc_lens, dtype=torch.int32),
+            block_table=table, causal=False,
+            slot_mapping=torch.cat([slots[r] for r in new]) if new else torch.empty(0).long())
+        key = torch.cat([keys[r] for r in new]).to(dtype) if new else None
+        value = torch.cat([values[r] for r in new]).to(dtype) if new else None
+        output = torch.empty(n, heads * d, dtype=dtype)
+        impl.forward(layer, query.to(dtype), key, value, cache, md, output)
+        expected = []
+        for r, (a, b) in enumerate(zip(starts[:-1].tolist(), starts[1:].tolist())):
+            k = keys[r].double().repeat_interleave(heads // kv_heads, dim=1)
+            v = values[r].double().repeat_interleave(heads // kv_heads, dim=1)
+            p = torch.einsum("qhd,khd->hqk", query[a:b].double(), k).mul(d ** -0.5).softmax(-1)
+            expected.append(torch.einsum("hqk,khd->qhd", p, v))
+        return output.view(n, heads, d).double(), torch.cat(expected)
+
+    out, expected = step(q_lens, new=[1, 2])
+    torch.testing.assert_close(out, expected, atol=tol, rtol=tol)
+    out, expected = step([1, 1, 1], new=[])
+    torch.testing.assert_close(out, expected, atol=tol, rtol=tol)

@@ -69,6 +69,15 @@ def copies_and_kernels_match_cpu():
     assert torch.equal(torch.arange(10, device="gcu").cpu(), torch.arange(10))  # out= resize
     assert [p.device.type for p in da.split(3)] == ["gcu"] * 3
     assert da.argmax(-1).device.type == "gcu" and da.sum().item() == a.sum().item()
+    # convolutions (Whisper's Conv1d audio stem; torch sends unknown backends to an
+    # overrideable op the fallback never sees)
+    x, w, bias = (torch.randn(2, 8, 30, generator=g), torch.randn(16, 8, 3, generator=g),
+                  torch.randn(16, generator=g))
+    conv = torch.nn.functional.conv1d(x.to("gcu"), w.to("gcu"), bias.to("gcu"), stride=2,
+                                      padding=1)
+    assert conv.device.type == "gcu"
+    torch.testing.assert_close(conv.cpu(), torch.nn.functional.conv1d(x, w, bias, stride=2,
+                                                                     padding=1), rtol=0, atol=0)
 
 
 @check

@@ -41,8 +41,10 @@ logger = init_logger(__name__)
 
 BACKEND_NAME = "ACCEL_ATTN"
 #: decoder layers over the paged cache; encoder-only layers (BERT-style embedding and
-#: reranker models) within each sequence of the batch, with no cache
-SUPPORTED_ATTN_TYPES = (AttentionType.DECODER, AttentionType.ENCODER_ONLY)
+#: reranker models) within each sequence of the batch, with no cache; encoder-decoder
+#: (cross) layers over the paged cache of each request's encoder output (Whisper)
+SUPPORTED_ATTN_TYPES = (AttentionType.DECODER, AttentionType.ENCODER_ONLY,
+                        AttentionType.ENCODER_DECODER)
 #: the INT8 KV cache: int8 K and V plus an fp32 scale each per (token, head)
 INT8_KV = "int8_per_token_head"
 
@@ -159,7 +161,9 @@ class AccelAttentionMetadata:
     seq_lens: torch.Tensor  # [num_reqs]
     block_table: torch.Tensor  # [num_reqs, max_blocks]
     slot_mapping: torch.Tensor  # [num_tokens]
-    causal: bool = True  # False: vLLM's encoder-only layers (bidirectional)
+    #: False: vLLM's encoder-only layers (bidirectional) and cross-attention layers,
+    #: whose ``seq_lens`` are then the encoder lengths (vLLM's CrossAttentionBuilder)
+    causal: bool = True
     #: prefill request index -> the two-way ranges (inclusive positions) that its
     #: queries this step fall in (multimodal prefix models: Gemma 3's images). vLLM's
     #: name for it: a model whose layers differ clears it on the layers where images
@@ -287,6 +291,9 @@ class AccelAttentionImpl(AttentionImpl):
              else torch.tensor(alibi_slopes, dtype=torch.float32)),
             ("sinks", sinks)) if value is not None}
         self._layer_scales: tuple[float | None, float | None] | None = None  # on first use
+        if attn_type == AttentionType.ENCODER_DECODER:
+            logger.info_once("%s: encoder-decoder attention over each request's cached "
+                             "encoder output", BACKEND_NAME)
         if self.features:
             logger.info_once("%s: attention with %s", BACKEND_NAME, ", ".join(
                 f"{name} {value}" if name in ("sliding_window", "logits_soft_cap")
@@ -360,6 +367,10 @@ class AccelAttentionImpl(AttentionImpl):
             return output
         writes = (self.kv_sharing_target_layer_name is None and key is not None
                   and value is not None)
+        if self.attn_type == AttentionType.ENCODER_DECODER:
+            if writes:  # the encoder's K/V, on a request's first step only
+                self.do_kv_cache_update(layer, key, value, kv_cache, md.slot_mapping)
+            return self._cross_attention(layer, query, kv_cache, md, output, features)
         if (writes and self._attention_step is not None and self._attention_step(
                 query, key, value, kv_cache, md.slot_mapping, md.block_table,
                 md.query_start_loc_cpu, md.seq_lens, output, self.scale,
@@ -392,6 +403,25 @@ class AccelAttentionImpl(AttentionImpl):
                 **features,
             )
         self._recompute_two_way_requests(layer, query, kv_cache, md, output)
+        return output
+
+    def _cross_attention(self, layer, query, kv_cache, md, output, features) -> torch.Tensor:
+        """Encoder-decoder attention: every decoder token reads the whole cached
+        encoder output of its request, nothing masked -- so each token is one decode
+        row over its request's blocks, and every provider's decode kernel serves it
+        (prompt tokens included; Whisper's prompts are a few tokens)."""
+        n = md.num_actual_tokens
+        num_reqs = md.query_start_loc_cpu.numel() - 1
+        query_lens = md.query_start_loc_cpu.diff()
+        block_table, seq_lens = md.block_table[:num_reqs], md.seq_lens[:num_reqs]
+        if n != num_reqs:  # some request has several tokens: one row per token
+            rows = torch.repeat_interleave(torch.arange(num_reqs), query_lens)
+            rows = rows.to(block_table.device)
+            block_table, seq_lens = block_table[rows], seq_lens[rows.to(seq_lens.device)]
+        kv_cache, fp8_scales = self._readable(layer, kv_cache)
+        output[:n].view(n, self.num_heads, self.head_size).copy_(self._paged_decode(
+            query[:n].view(n, self.num_heads, self.head_size), kv_cache, block_table,
+            seq_lens, self.scale, *fp8_scales, **features))
         return output
 
     def _readable(self, layer, kv_cache: torch.Tensor) -> tuple[torch.Tensor, tuple]:

@@ -1,5 +1,5 @@
 """Out-of-tree replacements for vLLM's RMSNorm, SiluAndMul, RotaryEmbedding and
-multimodal encoder attention, for its unquantized MoE method
+multimodal encoder attention (vision towers, Whisper's audio encoder), for its unquantized MoE method
 (:mod:`vllm_accel.ops.moe`) and its MLA layer (:mod:`vllm_accel.ops.mla_layer`).
 
 Each replacement subclasses the vLLM op (same constructor, same buffers and
@@ -38,6 +38,7 @@ from vllm.model_executor.layers.attention.mm_encoder_attention import MMEncoderA
 from vllm.model_executor.layers.layernorm import RMSNorm
 from vllm.model_executor.layers.mla import MultiHeadLatentAttentionWrapper
 from vllm.model_executor.layers.rotary_embedding.base import RotaryEmbedding
+from vllm.model_executor.models.whisper import WhisperEncoderAttention
 
 from vllm_accel.logger import init_logger
 from vllm_accel.ops.cpu_native import elementwise as _cpu_native  # noqa: F401  (registers)
@@ -199,6 +200,14 @@ class AccelMMEncoderAttention(MMEncoderAttention):
     forward_native = forward_cpu = forward_oot = _run
 
 
+class AccelWhisperEncoderAttention(WhisperEncoderAttention):
+    """Whisper's audio encoder attention: a subclass of vLLM's multimodal encoder
+    attention under its own class name (so the registry swaps it apart), on the same
+    ``varlen_attention``; vLLM's ``forward`` still adds the batch dim to 2-D input."""
+
+    forward_native = forward_cpu = forward_oot = AccelMMEncoderAttention._run
+
+
 # (vLLM class, our replacement)
 OOT_OPS: tuple[tuple[type, type], ...] = (
     (RMSNorm, AccelRMSNorm),
@@ -206,6 +215,7 @@ OOT_OPS: tuple[tuple[type, type], ...] = (
     (RotaryEmbedding, AccelRotaryEmbedding),
     (UnquantizedFusedMoEMethod, AccelFusedMoEMethod),
     (MMEncoderAttention, AccelMMEncoderAttention),
+    (WhisperEncoderAttention, AccelWhisperEncoderAttention),
     # a pluggable layer (same registry): mla_layer.py
     (MultiHeadLatentAttentionWrapper, AccelMultiHeadLatentAttention),
 )

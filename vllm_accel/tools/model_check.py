@@ -42,6 +42,8 @@ VERIFIED_MULTIMODAL = {"Blip2ForConditionalGeneration", "Qwen2VLForConditionalGe
                        "Gemma4ForConditionalGeneration"}
 #: of those, the ones whose vision tower vLLM builds from transformers' own module
 HF_VISION_TOWERS = {"Gemma4ForConditionalGeneration"}
+#: encoder-decoder (speech-to-text) architectures tested through the plugin
+VERIFIED_ENCODER_DECODER = {"WhisperForConditionalGeneration"}
 
 
 @dataclass
@@ -193,15 +195,24 @@ def _architecture(config: dict) -> list[Finding]:
     if info is None:
         return found
     if config.get("is_encoder_decoder") or info.attn_type == "encoder_decoder":
-        found.append(Finding("encoder-decoder attention", False,
-                             "not served yet (cross-attention); exclude the plugin "
-                             "(VLLM_PLUGINS) for stock vLLM CPU"))
+        found.append(
+            Finding("encoder-decoder attention", True,
+                    "cross-attention on ACCEL_ATTN over each request's cached encoder "
+                    "output") if arch in VERIFIED_ENCODER_DECODER else
+            Finding("encoder-decoder attention", False,
+                    "not verified through the plugin yet (Whisper is); exclude the "
+                    "plugin (VLLM_PLUGINS) for stock vLLM CPU"))
     if info.is_pooling_model and not info.is_text_generation_model:
         found.append(Finding("pooling model (embeddings / scores)", True,
                              "vLLM's pooling runner (--runner pooling); encoder-only "
                              "layers through varlen_attention"))
     if info.supports_multimodal:
-        if arch in VERIFIED_MULTIMODAL:
+        if arch in VERIFIED_ENCODER_DECODER:
+            found.append(Finding("audio inputs", True,
+                                 "vLLM's processor (log-mel features); the audio encoder's "
+                                 "attention on varlen_attention; /v1/audio/transcriptions "
+                                 "decodes uploads with the plugin's audio extra"))
+        elif arch in VERIFIED_MULTIMODAL:
             tower = ("transformers' own vision tower (vLLM 0.32 builds it so), its attention "
                      "torch's SDPA on the device" if arch in HF_VISION_TOWERS else
                      "the vision tower's attention on varlen_attention "

@@ -585,6 +585,11 @@ TORCH_LIBRARY_IMPL(aten, PrivateUse1, m) {
   m.impl("_copy_from_and_resize", &vdevice::copy_from_and_resize);
   m.impl("set_.source_Storage", &vdevice::set_source_storage);
   m.impl("set_.source_Storage_storage_offset", &vdevice::set_storage);
+  // torch's composite convolution sends a backend it does not know to
+  // convolution_overrideable, whose only kernel throws (the fallback below never
+  // sees it); a card's torch extension registers its own. Whisper's audio encoder
+  // (Conv1d) needs it: the CPU's kernel, as for every other op.
+  m.impl("convolution", torch::CppFunction::makeFromBoxedFunction<&vdevice::cpu_kernel_fallback>());
 }
 
 TORCH_LIBRARY_IMPL(_, PrivateUse1, m) {

@@ -1,0 +1,109 @@
+"""A tiny random-weight Whisper (encoder-decoder: a Conv1d audio encoder, a decoder with
+self- and cross-attention) with its processor, built locally (no hub), and its HF
+float64 oracle.
+
+The tokenizer is the default model's BPE under Whisper's tokenizer class with the
+special tokens a transcription prompt names; the feature extractor keeps Whisper's
+80 mel bins and 16 kHz but pads to 2 s instead of 30 (200 frames: 100 encoder
+positions, vLLM's cross-attention length), so the audio encoder stays cheap.
+"""
+
+import functools
+from pathlib import Path
+
+import torch
+
+WHISPER_TOKENS = ["<|startoftranscript|>", "<|en|>", "<|de|>", "<|translate|>",
+                  "<|transcribe|>", "<|startoflm|>", "<|prev|>", "<|nospeech|>",
+                  "<|notimestamps|>"]
+#: a transcription's decoder prompt, as vLLM's Whisper writes it
+TRANSCRIBE = "<|startoftranscript|><|en|><|transcribe|><|notimestamps|>"
+SAMPLE_RATE = 16000
+#: the support table's words for it
+WHISPER = ("encoder-decoder: a Conv1d audio encoder attending both ways, decoder layers "
+           "with causal self-attention and cross-attention over the cached encoder output")
+EOS = 0  # <|endoftext|>: the default model's id 0, Whisper's pad/bos/eos
+CHUNK_SECONDS = 2
+
+
+def build_tiny_whisper(path: Path, default_model: Path, seed: int = 0) -> Path:
+    """Whisper with 2 encoder and 2 decoder layers, d_model 128 (2 heads of 64, as
+    vLLM's CPU kernels need for the stock-vLLM comparison); tied output embeddings."""
+    from transformers import (WhisperConfig, WhisperFeatureExtractor,
+                              WhisperForConditionalGeneration, WhisperProcessor,
+                              WhisperTokenizerFast)
+
+    eot = "<|endoftext|>"
+    tok = WhisperTokenizerFast(tokenizer_file=str(default_model / "tokenizer.json"),
+                               unk_token=eot, bos_token=eot, eos_token=eot)
+    tok.add_special_tokens({"additional_special_tokens": WHISPER_TOKENS})
+    features = WhisperFeatureExtractor(feature_size=80, sampling_rate=SAMPLE_RATE,
+                                       chunk_length=CHUNK_SECONDS)
+    eot_id = tok.convert_tokens_to_ids(eot)
+    assert eot_id == EOS
+    config = WhisperConfig(
+        vocab_size=len(tok), num_mel_bins=80, d_model=128, encoder_layers=2,
+        decoder_layers=2, encoder_attention_heads=2, decoder_attention_heads=2,
+        encoder_ffn_dim=256, decoder_ffn_dim=256,
+        max_source_positions=features.nb_max_frames // 2, max_target_positions=448,
+        decoder_start_token_id=tok.convert_tokens_to_ids("<|startoftranscript|>"),
+        pad_token_id=eot_id, bos_token_id=eot_id, eos_token_id=eot_id,
+        begin_suppress_tokens=None, suppress_tokens=None)
+    torch.manual_seed(seed)
+    model = WhisperForConditionalGeneration(config)
+    with torch.no_grad():  # peaked logits that move with the audio (HF's init: near-ties)
+        for name, p in model.named_parameters():
+            if name.endswith("encoder.embed_positions.weight"):
+                continue  # Whisper's fixed sinusoids
+            if p.dim() > 1:
+                p.normal_(0, 0.1 if "embed_tokens" in name else 0.25)
+        model.model.decoder.layer_norm.weight.fill_(3.0)
+    model.save_pretrained(path)
+    WhisperProcessor(feature_extractor=features, tokenizer=tok).save_pretrained(path)
+    return path
+
+
+def random_audio(seed: int, samples: int):
+    """Noise of ``samples`` 16 kHz samples (float32; the processor pads or cuts it)."""
+    import numpy as np
+
+    return (np.random.default_rng(seed).standard_normal(samples) * 0.1).astype(np.float32)
+
+
+def audio_of(entry):
+    """An engine spec's audio, ``[seed, samples]``, as vLLM takes it: (array, rate)."""
+    return random_audio(*entry), SAMPLE_RATE
+
+
+@functools.lru_cache(maxsize=1)
+def _hf_whisper(model_dir: str):
+    from transformers import WhisperForConditionalGeneration, WhisperProcessor
+
+    model = WhisperForConditionalGeneration.from_pretrained(
+        model_dir, dtype=torch.float64, attn_implementation="eager").eval()
+    return WhisperProcessor.from_pretrained(model_dir), model
+
+
+def hf_whisper_logprobs(model_dir: Path, audio, decoder_ids: list[int]) -> torch.Tensor:
+    """HF float64 log-probs ``[len, vocab]`` of the decoder reading ``decoder_ids``, the
+    encoder reading ``audio``."""
+    processor, hf = _hf_whisper(str(model_dir))
+    features = processor.feature_extractor(audio, sampling_rate=SAMPLE_RATE,
+                                           return_tensors="pt").input_features.double()
+    with torch.no_grad():
+        logits = hf(input_features=features, decoder_input_ids=torch.tensor([decoder_ids])).logits[0]
+    return torch.log_softmax(logits.double(), -1)
+
+
+def hf_tokenizer(model_dir: Path):
+    return _hf_whisper(str(model_dir))[0].tokenizer
+
+
+def decoder_prompt_ids(model_dir: Path, decoder_prompt: str) -> list[int]:
+    """The decoder's prompt as vLLM builds it: the text's tokens, no special tokens
+    added, after Whisper's ``<|startoftranscript|>`` where the text does not begin with
+    it (vLLM puts the decoder start token first)."""
+    processor, hf = _hf_whisper(str(model_dir))
+    ids = processor.tokenizer(decoder_prompt, add_special_tokens=False).input_ids
+    start = hf.config.decoder_start_token_id
+    return ids if ids[0] == start else [start, *ids]
