@@ -8,7 +8,8 @@ of their state). Input: a JSON file path with ``llm`` (LLM kwargs), ``prompts``
 generated one batch after another, e.g. to hit the prefix cache), ``embed`` (optional: token-id
 prompts embedded by a pooling model), ``lora_requests`` (optional, per prompt:
 ``[name, id, path]`` of a LoRA adapter or null), ``mm_prompts`` (optional: text prompts
-with images, each ``{"prompt", "images": [vlm_models.image_of entries]}``), ``audio_prompts``
+with images, each ``{"prompt", "images": [vlm_models.image_of entries]}`` and optionally
+``"videos": [vlm_models.video_of entries]``), ``audio_prompts``
 (optional: encoder-decoder requests, each ``{"decoder_prompt", "audio":
 [speech_models.audio_of entry]}`` and optionally its own ``sampling`` overrides), ``requests``
 (optional: {"prompt", "sampling"} pairs, each with its own SamplingParams kwargs;
@@ -119,13 +120,17 @@ def run(spec: dict):
         outs = llm.generate([r["prompt"] for r in spec["requests"]], params_list, use_tqdm=False)
         results["requests"] = [{"token_ids": list(o.outputs[0].token_ids),
                                 "text": o.outputs[0].text} for o in outs]
-    if spec.get("mm_prompts"):  # text prompts with images: {"prompt", "images": [...]}
+    if spec.get("mm_prompts"):  # text prompts with images (and videos): {"prompt", "images"}
         sys.path.insert(0, str(__import__("pathlib").Path(__file__).parent))
-        from vlm_models import image_of
+        from vlm_models import image_of, video_of
 
-        mm = [{"prompt": p["prompt"]} | ({"multi_modal_data": {
-            "image": [image_of(entry) for entry in p["images"]]}} if p["images"] else {})
-              for p in spec["mm_prompts"]]
+        def media(p: dict) -> dict:
+            data = {"image": [image_of(entry) for entry in p["images"]]} if p["images"] else {}
+            if p.get("videos"):
+                data["video"] = [video_of(entry) for entry in p["videos"]]
+            return {"multi_modal_data": data} if data else {}
+
+        mm = [{"prompt": p["prompt"]} | media(p) for p in spec["mm_prompts"]]
         outs = llm.generate(mm, params, use_tqdm=False)
         results["mm_outputs"] = [_output(o) for o in outs]
     if spec.get("audio_prompts"):  # encoder-decoder (Whisper): {"decoder_prompt", "audio"}

@@ -10,8 +10,10 @@ Qwen3-VL's M-RoPE, Gemma 3's and Gemma 4's two-way image ranges), eager for the 
 (their decoders compiled in other tests or cases: LLaVA's Llama, Qwen2.5-VL's M-RoPE as
 Qwen2-VL's; vision towers run eagerly either way).
 Image and text-only requests in one batch, two images of different sizes in one
-request, the same image again (vLLM's encoder cache, prefix caching), teacher-forced
-against HF float64 on the processor's inputs; the vision tower's attention runs the
+request, the same image again (vLLM's encoder cache, prefix caching), a video beside an
+image (the Qwen families: temporal patches, Qwen2.5-VL's time-scaled positions, Qwen3-VL's
+timestamps), teacher-forced against HF float64 on the processor's inputs (Qwen2.5-VL with
+a video: on Qwen's own M-RoPE positions, ``vlm_models._qwen_reference_positions``); the vision tower's attention runs the
 plugin's ``varlen_attention`` (``AccelMMEncoderAttention``), not a silent SDPA, except
 in the towers vLLM takes from transformers (``HF_TOWERS``)."""
 
@@ -20,9 +22,10 @@ import functools
 import pytest
 
 from conftest import VIRTUAL_GCU_ENV, SharedEngines
-from vlm_models import (PLACEHOLDERS, build_tiny_blip2, build_tiny_gemma3, build_tiny_gemma4,
-                        build_tiny_glm4v, build_tiny_internvl, build_tiny_llava,
-                        build_tiny_qwen_vl, hf_logprobs, image_of, random_image)
+from vlm_models import (PLACEHOLDERS, QWEN_VIDEO, build_tiny_blip2, build_tiny_gemma3,
+                        build_tiny_gemma4, build_tiny_glm4v, build_tiny_internvl,
+                        build_tiny_llava, build_tiny_qwen_vl, hf_logprobs, image_of,
+                        random_image, video_of)
 
 VIRTUAL = {**VIRTUAL_GCU_ENV, "ACCEL_SIM_DEVICE_MEMORY_GB": "1"}
 CASES = {"sim-compiled": ({}, True), "sim-eager": ({}, False), "virtual": (VIRTUAL, False)}
@@ -36,17 +39,26 @@ BUILDERS = {"blip2": build_tiny_blip2, "llava": build_tiny_llava,
             "glm4v": build_tiny_glm4v, "gemma3": build_tiny_gemma3, "gemma4": build_tiny_gemma4}
 
 
-def prompts(family: str) -> list[tuple[str, list]]:
-    """(prompt, images as ``image_of`` entries); the last repeats the first (encoder
-    and prefix caches). BLIP-2 takes one image per prompt; the others get two of
-    different sizes (Qwen's token count follows the size)."""
+#: families given a video prompt too (frames with vLLM's loader metadata, 2 fps)
+VIDEO_FAMILIES = {"qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe"}
+
+
+def prompts(family: str) -> list[tuple[str, list, list]]:
+    """(prompt, images as ``image_of`` entries, videos as ``video_of`` entries); the
+    fourth repeats the first (encoder and prefix caches). BLIP-2 takes one image per
+    prompt; the others get two of different sizes (Qwen's token count follows the
+    size); the Qwen families also a 6-frame video beside an image."""
     image = PLACEHOLDERS[family]
     two = ([f"{image}{image}Question: which one is brighter? Answer:", [2, [3, 140, 200]]]
            if family != "blip2" else ["Question: which colour is it? Answer:", [2]])
-    return [(f"{image}Question: what is in the picture? Answer:", [1]),
-            ("Question: say something about France. Answer:", []),
-            tuple(two),
-            (f"{image}Question: what is in the picture? Answer:", [1])]
+    cases = [(f"{image}Question: what is in the picture? Answer:", [1], []),
+             ("Question: say something about France. Answer:", [], []),
+             (*two, []),
+             (f"{image}Question: what is in the picture? Answer:", [1], [])]
+    if family in VIDEO_FAMILIES:
+        cases.append((f"{QWEN_VIDEO}{image}Question: what changes between the frames? "
+                      "Answer:", [5], [[1, 6, 84, 56]]))
+    return cases
 
 
 @pytest.fixture(scope="module")
@@ -79,8 +91,10 @@ def _spec(model_dir, family: str, compiled: bool) -> dict:
     return {"llm": {"model": str(model_dir), "dtype": "float32",
                     "enforce_eager": not compiled, "max_model_len": 512, "max_num_seqs": 4,
                     "enable_prefix_caching": True, "seed": 0,
-                    "limit_mm_per_prompt": {"image": 2 if family != "blip2" else 1}},
-            "mm_prompts": [{"prompt": p, "images": images} for p, images in prompts(family)],
+                    "limit_mm_per_prompt": {"image": 2 if family != "blip2" else 1}
+                    | ({"video": 1} if family in VIDEO_FAMILIES else {})},
+            "mm_prompts": [{"prompt": p, "images": images, "videos": videos}
+                           for p, images, videos in prompts(family)],
             "sampling": {"temperature": 0.0, "max_tokens": 8, "ignore_eos": True,
                          "logprobs": 1}}
 
@@ -106,9 +120,9 @@ def test_images_match_hf(family, case, vlm_dir, engines):
         assert "device gcu via virtual" in log
     assert ("Multimodal encoder attention: varlen_attention (torch_fast)" in log) == (
         family not in HF_TOWERS)
-    for (prompt, images), out in zip(cases, results["mm_outputs"], strict=True):
+    for (prompt, images, videos), out in zip(cases, results["mm_outputs"], strict=True):
         logp, n = hf_logprobs(model_dir, prompt, [image_of(i) for i in images],
-                              out["token_ids"])
+                              out["token_ids"], videos=[video_of(v) for v in videos])
         for step, (token, top) in enumerate(zip(out["token_ids"], out["logprobs"])):
             row = logp[n - 1 + step]
             assert int(row.argmax()) == token, (prompt, images, step)

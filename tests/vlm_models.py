@@ -127,7 +127,10 @@ def build_tiny_qwen_vl(path: Path, default_model: Path, family: str = "qwen2_vl"
         from transformers.models.qwen3_vl.video_processing_qwen3_vl import (
             Qwen3VLVideoProcessor)
 
-        pixels = dict(patch_size=16, min_pixels=64 * 64, max_pixels=256 * 256)
+        # (released Qwen3-VL normalizes images and videos alike, to [-1, 1]: vLLM
+        # normalizes both on the device with the image processor's values)
+        pixels = dict(patch_size=16, min_pixels=64 * 64, max_pixels=256 * 256,
+                      image_mean=[0.5] * 3, image_std=[0.5] * 3)
         video = Qwen3VLVideoProcessor(patch_size=16)
     else:
         video = Qwen2VLVideoProcessor(**pixels)
@@ -411,6 +414,31 @@ def image_of(entry):
     return random_image(*entry) if isinstance(entry, list) else random_image(entry)
 
 
+QWEN_VIDEO = "<|vision_start|><|video_pad|><|vision_end|>"
+VIDEO_FPS = 2.0
+
+
+def random_video(seed: int, frames: int, height: int, width: int):
+    """Noise frames ``[frames, height, width, 3]`` (uint8, as vLLM's video loaders give)."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    return (rng.random((frames, height, width, 3)) * 255).astype("uint8")
+
+
+def video_metadata(frames: int) -> dict:
+    """What vLLM's video loader reports for a clip of ``frames`` frames, all kept, at
+    ``VIDEO_FPS`` (Qwen2.5-VL's temporal positions and Qwen3-VL's timestamps read it)."""
+    return {"fps": VIDEO_FPS, "total_num_frames": frames, "duration": frames / VIDEO_FPS,
+            "frames_indices": list(range(frames)), "video_backend": "opencv"}
+
+
+def video_of(entry):
+    """An engine spec's video, ``[seed, frames, height, width]``, as vLLM takes it:
+    (frames, metadata)."""
+    return random_video(*entry), video_metadata(entry[1])
+
+
 HF_CLASSES = {"blip-2": "Blip2ForConditionalGeneration",
               "qwen2_vl": "Qwen2VLForConditionalGeneration",
               "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration",
@@ -435,12 +463,48 @@ def _hf_model(model_dir: str):
     return transformers.AutoProcessor.from_pretrained(model_dir), model, model_type
 
 
-def hf_logprobs(model_dir: Path, prompt: str, images: list, continuation: list[int]):
-    """HF float64 log-probs ``[len, vocab]`` of ``prompt`` with ``images`` (PIL; their
-    tokens placed by the processor) followed by ``continuation``, and the number of
-    positions before the continuation."""
+def _qwen_reference_positions(hf, ids, enc) -> torch.Tensor:
+    """Qwen2.5-VL's M-RoPE positions ``[3, 1, len]`` by Qwen's rule (vLLM's too): text
+    after an image or video starts one past the largest position so far. transformers
+    5.19 advances by the image's larger side only, which under-counts a video whose
+    temporal positions (``tokens_per_second`` apart a second) reach further."""
+    config = hf.config
+    merge = config.vision_config.spatial_merge_size
+    per_second = config.vision_config.tokens_per_second
+    grids = {1: iter(enc.get("image_grid_thw", [])), 2: iter(enc.get("video_grid_thw", []))}
+    seconds = iter(enc.get("second_per_grid_ts", []))
+    kinds = torch.cat((enc["mm_token_type_ids"][0],
+                       torch.zeros(ids.shape[1] - enc["mm_token_type_ids"].shape[1],
+                                   dtype=enc["mm_token_type_ids"].dtype)))
+    parts, start, i = [], 0, 0
+    while i < len(kinds):
+        kind, j = int(kinds[i]), i
+        while j < len(kinds) and int(kinds[j]) == kind:
+            j += 1
+        if kind == 0:
+            parts.append(torch.arange(j - i).expand(3, -1) + start)
+        else:
+            interval = per_second * float(next(seconds)) if kind == 2 else 1
+            parts.append(hf.model.get_vision_position_ids(start, next(grids[kind]), 1, merge,
+                                                          interval))
+        start = int(parts[-1].max()) + 1
+        i = j
+    return torch.cat(parts, dim=1).unsqueeze(1)
+
+
+def hf_logprobs(model_dir: Path, prompt: str, images: list, continuation: list[int],
+                videos: list = ()):
+    """HF float64 log-probs ``[len, vocab]`` of ``prompt`` with ``images`` (PIL) and
+    ``videos`` (``video_of``'s pairs; their tokens placed by the processor) followed by
+    ``continuation``, and the number of positions before the continuation."""
     processor, hf, model_type = _hf_model(str(model_dir))
-    if images:
+    if videos:
+        enc = dict(processor(text=prompt, images=images or None,
+                             videos=[frames for frames, _ in videos],
+                             video_metadata=[meta for _, meta in videos],
+                             do_sample_frames=False, return_tensors="pt"))
+        enc["pixel_values_videos"] = enc["pixel_values_videos"].double()
+    elif images:
         enc = dict(processor(text=prompt, images=images, return_tensors="pt"))
     else:
         enc = dict(processor.tokenizer(prompt, return_tensors="pt"))
@@ -450,6 +514,8 @@ def hf_logprobs(model_dir: Path, prompt: str, images: list, continuation: list[i
     enc.pop("attention_mask", None)
     if "pixel_values" in enc:
         enc["pixel_values"] = enc["pixel_values"].double()
+    if model_type == "qwen2_5_vl" and videos:
+        enc["position_ids"] = _qwen_reference_positions(hf, ids, enc)
     if "mm_token_type_ids" in enc:  # Qwen's M-RoPE positions: text after the prompt
         enc["mm_token_type_ids"] = torch.cat(
             (enc["mm_token_type_ids"], torch.zeros_like(tail)), dim=1)
