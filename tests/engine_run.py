@@ -9,7 +9,8 @@ generated one batch after another, e.g. to hit the prefix cache), ``embed`` (opt
 prompts embedded by a pooling model), ``lora_requests`` (optional, per prompt:
 ``[name, id, path]`` of a LoRA adapter or null), ``mm_prompts`` (optional: text prompts
 with images, each ``{"prompt", "images": [vlm_models.image_of entries]}`` and optionally
-``"videos": [vlm_models.video_of entries]``), ``audio_prompts``
+``"videos": [vlm_models.video_of entries]``, ``"audios": [speech_models.audio_of
+entries]``), ``audio_prompts``
 (optional: encoder-decoder requests, each ``{"decoder_prompt", "audio":
 [speech_models.audio_of entry]}`` and optionally its own ``sampling`` overrides), ``requests``
 (optional: {"prompt", "sampling"} pairs, each with its own SamplingParams kwargs;
@@ -128,6 +129,10 @@ def run(spec: dict):
             data = {"image": [image_of(entry) for entry in p["images"]]} if p["images"] else {}
             if p.get("videos"):
                 data["video"] = [video_of(entry) for entry in p["videos"]]
+            if p.get("audios"):
+                from speech_models import audio_of
+
+                data["audio"] = [audio_of(entry) for entry in p["audios"]]
             return {"multi_modal_data": data} if data else {}
 
         mm = [{"prompt": p["prompt"]} | media(p) for p in spec["mm_prompts"]]

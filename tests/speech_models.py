@@ -1,8 +1,9 @@
-"""A tiny random-weight Whisper (encoder-decoder: a Conv1d audio encoder, a decoder with
-self- and cross-attention) with its processor, built locally (no hub), and its HF
-float64 oracle.
+"""Tiny random-weight speech models with their processors, built locally (no hub), and
+their HF float64 oracles: Whisper (encoder-decoder: a Conv1d audio encoder, a decoder
+with self- and cross-attention) and Qwen2-Audio (audio in, text out: an audio tower in
+front of a decoder-only Qwen2).
 
-The tokenizer is the default model's BPE under Whisper's tokenizer class with the
+Whisper's tokenizer is the default model's BPE under Whisper's tokenizer class with the
 special tokens a transcription prompt names; the feature extractor keeps Whisper's
 80 mel bins and 16 kHz but pads to 2 s instead of 30 (200 frames: 100 encoder
 positions, vLLM's cross-attention length), so the audio encoder stays cheap.
@@ -107,3 +108,76 @@ def decoder_prompt_ids(model_dir: Path, decoder_prompt: str) -> list[int]:
     ids = processor.tokenizer(decoder_prompt, add_special_tokens=False).input_ids
     start = hf.config.decoder_start_token_id
     return ids if ids[0] == start else [start, *ids]
+
+
+QWEN2_AUDIO = "<|audio_bos|><|AUDIO|><|audio_eos|>"
+#: the support table's words for it
+QWEN2_AUDIO_WORDS = ("a Whisper-style audio tower (transformers' module, as vLLM builds it) "
+                     "pooled and projected into a Qwen2 decoder")
+
+
+def build_tiny_qwen2_audio(path: Path, default_model: Path, seed: int = 0) -> Path:
+    """Qwen2-Audio: a 2-layer audio tower (d_model 64) over Whisper's 30 s log-mel window
+    (vLLM's processor expects 3000 frames), a projector, a 2-layer Qwen2 decoder; saved
+    in the released layout (``language_model.model.*``, as vLLM loads it)."""
+    import transformers
+    from safetensors.torch import load_file, save_file
+    from transformers import Qwen2AudioProcessor, WhisperFeatureExtractor
+
+    from vlm_models import _qwen_text_config, _tokenizer
+
+    tok = _tokenizer(default_model, ["<|audio_bos|>", "<|AUDIO|>", "<|audio_eos|>"])
+    features = WhisperFeatureExtractor(feature_size=80, sampling_rate=SAMPLE_RATE)
+    text = _qwen_text_config(tok)
+    text.pop("rope_parameters")  # (M-RoPE's: a plain Qwen2 decoder here)
+    config = transformers.Qwen2AudioConfig(
+        audio_config=dict(d_model=64, encoder_layers=2, encoder_attention_heads=2,
+                          encoder_ffn_dim=128, num_mel_bins=80,
+                          max_source_positions=features.nb_max_frames // 2),
+        text_config=dict(model_type="qwen2", **text),
+        audio_token_index=tok.convert_tokens_to_ids("<|AUDIO|>"))
+    torch.manual_seed(seed)
+    model = transformers.Qwen2AudioForConditionalGeneration(config)
+    with torch.no_grad():  # peaked logits that follow the audio
+        for name, p in model.named_parameters():
+            if p.dim() < 2 or name.endswith("audio_tower.embed_positions.weight"):
+                continue
+            p.normal_(0, 0.4 if name.endswith("lm_head.weight") else
+                      0.25 if name.startswith("audio_tower") else
+                      0.5 if name.startswith("multi_modal_projector") else 0.15)
+    model.save_pretrained(path)
+    weights = path / "model.safetensors"
+    save_file({k.replace("language_model.model.model.", "language_model.model."): v
+               for k, v in load_file(weights).items()}, weights, metadata={"format": "pt"})
+    Qwen2AudioProcessor(feature_extractor=features, tokenizer=tok,
+                        chat_template=tok.chat_template).save_pretrained(path)
+    return path
+
+
+@functools.lru_cache(maxsize=1)
+def _hf_qwen2_audio(model_dir: str):
+    import transformers
+
+    model = transformers.Qwen2AudioForConditionalGeneration.from_pretrained(
+        model_dir, dtype=torch.float64, attn_implementation="eager").eval()
+    return transformers.AutoProcessor.from_pretrained(model_dir), model
+
+
+def hf_qwen2_audio_logprobs(model_dir: Path, prompt: str, audios: list,
+                            continuation: list[int]) -> tuple[torch.Tensor, int]:
+    """HF float64 log-probs ``[len, vocab]`` of ``prompt`` with ``audios`` (arrays; their
+    tokens placed by the processor) followed by ``continuation``, and the number of
+    positions before the continuation."""
+    processor, hf = _hf_qwen2_audio(str(model_dir))
+    if audios:
+        enc = dict(processor(text=prompt, audio=audios, sampling_rate=SAMPLE_RATE,
+                             return_tensors="pt"))
+        enc["input_features"] = enc["input_features"].double()
+    else:
+        enc = dict(processor.tokenizer(prompt, return_tensors="pt"))
+    n = enc["input_ids"].shape[1]
+    ids = torch.cat((enc.pop("input_ids"), torch.tensor([continuation])), dim=1)
+    enc.pop("attention_mask")
+    with torch.no_grad():
+        logits = hf(input_ids=ids, attention_mask=torch.ones_like(ids), **enc).logits[0]
+    return torch.log_softmax(logits.double(), -1), n

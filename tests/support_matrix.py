@@ -44,7 +44,7 @@ def rows() -> list[tuple[str, str, str, str, str]]:
     import moe_models
     import speech_models
     import test_attention_models as attention
-    import test_encoder_decoder as encoder_decoder
+    import test_speech_models as speech_tests
     import test_model_families as families
     import test_moe_engine as moe
     import test_state_space_models as state_space
@@ -83,11 +83,13 @@ def rows() -> list[tuple[str, str, str, str, str]]:
                     sim and f"{dtypes(family, state_space.SIM)}; {sim}",
                     card and f"{dtypes(family, state_space.VIRTUAL)}; {card}",
                     "`test_state_space_models.py`"))
-    whisper = [("whisper", env, compiled) for env, compiled in encoder_decoder.CASES.values()]
-    sim, card = _modes(whisper, "whisper", *(encoder_decoder.CASES[case][0]
-                                             for case in ("sim-compiled", "virtual")))
+    speech = [("speech", env, compiled) for env, compiled in speech_tests.CASES.values()]
+    sim, card = _modes(speech, "speech", *(speech_tests.CASES[case][0]
+                                           for case in ("sim-compiled", "virtual")))
     out.append(("whisper (speech-to-text)", speech_models.WHISPER, sim, card,
-                "`test_encoder_decoder.py`"))
+                "`test_speech_models.py`"))
+    out.append(("qwen2_audio (audio in, text out)", speech_models.QWEN2_AUDIO_WORDS, sim, card,
+                "`test_speech_models.py`"))
     return out
 
 

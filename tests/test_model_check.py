@@ -88,6 +88,8 @@ CASES = {
     "whisper": ("WhisperConfig", "WhisperForConditionalGeneration", {}, True,
                 ["encoder-decoder attention: cross-attention on ACCEL_ATTN",
                  "audio inputs: vLLM's processor"]),
+    "qwen2_audio": ("Qwen2AudioConfig", "Qwen2AudioForConditionalGeneration", {}, True,
+                    ["audio inputs: vLLM's processor", "transformers' own audio tower"]),
     "fp8-llama": ("LlamaConfig", "LlamaForCausalLM",
                   dict(quantization_config={"quant_method": "fp8"}), True,
                   ["fp8 weights", "dequantized at load"]),

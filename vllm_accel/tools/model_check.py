@@ -44,6 +44,8 @@ VERIFIED_MULTIMODAL = {"Blip2ForConditionalGeneration", "Qwen2VLForConditionalGe
 HF_VISION_TOWERS = {"Gemma4ForConditionalGeneration"}
 #: encoder-decoder (speech-to-text) architectures tested through the plugin
 VERIFIED_ENCODER_DECODER = {"WhisperForConditionalGeneration"}
+#: audio-in decoder models tested through the plugin (their audio tower transformers' own)
+VERIFIED_AUDIO = {"Qwen2AudioForConditionalGeneration"}
 
 
 @dataclass
@@ -212,6 +214,11 @@ def _architecture(config: dict) -> list[Finding]:
                                  "vLLM's processor (log-mel features); the audio encoder's "
                                  "attention on varlen_attention; /v1/audio/transcriptions "
                                  "decodes uploads with the plugin's audio extra"))
+        elif arch in VERIFIED_AUDIO:
+            found.append(Finding("audio inputs", True,
+                                 "vLLM's processor and encoder cache; transformers' own "
+                                 "audio tower (vLLM 0.32 builds it so), its attention "
+                                 "torch's on the device"))
         elif arch in VERIFIED_MULTIMODAL:
             tower = ("transformers' own vision tower (vLLM 0.32 builds it so), its attention "
                      "torch's SDPA on the device" if arch in HF_VISION_TOWERS else
