@@ -23,12 +23,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import fresh_process  # noqa: E402
 import roofline  # noqa: E402
 import throughput  # noqa: E402
 
@@ -103,16 +103,7 @@ def run_worker(spec_path: str) -> None:
 
 
 def run(name: str, spec: dict) -> dict:
-    path = Path(f"/tmp/serving-features-{name}.json")
-    path.write_text(json.dumps(spec))
-    proc = subprocess.run([sys.executable, __file__, "--worker", str(path)],
-                          capture_output=True, text=True, timeout=1800)
-    line = next((x for x in proc.stdout.splitlines() if x.startswith("BENCH_RESULT ")), None)
-    if proc.returncode or line is None:
-        raise SystemExit(f"{name} failed:\n{proc.stdout[-3000:]}{proc.stderr[-3000:]}")
-    result = json.loads(line.split(" ", 1)[1])
-    print(f"{name}: {result}", flush=True)
-    return result
+    return fresh_process.run(__file__, name, spec)
 
 
 def main() -> int:
