@@ -11,9 +11,10 @@ Qwen3-VL's M-RoPE, Gemma 3's and Gemma 4's two-way image ranges), eager for the 
 Qwen2-VL's; vision towers run eagerly either way).
 Image and text-only requests in one batch, two images of different sizes in one
 request, the same image again (vLLM's encoder cache, prefix caching), a video beside an
-image (the Qwen families: temporal patches, Qwen2.5-VL's time-scaled positions, Qwen3-VL's
-timestamps), teacher-forced against HF float64 on the processor's inputs (Qwen2.5-VL with
-a video: on Qwen's own M-RoPE positions, ``vlm_models._qwen_reference_positions``); the vision tower's attention runs the
+image (the Qwen families and GLM-4.1V: temporal patches, Qwen2.5-VL's time-scaled
+positions, Qwen3-VL's and GLM-4.1V's timestamps), teacher-forced against HF float64 on
+the processor's inputs (Qwen2.5-VL with a video: on Qwen's own M-RoPE positions,
+``vlm_models._qwen_reference_positions``); the vision tower's attention runs the
 plugin's ``varlen_attention`` (``AccelMMEncoderAttention``), not a silent SDPA, except
 in the towers vLLM takes from transformers (``HF_TOWERS``)."""
 
@@ -22,7 +23,7 @@ import functools
 import pytest
 
 from conftest import VIRTUAL_GCU_ENV, SharedEngines
-from vlm_models import (PLACEHOLDERS, QWEN_VIDEO, build_tiny_blip2, build_tiny_gemma3,
+from vlm_models import (PLACEHOLDERS, VIDEO_PLACEHOLDERS, build_tiny_blip2, build_tiny_gemma3,
                         build_tiny_gemma4, build_tiny_glm4v, build_tiny_internvl,
                         build_tiny_llava, build_tiny_qwen_vl, hf_logprobs, image_of,
                         random_image, video_of)
@@ -40,14 +41,15 @@ BUILDERS = {"blip2": build_tiny_blip2, "llava": build_tiny_llava,
 
 
 #: families given a video prompt too (frames with vLLM's loader metadata, 2 fps)
-VIDEO_FAMILIES = {"qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe"}
+VIDEO_FAMILIES = set(VIDEO_PLACEHOLDERS)
 
 
 def prompts(family: str) -> list[tuple[str, list, list]]:
     """(prompt, images as ``image_of`` entries, videos as ``video_of`` entries); the
     fourth repeats the first (encoder and prefix caches). BLIP-2 takes one image per
     prompt; the others get two of different sizes (Qwen's token count follows the
-    size); the Qwen families also a 6-frame video beside an image."""
+    size); the families that take videos also a 6-frame video (beside an image, but for
+    GLM-4.1V)."""
     image = PLACEHOLDERS[family]
     two = ([f"{image}{image}Question: which one is brighter? Answer:", [2, [3, 140, 200]]]
            if family != "blip2" else ["Question: which colour is it? Answer:", [2]])
@@ -56,8 +58,11 @@ def prompts(family: str) -> list[tuple[str, list, list]]:
              (*two, []),
              (f"{image}Question: what is in the picture? Answer:", [1], [])]
     if family in VIDEO_FAMILIES:
-        cases.append((f"{QWEN_VIDEO}{image}Question: what changes between the frames? "
-                      "Answer:", [5], [[1, 6, 84, 56]]))
+        # (GLM-4.1V's video alone: HF's model counts a video's frames as image tokens in
+        # a prompt with both and refuses it)
+        beside = [] if family == "glm4v" else [5]
+        cases.append((f"{VIDEO_PLACEHOLDERS[family]}{image * len(beside)}Question: what "
+                      "changes between the frames? Answer:", beside, [[1, 6, 84, 56]]))
     return cases
 
 

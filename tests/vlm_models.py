@@ -415,6 +415,10 @@ def image_of(entry):
 
 
 QWEN_VIDEO = "<|vision_start|><|video_pad|><|vision_end|>"
+#: the prompt text that stands for one video, per family that takes videos
+VIDEO_PLACEHOLDERS = {"qwen2_vl": QWEN_VIDEO, "qwen2_5_vl": QWEN_VIDEO, "qwen3_vl": QWEN_VIDEO,
+                      "qwen3_vl_moe": QWEN_VIDEO,
+                      "glm4v": "<|begin_of_video|><|video|><|end_of_video|>"}
 VIDEO_FPS = 2.0
 
 
@@ -428,9 +432,11 @@ def random_video(seed: int, frames: int, height: int, width: int):
 
 def video_metadata(frames: int) -> dict:
     """What vLLM's video loader reports for a clip of ``frames`` frames, all kept, at
-    ``VIDEO_FPS`` (Qwen2.5-VL's temporal positions and Qwen3-VL's timestamps read it)."""
+    ``VIDEO_FPS`` (Qwen2.5-VL's temporal positions, Qwen3-VL's and GLM-4.1V's timestamps
+    read it; ``do_sample_frames`` is vLLM's own key, which the HF processor does not take)."""
     return {"fps": VIDEO_FPS, "total_num_frames": frames, "duration": frames / VIDEO_FPS,
-            "frames_indices": list(range(frames)), "video_backend": "opencv"}
+            "frames_indices": list(range(frames)), "video_backend": "opencv",
+            "do_sample_frames": False}
 
 
 def video_of(entry):
@@ -501,7 +507,9 @@ def hf_logprobs(model_dir: Path, prompt: str, images: list, continuation: list[i
     if videos:
         enc = dict(processor(text=prompt, images=images or None,
                              videos=[frames for frames, _ in videos],
-                             video_metadata=[meta for _, meta in videos],
+                             video_metadata=[{k: v for k, v in meta.items()
+                                              if k != "do_sample_frames"}
+                                             for _, meta in videos],
                              do_sample_frames=False, return_tensors="pt"))
         enc["pixel_values_videos"] = enc["pixel_values_videos"].double()
     elif images:
