@@ -44,7 +44,12 @@ def write_model() -> Path:
 
     from speech_models import build_tiny_whisper
 
-    small = build_tiny_whisper(MODEL, Path(throughput.default_model()))  # tokenizer, config
+    import shutil
+    import tempfile
+
+    MODEL.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(dir=MODEL.parent))
+    small = build_tiny_whisper(staging / "tiny", Path(throughput.default_model()))
     processor = WhisperProcessor.from_pretrained(small)
     config = WhisperConfig.from_pretrained(small)
     config.update(dict(d_model=384, encoder_layers=4, decoder_layers=4,
@@ -52,9 +57,11 @@ def write_model() -> Path:
                        encoder_ffn_dim=1536, decoder_ffn_dim=1536, max_source_positions=1500))
     torch.manual_seed(0)
     model = WhisperForConditionalGeneration(config)
-    model.save_pretrained(MODEL)
+    model.save_pretrained(staging / "model")
     WhisperProcessor(feature_extractor=WhisperFeatureExtractor(feature_size=80),
-                     tokenizer=processor.tokenizer).save_pretrained(MODEL)
+                     tokenizer=processor.tokenizer).save_pretrained(staging / "model")
+    (staging / "model").rename(MODEL)  # whole, or not there: a killed run leaves no half model
+    shutil.rmtree(staging)
     return MODEL
 
 

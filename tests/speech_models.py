@@ -124,11 +124,11 @@ def build_tiny_qwen2_audio(path: Path, default_model: Path, seed: int = 0) -> Pa
     from safetensors.torch import load_file, save_file
     from transformers import Qwen2AudioProcessor, WhisperFeatureExtractor
 
-    from vlm_models import _qwen_text_config, _tokenizer
+    from vlm_models import qwen_text_config, tokenizer_with
 
-    tok = _tokenizer(default_model, ["<|audio_bos|>", "<|AUDIO|>", "<|audio_eos|>"])
+    tok = tokenizer_with(default_model, ["<|audio_bos|>", "<|AUDIO|>", "<|audio_eos|>"])
     features = WhisperFeatureExtractor(feature_size=80, sampling_rate=SAMPLE_RATE)
-    text = _qwen_text_config(tok)
+    text = qwen_text_config(tok)
     text.pop("rope_parameters")  # (M-RoPE's: a plain Qwen2 decoder here)
     config = transformers.Qwen2AudioConfig(
         audio_config=dict(d_model=64, encoder_layers=2, encoder_attention_heads=2,

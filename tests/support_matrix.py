@@ -83,13 +83,14 @@ def rows() -> list[tuple[str, str, str, str, str]]:
                     sim and f"{dtypes(family, state_space.SIM)}; {sim}",
                     card and f"{dtypes(family, state_space.VIRTUAL)}; {card}",
                     "`test_state_space_models.py`"))
-    speech = [("speech", env, compiled) for env, compiled in speech_tests.CASES.values()]
-    sim, card = _modes(speech, "speech", *(speech_tests.CASES[case][0]
-                                           for case in ("sim-compiled", "virtual")))
-    out.append(("whisper (speech-to-text)", speech_models.WHISPER, sim, card,
-                "`test_speech_models.py`"))
-    out.append(("qwen2_audio (audio in, text out)", speech_models.QWEN2_AUDIO_WORDS, sim, card,
-                "`test_speech_models.py`"))
+    for model, (name, words) in {"whisper": ("whisper (speech-to-text)", speech_models.WHISPER),
+                                 "qwen2_audio": ("qwen2_audio (audio in, text out)",
+                                                 speech_models.QWEN2_AUDIO_WORDS)}.items():
+        cases = [(model, env, compiled) for case in speech_tests.MODEL_CASES[model]
+                 for env, compiled in [speech_tests.CASES[case]]]
+        sim, card = _modes(cases, model, speech_tests.CASES["sim-compiled"][0],
+                           speech_tests.CASES["virtual"][0])
+        out.append((name, words, sim, card, "`test_speech_models.py`"))
     return out
 
 

@@ -130,14 +130,17 @@ def test_gemma4_clears_the_two_way_ranges_of_its_global_layers(monkeypatch):
     assert global_.mm_prefix_range is None
 
 
-@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
-def test_cross_attention_reads_each_requests_whole_encoder_output(dtype, tol):
+@pytest.mark.parametrize("dtype, kv_cache_dtype, tol", [
+    (torch.float32, "auto", 1e-5), (torch.bfloat16, "auto", 2e-2),
+    (torch.float32, "fp8_e4m3", 0.15)])  # (e4m3: 3 mantissa bits a K/V element)
+def test_cross_attention_reads_each_requests_whole_encoder_output(dtype, kv_cache_dtype, tol):
     """Encoder-decoder layers: every decoder token attends to all of its request's
     encoder output, nothing masked. A step with one decode (its encoder K/V cached by
     an earlier step) beside two prefills of 3 and 5 tokens whose encoder K/V this step
     writes through the cross slot mapping, then a step of three decodes writing
     nothing; vs float64 attention over the original K/V. The cache holds garbage
-    (1e4) wherever no request wrote, so reading a slot a request does not own fails."""
+    (1e4; fp8: 448, its largest) wherever no request wrote, so reading a slot a request
+    does not own fails; the block table and lengths have a spare row past the batch."""
     from types import SimpleNamespace
 
     from vllm_accel.ops.attention import AccelAttentionImpl, AccelAttentionMetadata
@@ -149,13 +152,16 @@ def test_cross_attention_reads_each_requests_whole_encoder_output(dtype, tol):
     values = [torch.randn(n, kv_heads, d, generator=gen) for n in enc_lens]
     blocks = [-(-n // bs) for n in enc_lens]
     order = torch.randperm(sum(blocks) + 3, generator=gen)
-    table = torch.zeros(3, max(blocks) + 1, dtype=torch.int32)
+    table = torch.full((4, max(blocks) + 1), int(order[-1]), dtype=torch.int32)  # (unused)
     for r, start in enumerate([0, blocks[0], blocks[0] + blocks[1]]):
         table[r, :blocks[r]] = order[start:start + blocks[r]]
     slots = [table[r, torch.arange(n) // bs].long() * bs + torch.arange(n) % bs
              for r, n in enumerate(enc_lens)]
-    cache = torch.full((len(order), kv_heads, bs, 2 * d), 1e4, dtype=dtype)
-    impl = AccelAttentionImpl(heads, d, d ** -0.5, kv_heads, None, None, "auto",
+    fp8 = kv_cache_dtype != "auto"
+    cache = torch.full((len(order), kv_heads, bs, 2 * d), 448.0 if fp8 else 1e4,
+                       dtype=torch.float8_e4m3fn if fp8 else dtype)
+    cache = cache.view(torch.uint8) if fp8 else cache  # (vLLM allocates fp8 caches as uint8)
+    impl = AccelAttentionImpl(heads, d, d ** -0.5, kv_heads, None, None, kv_cache_dtype,
                               attn_type="encoder_decoder")
     layer = SimpleNamespace(_k_scale_float=1.0, _v_scale_float=1.0,
                             layer_name="model.decoder.layers.0.encoder_attn.attn")
@@ -170,7 +176,8 @@ def test_cross_attention_reads_each_requests_whole_encoder_output(dtype, tol):
         md = AccelAttentionMetadata(
             num_actual_tokens=n, num_decodes=sum(q == 1 for q in q_lens),
             num_decode_tokens=sum(q == 1 for q in q_lens), max_seq_len=max(enc_lens),
-            query_start_loc_cpu=starts, seq_lens=torch.tensor(enc_lens, dtype=torch.int32),
+            query_start_loc_cpu=starts,
+            seq_lens=torch.tensor([*enc_lens, 7], dtype=torch.int32),
             block_table=table, causal=False,
             slot_mapping=torch.cat([slots[r] for r in new]) if new else torch.empty(0).long())
         key = torch.cat([keys[r] for r in new]).to(dtype) if new else None

@@ -44,7 +44,7 @@ PLACEHOLDERS = {"blip2": "", "qwen2_vl": QWEN_IMAGE, "qwen2_5_vl": QWEN_IMAGE,
                 "internvl": INTERNVL_TOKENS["context_image_token"]}
 
 
-def _tokenizer(default_model: Path, tokens: list[str]):
+def tokenizer_with(default_model: Path, tokens: list[str]):
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(default_model)
@@ -61,7 +61,7 @@ def _peaked(model, std: float = 0.08) -> None:
                 p.normal_(0, 0.4 if p is head.weight else std)
 
 
-def _qwen_text_config(tok) -> dict:
+def qwen_text_config(tok) -> dict:
     return dict(vocab_size=len(tok), hidden_size=128, intermediate_size=256,
                 num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                 max_position_embeddings=2048, bos_token_id=tok.bos_token_id,
@@ -79,7 +79,7 @@ def build_tiny_qwen_vl(path: Path, default_model: Path, family: str = "qwen2_vl"
     from transformers.models.qwen2_vl.image_processing_qwen2_vl import Qwen2VLImageProcessor
     from transformers.models.qwen2_vl.video_processing_qwen2_vl import Qwen2VLVideoProcessor
 
-    tok = _tokenizer(default_model, QWEN_TOKENS)
+    tok = tokenizer_with(default_model, QWEN_TOKENS)
     ids = dict(zip(("vision_start_token_id", "vision_end_token_id", "image_token_id",
                     "video_token_id"), tok.convert_tokens_to_ids(QWEN_TOKENS), strict=True))
     if family == "qwen2_vl":
@@ -105,7 +105,7 @@ def build_tiny_qwen_vl(path: Path, default_model: Path, family: str = "qwen2_vl"
         model_cls = (transformers.Qwen3VLMoeForConditionalGeneration if moe
                      else transformers.Qwen3VLForConditionalGeneration)
         processor_cls = transformers.Qwen3VLProcessor
-    text = _qwen_text_config(tok)
+    text = qwen_text_config(tok)
     if family.startswith("qwen3_vl"):  # (Qwen3 layers: q/k norms; interleaved M-RoPE)
         text |= dict(head_dim=32, rope_parameters={
             "rope_type": "default", "mrope_section": [4, 6, 6], "mrope_interleaved": True,
@@ -151,11 +151,11 @@ def build_tiny_glm4v(path: Path, default_model: Path, seed: int = 0) -> Path:
     from transformers.models.glm4v.image_processing_glm4v import Glm4vImageProcessor
     from transformers.models.glm4v.video_processing_glm4v import Glm4vVideoProcessor
 
-    tok = _tokenizer(default_model, GLM_TOKENS)
+    tok = tokenizer_with(default_model, GLM_TOKENS)
     ids = dict(zip(("image_start_token_id", "image_end_token_id", "image_token_id",
                     "video_start_token_id", "video_end_token_id", "video_token_id"),
                    tok.convert_tokens_to_ids(GLM_TOKENS), strict=True))
-    text = _qwen_text_config(tok) | dict(head_dim=32, rope_parameters={
+    text = qwen_text_config(tok) | dict(head_dim=32, rope_parameters={
         "rope_type": "default", "mrope_section": [2, 3, 3], "rope_theta": 10000.0,
         "partial_rotary_factor": 0.5})
     vision = dict(depth=2, hidden_size=64, intermediate_size=128, num_heads=2,
@@ -294,7 +294,7 @@ def build_tiny_llava(path: Path, default_model: Path, family: str = "llava",
     from transformers.models.llava_next.image_processing_llava_next import (
         LlavaNextImageProcessor)
 
-    tok = _tokenizer(default_model, [IMAGE_TOKEN])
+    tok = tokenizer_with(default_model, [IMAGE_TOKEN])
     model = _clip_llava(family, tok, seed)
     _peaked(model)
     model.save_pretrained(path)
@@ -374,7 +374,7 @@ def build_tiny_blip2(path: Path, default_model: Path, seed: int = 0) -> Path:
     import transformers
     from transformers.models.blip.image_processing_pil_blip import BlipImageProcessorPil
 
-    tok = _tokenizer(default_model, [IMAGE_TOKEN])
+    tok = tokenizer_with(default_model, [IMAGE_TOKEN])
     vision = transformers.Blip2VisionConfig(
         hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
         image_size=IMAGE_SIZE, patch_size=PATCH)

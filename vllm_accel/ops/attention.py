@@ -274,7 +274,10 @@ class AccelAttentionImpl(AttentionImpl):
         self.kv_cache_dtype = kv_cache_dtype
         self.attn_type = attn_type
         self.kv_sharing_target_layer_name = kv_sharing_target_layer_name
-        self._static_kv_scales = _static_kv_scales(kv_cache_dtype)
+        # (an ACCEL_KV_SCALES table holds decoder self-attention layers: a cross layer
+        # of the same index quantizes the encoder's K/V, dynamically)
+        self._static_kv_scales = (None if attn_type == AttentionType.ENCODER_DECODER
+                                  else _static_kv_scales(kv_cache_dtype))
         # A float8 cache is allocated as uint8; the kernels get a float8 view.
         self._fp8 = FP8_KV_FORMATS.get(kv_cache_dtype)
         suffix = "_int8" if kv_cache_dtype == INT8_KV else "_fp8" if self._fp8 else ""
@@ -414,7 +417,7 @@ class AccelAttentionImpl(AttentionImpl):
         num_reqs = md.query_start_loc_cpu.numel() - 1
         query_lens = md.query_start_loc_cpu.diff()
         block_table, seq_lens = md.block_table[:num_reqs], md.seq_lens[:num_reqs]
-        if n != num_reqs:  # some request has several tokens: one row per token
+        if bool((query_lens != 1).any()):  # one row per token
             rows = torch.repeat_interleave(torch.arange(num_reqs), query_lens)
             rows = rows.to(block_table.device)
             block_table, seq_lens = block_table[rows], seq_lens[rows.to(seq_lens.device)]

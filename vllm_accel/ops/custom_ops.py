@@ -1,5 +1,6 @@
 """Out-of-tree replacements for vLLM's RMSNorm, SiluAndMul, RotaryEmbedding and
-multimodal encoder attention (vision towers, Whisper's audio encoder), for its unquantized MoE method
+multimodal encoder attention (vision towers, Whisper's audio encoder), for its
+unquantized MoE method
 (:mod:`vllm_accel.ops.moe`) and its MLA layer (:mod:`vllm_accel.ops.mla_layer`).
 
 Each replacement subclasses the vLLM op (same constructor, same buffers and
