@@ -1,8 +1,8 @@
 #!/usr/bin/env python
 """Whisper transcription: the vllm_accel plugin (simulated GCU) vs stock vLLM CPU, in one
-run, float32 (Whisper's checkpoints), vLLM's default (compiled) mode::
+run, float32 (Whisper's checkpoints), vLLM's default (compiled) mode or ``--eager``::
 
-    python benchmarks/speech.py [--json PATH] [--requests 8] [--tokens 64]
+    python benchmarks/speech.py [--json PATH] [--requests 8] [--tokens 64] [--eager]
 
 The model is whisper-tiny's shape (4 encoder and 4 decoder layers, d_model 384, 6 heads
 of 64, a 30 s window: 1500 encoder positions) with random weights and the default
@@ -73,7 +73,8 @@ def run_worker(spec_path: str) -> None:
     from speech_models import TRANSCRIBE, random_audio
 
     llm = LLM(model=spec["model"], dtype="float32", max_model_len=448, seed=0,
-              max_num_seqs=spec["requests"], kv_cache_memory_bytes=1 << 30,
+              enforce_eager=spec["eager"], max_num_seqs=spec["requests"],
+              kv_cache_memory_bytes=1 << 30,
               max_num_batched_tokens=2048,  # a whole 1500-position recording in a step
               limit_mm_per_prompt={"audio": 1}, disable_log_stats=False)  # (token times)
     params = SamplingParams(temperature=0.0, max_tokens=spec["tokens"], ignore_eos=True)
@@ -103,12 +104,14 @@ def main() -> int:
     p.add_argument("--json", dest="json_path")
     p.add_argument("--requests", type=int, default=8)
     p.add_argument("--tokens", type=int, default=64)
+    p.add_argument("--eager", action="store_true", help="both engines eager")
     p.add_argument("--worker", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.worker:
         run_worker(args.worker)
         return 0
-    spec = {"model": str(write_model()), "requests": args.requests, "tokens": args.tokens}
+    spec = {"model": str(write_model()), "requests": args.requests, "tokens": args.tokens,
+            "eager": args.eager}
     host = {"cpu": roofline.cpu_model(), "cpu_flags": roofline.cpu_flags(),
             "date": time.strftime("%Y-%m-%d")}
     print(f"CPU: {host['cpu']} ({' '.join(host['cpu_flags'])})", flush=True)

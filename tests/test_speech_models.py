@@ -26,11 +26,10 @@ from speech_models import (EOS, QWEN2_AUDIO, SAMPLE_RATE, TRANSCRIBE, audio_of,
                            random_audio)
 
 SIM = {}
-CASES = {"sim-compiled": (SIM, True), "sim-eager": (SIM, False),
+CASES = {"sim-compiled": (SIM, True),
          "virtual": ({**VIRTUAL_GCU_ENV, "ACCEL_SIM_DEVICE_MEMORY_GB": "1"}, False)}
-#: each model's cases: Qwen2-Audio eager on the simulator (its Qwen2 decoder is compiled
-#: in other tests, and vLLM runs audio towers eagerly either way)
-MODEL_CASES = {"whisper": ("sim-compiled", "virtual"), "qwen2_audio": ("sim-eager", "virtual")}
+#: each model's cases: compiled on the simulator, eager on the card
+MODEL_CASES = {"whisper": ("sim-compiled", "virtual"), "qwen2_audio": ("sim-compiled", "virtual")}
 #: (decoder prompt, audio [seed, samples at 16 kHz], new tokens)
 REQUESTS = [(TRANSCRIBE, [1, 32000], 6),
             (TRANSCRIBE, [2, 12000], 12),

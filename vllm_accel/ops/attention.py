@@ -6,6 +6,7 @@ tensor (K in the first half of the last dim, V in the second), contiguous per
 backend can replace ``cache_write`` / ``paged_decode`` / ``paged_prefill`` per op.
 """
 
+import functools
 from dataclasses import dataclass, replace
 from typing import ClassVar
 
@@ -169,6 +170,19 @@ class AccelAttentionMetadata:
     #: name for it: a model whose layers differ clears it on the layers where images
     #: stay causal (Gemma 4's global layers, each KV cache group its own metadata)
     mm_prefix_range: dict[int, list[tuple[int, int]]] | None = None
+
+    @functools.cached_property
+    def rows_per_token(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(block table, seq_lens) with one row per query token, each its request's:
+        a cross-attention step reads them as decode rows (built once a step, shared by
+        every cross layer)."""
+        num_reqs = self.query_start_loc_cpu.numel() - 1
+        block_table, seq_lens = self.block_table[:num_reqs], self.seq_lens[:num_reqs]
+        query_lens = self.query_start_loc_cpu.diff()
+        if not bool((query_lens != 1).any()):
+            return block_table, seq_lens
+        rows = torch.repeat_interleave(torch.arange(num_reqs), query_lens)
+        return block_table[rows.to(block_table.device)], seq_lens[rows.to(seq_lens.device)]
 
 
 class AccelAttentionMetadataBuilder(AttentionMetadataBuilder[AccelAttentionMetadata]):
@@ -414,13 +428,7 @@ class AccelAttentionImpl(AttentionImpl):
         row over its request's blocks, and every provider's decode kernel serves it
         (prompt tokens included; Whisper's prompts are a few tokens)."""
         n = md.num_actual_tokens
-        num_reqs = md.query_start_loc_cpu.numel() - 1
-        query_lens = md.query_start_loc_cpu.diff()
-        block_table, seq_lens = md.block_table[:num_reqs], md.seq_lens[:num_reqs]
-        if bool((query_lens != 1).any()):  # one row per token
-            rows = torch.repeat_interleave(torch.arange(num_reqs), query_lens)
-            rows = rows.to(block_table.device)
-            block_table, seq_lens = block_table[rows], seq_lens[rows.to(seq_lens.device)]
+        block_table, seq_lens = md.rows_per_token
         kv_cache, fp8_scales = self._readable(layer, kv_cache)
         output[:n].view(n, self.num_heads, self.head_size).copy_(self._paged_decode(
             query[:n].view(n, self.num_heads, self.head_size), kv_cache, block_table,
