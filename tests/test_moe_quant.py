@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from conftest import VIRTUAL_GCU_ENV, SharedEngines, run_engine
+from conftest import VIRTUAL_GCU_ENV, SharedEngines
 from moe_models import assert_matches_hf, build_tiny_moe
 from quantizer import (quantize_checkpoint, quantize_checkpoint_awq, quantize_checkpoint_ct,
                        quantize_weight)
@@ -403,19 +403,6 @@ def test_weight_only_moe_checkpoint_matches_hf_on_the_dequantized_weights(case, 
         assert "Triton fused MoE: 8 experts' 4-bit weights (group 32, asym) stacked" in log
     assert_matches_hf(engines.checkpoint("weight-only-" + case) / "dq", prompts,
                       results["outputs"], nats=5e-3)
-
-
-@pytest.mark.engine
-@pytest.mark.tensor_parallel
-def test_gptq_moe_tensor_parallel_act_order_fails_naming_the_fix(tmp_path):
-    """Act-order down projections sharded by rows would need every group's scales on
-    each rank: refused at startup, naming expert parallel as the fix."""
-    src = build_tiny_moe(tmp_path / "float", "qwen3_moe", seed=7)
-    quantize_checkpoint(src, tmp_path / "q", bits=4, group_size=16, desc_act=True)
-    with pytest.raises(AssertionError) as err:  # run_engine: the engine exited non-zero
-        run_engine(_spec(tmp_path / "q", [[1, 2, 3]], False, tensor_parallel_size=2),
-                   tmp_path)
-    assert "act-order" in str(err.value) and "--enable-expert-parallel" in str(err.value)
 
 
 def _w8a8_fake_quant(layers):

@@ -14,14 +14,13 @@ Oracles:
 """
 
 import json
-import random
 
 import pytest
 import torch
 
 from conftest import (SharedEngines, add_default_model_engine, build_tiny_model, greedy_spec,
-                      hf_greedy, run_engine, tiny_quant_source)
-from quantizer import pack_awq, quantize_awq, quantize_checkpoint_awq, unpack_awq, unpack_int32
+                      hf_greedy, tiny_quant_source)
+from quantizer import quantize_awq, quantize_checkpoint_awq, unpack_awq, unpack_int32
 from test_quant_gptq import _load, check_close, tp1  # noqa: F401  (fixture)
 
 from vllm_accel.ops.registry import get_kernel
@@ -315,30 +314,3 @@ DEFAULT_PROMPTS = [
     "To make a cup of tea, first",
     "import numpy as np\n\ndef mean(xs):",
 ]
-
-
-@pytest.mark.engine
-@pytest.mark.tensor_parallel
-def test_engine_awq_tp2(tmp_path):
-    """Two ranks (column- and row-parallel shards of the packed tensors, groups
-    sharded with the input rows) vs HF on the dequantized weights."""
-    src = build_tiny_model(tmp_path / "float", num_heads=4, num_kv_heads=2, head_dim=64,
-                           hidden_size=256, layers=2, seed=3)
-    quantize_checkpoint_awq(src, tmp_path / "awq", group_size=64,
-                            dequant_dst=tmp_path / "dequant")
-    rng = random.Random(7)
-    prompts = [[rng.randrange(3, 512) for _ in range(n)] for n in (5, 23, 64, 2)]
-    results, log = run_engine({
-        "llm": {"model": str(tmp_path / "awq"), "dtype": "float32", "enforce_eager": True,
-                "skip_tokenizer_init": True, "max_model_len": 256, "seed": 0,
-                "tensor_parallel_size": 2},
-        "prompts": prompts,
-        "sampling": {"temperature": 0.0, "max_tokens": 16, "ignore_eos": True,
-                     "detokenize": False},
-    }, tmp_path, env={"ACCEL_SIM_DEVICE_MEMORY_GB": "1",
-                      "ACCEL_REPACK_CACHE": str(tmp_path / "repack")})
-    assert "quantization=gcu_awq" in log and "Worker_TP1" in log
-    expected = hf_greedy(tmp_path / "dequant", prompts, 16)
-    agree, n = _agreement([o["token_ids"] for o in results["outputs"]], expected)
-    print(f"awq tp2: {agree:.1%} of {n} positions agree")
-    assert agree >= 0.9
