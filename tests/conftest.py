@@ -51,6 +51,7 @@ SLOW_FILES = ("test_vlm.py", "test_attention_models.py", "test_as_cpu.py",  # 26
               "test_e2e_fp8_kv.py", "test_pooling_server.py", "test_quant_compiled.py",
               "test_state_space_models.py", "test_moe_engine.py", "test_model_families.py",
               "test_spec_decode.py", "test_server.py", "test_e2e_scheduling.py",  # 130-165
+              "test_remote_code_families.py",
               "test_moe_quant.py", "test_lora.py", "test_reliability.py", "test_e2e_tiny.py",
               "test_virtual_gcu.py", "test_backend_faithful.py", "test_e2e_default_model.py",
               "test_speech_models.py",

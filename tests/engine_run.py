@@ -71,13 +71,16 @@ def _kernel_calls(worker, ops: list[str]) -> dict:
 
 def _output(o) -> dict:
     """One request's output: tokens, text, per-step log-probs and, per prompt position,
-    the top-ranked token id (None for position 0)."""
+    the top-ranked token id and the prompt token's own log-prob (None for position 0)."""
     return {"token_ids": list(o.outputs[0].token_ids), "text": o.outputs[0].text,
             "logprobs": [{str(t): lp.logprob for t, lp in step.items()}
                          for step in (o.outputs[0].logprobs or [])],
             "prompt_top": [None if step is None else
                            int(next(t for t, lp in step.items() if lp.rank == 1))
-                           for step in (o.prompt_logprobs or [])]}
+                           for step in (o.prompt_logprobs or [])],
+            "prompt_logprobs": [None if step is None else step[token].logprob
+                                for token, step in zip(o.prompt_token_ids,
+                                                       o.prompt_logprobs or [])]}
 
 
 #: engines that shut down only at interpreter exit (spec ``engine_until_exit``)

@@ -42,11 +42,13 @@ def rows() -> list[tuple[str, str, str, str, str]]:
     import attention_models
     import model_families
     import moe_models
+    import remote_code_models
     import speech_models
     import test_attention_models as attention
     import test_speech_models as speech_tests
     import test_model_families as families
     import test_moe_engine as moe
+    import test_remote_code_families as remote
     import test_state_space_models as state_space
 
     out = list(STATIC_ROWS)
@@ -65,6 +67,11 @@ def rows() -> list[tuple[str, str, str, str, str]]:
     for family, (_, what, _) in model_families.FAMILIES.items():
         sim, card = _modes(family_cases, family, families.SIM, families.VIRTUAL)
         out.append((family, what, sim, card, "`test_model_families.py`"))
+    remote_cases = list(remote.CASES.values())
+    for family, what in remote_code_models.FAMILIES.items():
+        sim, card = _modes(remote_cases, family, remote.SIM, remote.VIRTUAL)
+        out.append((f"{family} (remote code; vs stock vLLM CPU)", what, sim, card,
+                    "`test_remote_code_families.py`"))
     moe_cases = [(f, e, c) for f, e, c, _ in moe.CASES.values()]
     for family in moe_models.FAMILIES:
         sim, card = _modes(moe_cases, family, moe.SIM, moe.VIRTUAL)

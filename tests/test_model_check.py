@@ -127,6 +127,21 @@ def test_findings(case, tmp_path):
             assert any(word in f.how for word in ("VLLM_", "use ", "exclude", "not served")), f
 
 
+@pytest.mark.parametrize("family", ["chatglm", "internlm2", "bailing_moe"])
+def test_remote_code_checkpoints_name_trust_remote_code(family, tmp_path):
+    """A checkpoint whose config class is its own code (``auto_map``) is served with
+    --trust-remote-code, which the report names; ChatGLM's config class is vLLM's own,
+    so it needs no flag."""
+    from remote_code_models import build_tiny_remote
+
+    findings = check(build_tiny_remote(tmp_path / family, family))
+    text = "\n".join(f"{f.feature}: {f.how}" for f in findings)
+    assert all(f.served for f in findings), text
+    assert ("--trust-remote-code" in text) == (family != "chatglm"), text
+    if family == "bailing_moe":
+        assert "mixture of experts (8 experts, top-2)" in text, text
+
+
 def test_cli_exit_codes_and_json(tmp_path):
     """Exit 0 for a served checkpoint, 1 for one that is not (with --json: the
     findings), 2 for a directory without config.json."""

@@ -45,16 +45,22 @@ def engines(models, tmp_path_factory):
     return SharedEngines(specs, tmp_path_factory.mktemp("engines"))
 
 
+def assert_ran_as_asked(log: str, env: dict, compiled: bool, moe: bool) -> None:
+    """The engine's log shows the case's mode (compiled or eager), path (the virtual GCU
+    or the simulator) and the plugin's attention (and MoE method)."""
+    assert ("Warming up model for the compilation" in log) == compiled
+    if env is VIRTUAL:
+        assert "device gcu via virtual" in log
+    assert "ACCEL_ATTN attention kernels:" in log
+    if moe:
+        assert "AccelFusedMoEMethod" in log
+
+
 @pytest.mark.engine
 @pytest.mark.parametrize("case", list(CASES))
 def test_family_matches_hf(case, models, engines):
     family, env, compiled = CASES[case]
     results, log = engines(case)
-    assert ("Warming up model for the compilation" in log) == compiled
-    if env is VIRTUAL:
-        assert "device gcu via virtual" in log
-    assert "ACCEL_ATTN attention kernels:" in log
-    if family in MOE:
-        assert "AccelFusedMoEMethod" in log
+    assert_ran_as_asked(log, env, compiled, family in MOE)
     outputs = [o for batch in results["batch_outputs"] for o in batch]
     assert_matches_hf(models[family], _prompts(case), outputs)

@@ -48,6 +48,10 @@ VERIFIED_ENCODER_DECODER = {"WhisperForConditionalGeneration"}
 VERIFIED_AUDIO = {"Qwen2AudioForConditionalGeneration"}
 
 
+#: the finding of a checkpoint whose config class is its own code
+REMOTE_CODE = "the checkpoint's own configuration code (auto_map)"
+
+
 @dataclass
 class Finding:
     feature: str
@@ -238,6 +242,21 @@ def _architecture(config: dict) -> list[Finding]:
     return found
 
 
+def _remote_code(config: dict, model_type: str) -> list[Finding]:
+    """A config class only the checkpoint's own code defines (InternLM2, MiniCPM,
+    TeleChat2, Ling, ...): vLLM imports it only with --trust-remote-code."""
+    if "AutoConfig" not in (config.get("auto_map") or {}):
+        return []
+    from transformers import CONFIG_MAPPING
+    from vllm.transformers_utils.config import _CONFIG_REGISTRY
+
+    if model_type in CONFIG_MAPPING or model_type in _CONFIG_REGISTRY:
+        return []
+    return [Finding(REMOTE_CODE, True,
+                    "pass --trust-remote-code (trust_remote_code=True): vLLM reads the "
+                    "config class from the checkpoint; the model is vLLM's own code")]
+
+
 def _recurrent_layers(arch: str) -> Finding:
     from vllm.model_executor.models import ModelRegistry
 
@@ -269,8 +288,9 @@ def check(model_dir: str | Path) -> list[Finding]:
     text = _text_config(config)
     model_type = text.get("model_type") or config.get("model_type") or ""
     quant = config.get("quantization_config") or text.get("quantization_config")
-    return (_architecture(config) + _attention(config, text, model_type)
-            + _moe(text, quant) + _quantization(quant, model_type))
+    return (_architecture(config) + _remote_code(config, model_type)
+            + _attention(config, text, model_type) + _moe(text, quant)
+            + _quantization(quant, model_type))
 
 
 def report(model_dir: str | Path, as_json: bool = False) -> tuple[str, bool]:
@@ -282,7 +302,7 @@ def report(model_dir: str | Path, as_json: bool = False) -> tuple[str, bool]:
                            "findings": [asdict(f) for f in findings]}, indent=2), served
     lines = [f"{model_dir}: {'served' if served else 'NOT served'} by vllm_accel"]
     lines += [f"  [{'ok' if f.served else 'missing'}] {f.feature}: {f.how}" for f in findings]
-    if not findings[1:]:
+    if not [f for f in findings[1:] if f.feature != REMOTE_CODE]:
         lines.append("  plain causal attention: ACCEL_ATTN (the one-op decoder layer for "
                      "Llama-architecture models on the simulator)")
     return "\n".join(lines), served

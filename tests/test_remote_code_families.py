@@ -1,0 +1,100 @@
+"""Model families whose released checkpoints carry their own modeling code (ChatGLM,
+InternLM2, MiniCPM, MiniCPM3, TeleChat2, Ling 2.0: ``remote_code_models.py``) through
+the whole plugin, on the simulator and the virtual GCU, with prefix caching and chunked
+prefill, against stock vLLM CPU (transformers has no class for them, so no HF oracle).
+
+Teacher-forced: stock vLLM CPU (no plugin of ours loaded) scores each plugin engine's
+prompts and greedy tokens in one prefill (``prompt_logprobs``); every greedy token must
+be stock's top-1 given the tokens before it, its log-prob within 2e-3 nats of stock's.
+Both run float32, so only kernels' summation order separates them (measured: ~1e-5).
+"""
+
+import pytest
+
+from conftest import SharedEngines, run_engines
+from remote_code_models import FAMILIES, MOE, VLLM_CONFIGS, build_tiny_remote
+from test_attention_models import SIM, VIRTUAL, _prompts, _spec
+from test_model_families import assert_ran_as_asked
+
+#: stock vLLM CPU: the plugin allowlist names no plugin of ours
+STOCK = {"VLLM_PLUGINS": "lora_filesystem_resolver", "VLLM_CPU_KVCACHE_SPACE": "1"}
+#: compiled on the simulator (vLLM's default): MiniCPM3's attention (decompressed
+#: latents, padded values, LongRoPE), ChatGLM's (vLLM's own config class) and Ling's
+#: MoE; the rest eager, their layers the same ops
+COMPILED = ("chatglm", "minicpm3", "bailing_moe")
+#: name: (family, path env, compiled)
+CASES = {f"{family}-sim-{'compiled' if family in COMPILED else 'eager'}":
+         (family, SIM, family in COMPILED) for family in FAMILIES}
+CASES |= {f"{family}-virtual": (family, VIRTUAL, False) for family in FAMILIES}
+#: the teacher-forced bound: both sides float32
+NATS = 2e-3
+
+
+def _case_spec(model, case, compiled, family):
+    spec = _spec(model, _prompts(case), compiled)
+    if family not in VLLM_CONFIGS:  # the checkpoint's configuration module
+        spec["llm"]["trust_remote_code"] = True
+    return spec
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("remote_code")
+    return {family: build_tiny_remote(root / family, family, seed=i)
+            for i, family in enumerate(FAMILIES)}
+
+
+@pytest.fixture(scope="module")
+def engines(models, tmp_path_factory):
+    specs = {case: (_case_spec(models[family], case, compiled, family), env)
+             for case, (family, env, compiled) in CASES.items()}
+    return SharedEngines(specs, tmp_path_factory.mktemp("engines"))
+
+
+@pytest.fixture(scope="module")
+def stock_scores(models, engines, tmp_path_factory):
+    """case -> stock vLLM CPU's (results, log) scoring that case's sequences (prompt +
+    the plugin's greedy tokens), every case in one stock process."""
+    specs = {}
+    for case, (family, _, _) in CASES.items():
+        results, _ = engines(case)
+        sequences = [p + o["token_ids"] for batch, prompts in
+                     zip(results["batch_outputs"], _batches(case))
+                     for p, o in zip(prompts, batch)]
+        spec = _case_spec(models[family], case, False, family)
+        spec.pop("prompt_batches")
+        # (one prefill a sequence; stock vLLM CPU's attention takes its own block size)
+        spec["llm"].update(enable_prefix_caching=False, max_num_batched_tokens=256)
+        spec["llm"].pop("block_size")
+        spec["prompts"] = sequences
+        spec["sampling"] = {"temperature": 0.0, "max_tokens": 1, "detokenize": False,
+                            "prompt_logprobs": 1}
+        specs[case] = spec
+    return run_engines(specs, tmp_path_factory.mktemp("stock"), env=STOCK)
+
+
+def _batches(case):
+    prompts = _prompts(case)
+    return [prompts[:4], prompts[4:]]  # as _spec's prompt_batches
+
+
+@pytest.mark.engine
+@pytest.mark.parametrize("case", list(CASES))
+def test_family_matches_stock_vllm(case, engines, stock_scores):
+    family, env, compiled = CASES[case]
+    results, log = engines(case)
+    assert_ran_as_asked(log, env, compiled, family in MOE)
+    stock, stock_log = stock_scores[case]
+    assert stock is not None, stock_log[-6000:]
+    assert stock["platform"] == "CpuPlatform"
+    outputs = [o for batch in results["batch_outputs"] for o in batch]
+    prompts = [p for batch in _batches(case) for p in batch]
+    worst = 0.0
+    for prompt, out, scored in zip(prompts, outputs, stock["outputs"], strict=True):
+        for step, (token, top) in enumerate(zip(out["token_ids"], out["logprobs"])):
+            position = len(prompt) + step
+            assert scored["prompt_top"][position] == token, (len(prompt), step)
+            err = abs(top[str(token)] - scored["prompt_logprobs"][position])
+            worst = max(worst, err)
+            assert err <= NATS, (len(prompt), step, err)
+    print(f"{case}: worst log-prob gap to stock vLLM CPU {worst:.2e}")
