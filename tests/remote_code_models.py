@@ -302,3 +302,102 @@ def build_tiny_remote(path: Path, family: str, seed: int = 0) -> Path:
     save_file({k: v.contiguous() for k, v in weights.tensors.items()},
               str(path / "model.safetensors"), metadata={"format": "pt"})
     return path
+
+
+#: InternVL's released layout (InternVL2 / 2.5 / 3: ``InternVLChatModel``): the
+#: configuration module the releases carry, reduced to what it does (vision and LLM
+#: sub-configs built from their dicts)
+_INTERNVL_CONFIG_CODE = '''"""A stand-in for InternVL's released configuration module (tests)."""
+from transformers import AutoConfig, PretrainedConfig
+
+
+class InternVisionConfig(PretrainedConfig):
+    model_type = "intern_vit_6b"
+
+
+class InternVLChatConfig(PretrainedConfig):
+    model_type = "internvl_chat"
+
+    def __init__(self, vision_config=None, llm_config=None, **kwargs):
+        super().__init__(**kwargs)
+        vision = dict(vision_config or {})
+        vision.pop("model_type", None)
+        self.vision_config = InternVisionConfig(**vision)
+        llm = dict(llm_config or {"model_type": "qwen2"})
+        self.llm_config = AutoConfig.for_model(llm.pop("model_type"), **llm)
+
+    def to_dict(self):
+        out = super().to_dict()
+        out["vision_config"] = self.vision_config.to_dict()
+        out["llm_config"] = self.llm_config.to_dict()
+        return out
+'''
+#: transformers' InternVL names -> the released checkpoints' (the reverse of
+#: transformers' conversion script); the decoder's names are the same in both
+_INTERNVL_RENAMES = [
+    ("vision_tower.embeddings.cls_token", "vision_model.embeddings.class_embedding"),
+    ("vision_tower.embeddings.patch_embeddings.projection",
+     "vision_model.embeddings.patch_embedding"),
+    ("vision_tower.embeddings.position_embeddings", "vision_model.embeddings.position_embedding"),
+    ("vision_tower.encoder.layer.", "vision_model.encoder.layers."),
+    (".attention.projection_layer.", ".attn.proj."),
+    (".lambda_1", ".ls1"), (".lambda_2", ".ls2"),
+    (".layernorm_before.", ".norm1."), (".layernorm_after.", ".norm2."),
+    ("multi_modal_projector.layer_norm.", "mlp1.0."),
+    ("multi_modal_projector.linear_1.", "mlp1.1."),
+    ("multi_modal_projector.linear_2.", "mlp1.3."),
+]
+INTERNVL_CHAT = ("InternVL2 / 2.5 / 3 in the released layout (InternVLChatModel): an "
+                 "InternViT tower (fused qkv, layer scales) over 56x56 tiles, pixel shuffle "
+                 "to 4 tokens a tile, up to 4 tiles and a thumbnail, a Qwen2 decoder")
+
+
+def build_tiny_internvl_chat(path: Path, default_model: Path, seed: int = 0) -> Path:
+    """InternVL in its released (remote-code) layout: transformers' tiny InternVL
+    (``vlm_models.build_tiny_internvl``) renamed tensor by tensor, its q/k/v fused into
+    InternViT's ``qkv``, under the released config fields and configuration module."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from vlm_models import IMAGE_SIZE, PATCH, build_tiny_internvl
+
+    hf = build_tiny_internvl(path.with_name(path.name + "-hf"), default_model, seed=seed)
+    tensors, hf_tensors = {}, load_file(str(hf / "model.safetensors"))
+    for name, tensor in hf_tensors.items():
+        if name.endswith(("attention.k_proj.weight", "attention.v_proj.weight")):
+            continue
+        if name.endswith("attention.q_proj.weight"):
+            parts = [hf_tensors[name.replace("q_proj", p)] for p in ("q_proj", "k_proj", "v_proj")]
+            name, tensor = name.replace("attention.q_proj", "attn.qkv"), torch.cat(parts)
+        for old, new in _INTERNVL_RENAMES:
+            name = name.replace(old, new)
+        tensors[name] = tensor.contiguous()
+    path.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
+    hf_config = json.loads((hf / "config.json").read_text())
+    vision = hf_config["vision_config"]
+    llm = {**hf_config["text_config"], "architectures": ["Qwen2ForCausalLM"]}
+    config = {
+        "architectures": ["InternVLChatModel"], "model_type": "internvl_chat",
+        "auto_map": {"AutoConfig": "configuration_internvl_chat.InternVLChatConfig"},
+        "vision_config": {
+            "hidden_size": vision["hidden_size"], "intermediate_size": vision["intermediate_size"],
+            "num_hidden_layers": vision["num_hidden_layers"],
+            "num_attention_heads": vision["num_attention_heads"], "image_size": IMAGE_SIZE,
+            "patch_size": PATCH, "num_channels": 3, "qkv_bias": False,
+            "qk_normalization": False, "norm_type": "layer_norm",
+            "layer_norm_eps": vision["layer_norm_eps"], "hidden_act": vision["hidden_act"],
+            "initializer_factor": 1.0, "drop_path_rate": 0.0, "use_flash_attn": False,
+            "architectures": ["InternVisionModel"]},
+        "llm_config": llm, "select_layer": -1, "force_image_size": IMAGE_SIZE,
+        "downsample_ratio": hf_config["downsample_ratio"], "ps_version": "v2",
+        "template": "internvl2_5", "dynamic_image_size": True, "use_thumbnail": True,
+        "min_dynamic_patch": 1, "max_dynamic_patch": 4, "tie_word_embeddings": False,
+        "torch_dtype": "float32"}
+    (path / "config.json").write_text(json.dumps(config, indent=1))
+    (path / "configuration_internvl_chat.py").write_text(_INTERNVL_CONFIG_CODE)
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja",
+                 "generation_config.json"):
+        shutil.copy(hf / name, path / name)
+    return path

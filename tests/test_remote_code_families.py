@@ -1,7 +1,8 @@
 """Model families whose released checkpoints carry their own modeling code (ChatGLM,
 InternLM2, MiniCPM, MiniCPM3, TeleChat2, Ling 2.0: ``remote_code_models.py``) through
 the whole plugin, on the simulator and the virtual GCU, with prefix caching and chunked
-prefill, against stock vLLM CPU (transformers has no class for them, so no HF oracle).
+prefill, against stock vLLM CPU (transformers has no class for them, so no HF oracle); and
+InternVL in its released layout (vLLM's ``InternVLChatModel``) with images.
 
 Teacher-forced: stock vLLM CPU (no plugin of ours loaded) scores each plugin engine's
 prompts and greedy tokens in one prefill (``prompt_logprobs``); every greedy token must
@@ -12,7 +13,8 @@ Both run float32, so only kernels' summation order separates them (measured: ~1e
 import pytest
 
 from conftest import SharedEngines, run_engines
-from remote_code_models import FAMILIES, MOE, VLLM_CONFIGS, build_tiny_remote
+from remote_code_models import (FAMILIES, MOE, VLLM_CONFIGS, build_tiny_internvl_chat,
+                                build_tiny_remote)
 from test_attention_models import SIM, VIRTUAL, _prompts, _spec
 from test_model_families import assert_ran_as_asked
 
@@ -28,6 +30,25 @@ CASES = {f"{family}-sim-{'compiled' if family in COMPILED else 'eager'}":
 CASES |= {f"{family}-virtual": (family, VIRTUAL, False) for family in FAMILIES}
 #: the teacher-forced bound: both sides float32
 NATS = 2e-3
+#: InternVL in its released layout: name -> path env (eager: the vision-language
+#: families' compiled engines are test_vlm.py's)
+INTERNVL_CASES = {"internvl_chat-sim-eager": SIM, "internvl_chat-virtual": VIRTUAL}
+#: its requests: one image (cut into tiles), two images of other sizes in one request,
+#: text alone in the same batch, and the first again (vLLM's encoder and prefix caches)
+INTERNVL_PROMPTS = [{"prompt": "<image>\nWhat is in the image?", "images": [1]},
+                    {"prompt": "Compare <image> and <image>.",
+                     "images": [[2, 120, 60], [3, 56, 56]]},
+                    {"prompt": "Hello there, how are", "images": []},
+                    {"prompt": "<image>\nWhat is in the image?", "images": [1]}]
+
+
+def _internvl_spec(model) -> dict:
+    return {"llm": {"model": str(model), "dtype": "float32", "enforce_eager": True,
+                    "max_model_len": 512, "max_num_seqs": 4, "enable_prefix_caching": True,
+                    "seed": 0, "trust_remote_code": True, "limit_mm_per_prompt": {"image": 2}},
+            "mm_prompts": INTERNVL_PROMPTS,
+            "sampling": {"temperature": 0.0, "max_tokens": 8, "ignore_eos": True,
+                         "logprobs": 1}}
 
 
 def _case_spec(model, case, compiled, family):
@@ -45,16 +66,25 @@ def models(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def engines(models, tmp_path_factory):
+def internvl_chat(tmp_path_factory, default_model):
+    return build_tiny_internvl_chat(tmp_path_factory.mktemp("internvl") / "internvl_chat",
+                                    default_model)
+
+
+@pytest.fixture(scope="module")
+def engines(models, internvl_chat, tmp_path_factory):
     specs = {case: (_case_spec(models[family], case, compiled, family), env)
              for case, (family, env, compiled) in CASES.items()}
+    specs |= {case: (_internvl_spec(internvl_chat), env)
+              for case, env in INTERNVL_CASES.items()}
     return SharedEngines(specs, tmp_path_factory.mktemp("engines"))
 
 
 @pytest.fixture(scope="module")
-def stock_scores(models, engines, tmp_path_factory):
+def stock_scores(models, internvl_chat, engines, tmp_path_factory):
     """case -> stock vLLM CPU's (results, log) scoring that case's sequences (prompt +
-    the plugin's greedy tokens), every case in one stock process."""
+    the plugin's greedy tokens), and InternVL's own greedy run ("internvl_chat"), every
+    one in one stock process."""
     specs = {}
     for case, (family, _, _) in CASES.items():
         results, _ = engines(case)
@@ -70,6 +100,7 @@ def stock_scores(models, engines, tmp_path_factory):
         spec["sampling"] = {"temperature": 0.0, "max_tokens": 1, "detokenize": False,
                             "prompt_logprobs": 1}
         specs[case] = spec
+    specs["internvl_chat"] = _internvl_spec(internvl_chat)
     return run_engines(specs, tmp_path_factory.mktemp("stock"), env=STOCK)
 
 
@@ -98,3 +129,24 @@ def test_family_matches_stock_vllm(case, engines, stock_scores):
             worst = max(worst, err)
             assert err <= NATS, (len(prompt), step, err)
     print(f"{case}: worst log-prob gap to stock vLLM CPU {worst:.2e}")
+
+
+@pytest.mark.engine
+@pytest.mark.parametrize("case", list(INTERNVL_CASES))
+def test_internvl_chat_images_match_stock_vllm(case, engines, stock_scores):
+    """InternVL's released layout (vLLM's InternVLChatModel, its own processor and
+    InternViT) with images: the plugin's greedy tokens are stock vLLM CPU's, each
+    log-prob within 2e-3 nats (free-running: the prompts' image tokens are the
+    processor's), the tower's attention on the plugin's varlen_attention."""
+    results, log = engines(case)
+    if INTERNVL_CASES[case] is VIRTUAL:
+        assert "device gcu via virtual" in log
+    assert "Multimodal encoder attention: varlen_attention" in log
+    stock, stock_log = stock_scores["internvl_chat"]
+    assert stock is not None, stock_log[-6000:]
+    assert stock["platform"] == "CpuPlatform"
+    for ours, theirs in zip(results["mm_outputs"], stock["mm_outputs"], strict=True):
+        assert ours["token_ids"] == theirs["token_ids"]
+        for mine, its in zip(ours["logprobs"], theirs["logprobs"], strict=True):
+            (token, logprob), = mine.items()
+            assert abs(logprob - its[token]) <= NATS, (token, logprob, its[token])

@@ -34,9 +34,11 @@ ALIBI_TYPES = {"bloom", "mpt", "baichuan", "jais", "falcon"}
 #: model types with learned attention sinks
 SINK_TYPES = {"gpt_oss", "granite_swa", "granitemoe_swa"}
 #: vision-language architectures whose image requests tests/test_vlm.py holds to HF
+#: (InternVLChatModel: test_remote_code_families.py, to stock vLLM CPU)
 VERIFIED_MULTIMODAL = {"Blip2ForConditionalGeneration", "Qwen2VLForConditionalGeneration",
                        "Qwen2_5_VLForConditionalGeneration", "LlavaForConditionalGeneration",
                        "LlavaNextForConditionalGeneration", "InternVLForConditionalGeneration",
+                       "InternVLChatModel",
                        "Qwen3VLForConditionalGeneration", "Qwen3VLMoeForConditionalGeneration",
                        "Glm4vForConditionalGeneration", "Gemma3ForConditionalGeneration",
                        "Gemma4ForConditionalGeneration"}
