@@ -1,7 +1,8 @@
 """Tiny random-weight checkpoints of model families whose released checkpoints carry
 their own modeling code (``trust_remote_code``) and that vLLM 0.32 serves with its own
 model classes: ChatGLM (GLM-4-9B-chat's layout), InternLM2/2.5, MiniCPM, MiniCPM3,
-TeleChat2 and Ling 2.0 (Bailing MoE V2), for ``test_remote_code_families.py``.
+TeleChat2, Ling 2.0 (Bailing MoE V2) and DeepSeek-MoE, and InternVL's released layout,
+for ``test_remote_code_families.py``.
 
 transformers has no class for them, so there is no HF oracle: each checkpoint is
 written tensor by tensor in the released checkpoints' layout (names, packed and
@@ -39,9 +40,12 @@ FAMILIES = {
     "bailing_moe": "MoE: sigmoid top-2 of 8 with expert bias, 2 groups, routed scaling "
                    "2.5, a shared expert, the first layer dense; fused qkv, q/k RMSNorm, "
                    "half-width rope (Ling 2.0)",
+    "deepseek": "MoE: softmax top-2 of 8 not renormalised, 2 shared experts, the first "
+                "layer dense; Llama attention (DeepSeek-MoE 16B, DeepSeek's first "
+                "generation)",
 }
 #: the families with MoE layers (the plugin's MoE method serves them)
-MOE = ("bailing_moe",)
+MOE = ("bailing_moe", "deepseek")
 
 _CONFIG_CODE = '''"""A stand-in for a released checkpoint's configuration module (tests)."""
 from transformers import PretrainedConfig
@@ -252,12 +256,8 @@ def _bailing_moe(w: _Weights) -> dict:
         w.normal(f"{p}.mlp.gate.weight", experts, HIDDEN, std=0.3)
         w.normal(f"{p}.mlp.gate.expert_bias", experts, std=0.1)
         for e in range(experts):
-            for name, shape in (("gate_proj", (moe_ffn, HIDDEN)), ("up_proj", (moe_ffn, HIDDEN)),
-                                ("down_proj", (HIDDEN, moe_ffn))):
-                w.normal(f"{p}.mlp.experts.{e}.{name}.weight", *shape)
-        for name, shape in (("gate_proj", (moe_ffn, HIDDEN)), ("up_proj", (moe_ffn, HIDDEN)),
-                            ("down_proj", (HIDDEN, moe_ffn))):
-            w.normal(f"{p}.mlp.shared_experts.{name}.weight", *shape)
+            _expert(w, f"{p}.mlp.experts.{e}", moe_ffn)
+        _expert(w, f"{p}.mlp.shared_experts", moe_ffn)
     w.norm("model.norm.weight", HIDDEN)
     w.normal("lm_head.weight", VOCAB, HIDDEN, std=0.4)
     return {"architectures": ["BailingMoeV2ForCausalLM"], "model_type": "bailing_moe_v2",
@@ -276,8 +276,46 @@ def _bailing_moe(w: _Weights) -> dict:
             "tie_word_embeddings": False, "bos_token_id": 1, "eos_token_id": 2}
 
 
+def _deepseek(w: _Weights) -> dict:
+    experts, moe_ffn, shared = 8, 64, 2
+    w.normal("model.embed_tokens.weight", VOCAB, HIDDEN)
+    for i in range(LAYERS):
+        p = f"model.layers.{i}"
+        w.norm(f"{p}.input_layernorm.weight", HIDDEN)
+        for name in ("q_proj", "k_proj", "v_proj"):  # (MHA, as released)
+            w.normal(f"{p}.self_attn.{name}.weight", HEADS * HEAD_DIM, HIDDEN)
+        w.normal(f"{p}.self_attn.o_proj.weight", HIDDEN, HEADS * HEAD_DIM)
+        w.norm(f"{p}.post_attention_layernorm.weight", HIDDEN)
+        if i == 0:  # first_k_dense_replace
+            _llama_mlp(w, p)
+            continue
+        w.normal(f"{p}.mlp.gate.weight", experts, HIDDEN, std=0.3)
+        for e in range(experts):
+            _expert(w, f"{p}.mlp.experts.{e}", moe_ffn)
+        _expert(w, f"{p}.mlp.shared_experts", shared * moe_ffn)
+    w.norm("model.norm.weight", HIDDEN)
+    w.normal("lm_head.weight", VOCAB, HIDDEN, std=0.4)
+    return {"architectures": ["DeepseekForCausalLM"], "model_type": "deepseek",
+            "hidden_size": HIDDEN, "intermediate_size": FFN, "num_hidden_layers": LAYERS,
+            "num_attention_heads": HEADS, "num_key_value_heads": HEADS, "hidden_act": "silu",
+            "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "max_position_embeddings": 1024,
+            "vocab_size": VOCAB, "n_routed_experts": experts, "n_shared_experts": shared,
+            "num_experts_per_tok": 2, "moe_intermediate_size": moe_ffn,
+            "first_k_dense_replace": 1, "moe_layer_freq": 1, "norm_topk_prob": False,
+            "scoring_func": "softmax", "topk_method": "greedy", "attention_bias": False,
+            "tie_word_embeddings": False, "bos_token_id": 1, "eos_token_id": 2}
+
+
+def _expert(w: _Weights, p: str, width: int) -> None:
+    """One expert's (or the shared experts') SwiGLU projections at ``p``."""
+    w.normal(f"{p}.gate_proj.weight", width, HIDDEN)
+    w.normal(f"{p}.up_proj.weight", width, HIDDEN)
+    w.normal(f"{p}.down_proj.weight", HIDDEN, width)
+
+
 _BUILDERS = {"chatglm": _chatglm, "internlm2": _internlm2, "minicpm": _minicpm,
-             "minicpm3": _minicpm3, "telechat2": _telechat2, "bailing_moe": _bailing_moe}
+             "minicpm3": _minicpm3, "telechat2": _telechat2, "bailing_moe": _bailing_moe,
+             "deepseek": _deepseek}
 #: families whose config class vLLM 0.32 ships (the rest need the checkpoint's code)
 VLLM_CONFIGS = {"chatglm"}
 #: the released configuration classes' attribute maps, where the releases have one

@@ -1,6 +1,6 @@
 """Model families whose released checkpoints carry their own modeling code (ChatGLM,
-InternLM2, MiniCPM, MiniCPM3, TeleChat2, Ling 2.0: ``remote_code_models.py``) through
-the whole plugin, on the simulator and the virtual GCU, with prefix caching and chunked
+InternLM2, MiniCPM, MiniCPM3, TeleChat2, Ling 2.0, DeepSeek-MoE:
+``remote_code_models.py``) through the whole plugin, on the simulator and the virtual GCU, with prefix caching and chunked
 prefill, against stock vLLM CPU (transformers has no class for them, so no HF oracle); and
 InternVL in its released layout (vLLM's ``InternVLChatModel``) with images.
 
