@@ -250,14 +250,7 @@ def _bailing_moe(w: _Weights) -> dict:
         w.norm(f"{p}.attention.key_layernorm.weight", HEAD_DIM)
         w.normal(f"{p}.attention.dense.weight", HIDDEN, HEADS * HEAD_DIM)
         w.norm(f"{p}.post_attention_layernorm.weight", HIDDEN)
-        if i == 0:  # first_k_dense_replace
-            _llama_mlp(w, p)
-            continue
-        w.normal(f"{p}.mlp.gate.weight", experts, HIDDEN, std=0.3)
-        w.normal(f"{p}.mlp.gate.expert_bias", experts, std=0.1)
-        for e in range(experts):
-            _expert(w, f"{p}.mlp.experts.{e}", moe_ffn)
-        _expert(w, f"{p}.mlp.shared_experts", moe_ffn)
+        _moe_or_dense_mlp(w, p, i, experts, moe_ffn, moe_ffn, expert_bias=True)
     w.norm("model.norm.weight", HIDDEN)
     w.normal("lm_head.weight", VOCAB, HIDDEN, std=0.4)
     return {"architectures": ["BailingMoeV2ForCausalLM"], "model_type": "bailing_moe_v2",
@@ -286,13 +279,7 @@ def _deepseek(w: _Weights) -> dict:
             w.normal(f"{p}.self_attn.{name}.weight", HEADS * HEAD_DIM, HIDDEN)
         w.normal(f"{p}.self_attn.o_proj.weight", HIDDEN, HEADS * HEAD_DIM)
         w.norm(f"{p}.post_attention_layernorm.weight", HIDDEN)
-        if i == 0:  # first_k_dense_replace
-            _llama_mlp(w, p)
-            continue
-        w.normal(f"{p}.mlp.gate.weight", experts, HIDDEN, std=0.3)
-        for e in range(experts):
-            _expert(w, f"{p}.mlp.experts.{e}", moe_ffn)
-        _expert(w, f"{p}.mlp.shared_experts", shared * moe_ffn)
+        _moe_or_dense_mlp(w, p, i, experts, moe_ffn, shared * moe_ffn, expert_bias=False)
     w.norm("model.norm.weight", HIDDEN)
     w.normal("lm_head.weight", VOCAB, HIDDEN, std=0.4)
     return {"architectures": ["DeepseekForCausalLM"], "model_type": "deepseek",
@@ -304,6 +291,21 @@ def _deepseek(w: _Weights) -> dict:
             "first_k_dense_replace": 1, "moe_layer_freq": 1, "norm_topk_prob": False,
             "scoring_func": "softmax", "topk_method": "greedy", "attention_bias": False,
             "tie_word_embeddings": False, "bos_token_id": 1, "eos_token_id": 2}
+
+
+def _moe_or_dense_mlp(w: _Weights, p: str, layer: int, experts: int, width: int,
+                      shared_width: int, expert_bias: bool) -> None:
+    """Layer ``layer``'s MLP at ``p``: dense on the first layer (first_k_dense_replace
+    1), else a router, ``experts`` experts of ``width`` and the shared experts."""
+    if layer == 0:
+        _llama_mlp(w, p)
+        return
+    w.normal(f"{p}.mlp.gate.weight", experts, HIDDEN, std=0.3)
+    if expert_bias:
+        w.normal(f"{p}.mlp.gate.expert_bias", experts, std=0.1)
+    for e in range(experts):
+        _expert(w, f"{p}.mlp.experts.{e}", width)
+    _expert(w, f"{p}.mlp.shared_experts", shared_width)
 
 
 def _expert(w: _Weights, p: str, width: int) -> None:
