@@ -114,8 +114,8 @@ def build_tiny(path: Path, family: str, *, hidden: int = 128, layers: int = 2,
                           else 0.08)
             elif "sinks" in name:
                 p.normal_(0, 1.0)
-            elif "e_score_correction_bias" in name:  # (HF inits zeros)
-                p.normal_(0, 0.1)
+            elif "e_score_correction_bias" in name or name.endswith("expert_bias"):
+                p.normal_(0, 0.1)  # (HF inits zeros)
             elif "per_expert_scale" in name or name.endswith("router.scale"):  # (ones)
                 p.uniform_(0.5, 1.5)
             elif "norm" in name and norm_spread:
@@ -123,6 +123,8 @@ def build_tiny(path: Path, family: str, *, hidden: int = 128, layers: int = 2,
         for name, buffer in model.named_buffers():
             if name.endswith("layer_scalar"):  # (Gemma 4's, HF inits ones)
                 buffer.uniform_(0.5, 1.5)
+            elif name.endswith("e_score_correction_bias"):  # (a buffer in some; zeros)
+                buffer.normal_(0, 0.1)
     model.save_pretrained(path, safe_serialization=True)
     return path
 

@@ -9,7 +9,11 @@ Left out, with what was measured (stock vLLM 0.32 CPU the same): Cohere / Cohere
 (vLLM's and HF's tiny models disagree on the top token, stock too), GPT-NeoX and JetMoE
 (stock vLLM CPU's own attention crashes on them), Phi-3.5-MoE (vLLM serves it through
 its Transformers backend, and transformers 5's PhiMoE forward fails, stock too), Apertus
-(vLLM's xIELU is 3.7e-3 nats from HF's, stock too), MPT (removed from vLLM in 0.28).
+(vLLM's xIELU is 3.7e-3 nats from HF's, stock too), MPT (removed from vLLM in 0.28),
+Ministral 3's llama-4 attention scaling past ``original_max_position_embeddings`` (with
+it set to 32, vLLM's top token is 0.011 nats below HF's at position 40, stock too; the
+test keeps the released 16384, where the scaling is 1), DBRX (transformers 5 saves its
+experts fused, not in the released layout vLLM loads).
 """
 
 from attention_models import WINDOW
@@ -121,4 +125,44 @@ FAMILIES = {
                              hidden_size_per_layer_input=0, sliding_window=WINDOW,
                              layer_types=_ALTERNATE, final_logit_softcapping=30.0,
                              tie_word_embeddings=True, pad_token_id=0)),
+    "glm4_moe_lite": ("Glm4MoeLiteConfig", "MLA (q LoRA 64, latent 256 + rope 64); MoE: "
+                      "sigmoid top-2 of 8 with correction bias, routed scaling 1.8, a shared "
+                      "expert, the first layer dense (GLM-4.7-Flash)",
+                      dict(q_lora_rank=64, kv_lora_rank=256, qk_rope_head_dim=64,
+                           qk_nope_head_dim=32, v_head_dim=32, num_key_value_heads=4,
+                           pad_token_id=0, **_DEEPSEEK_MOE)),
+    "minimax_m2": ("MiniMaxM2Config", "MoE: sigmoid top-2 of 8 with routing bias; q/k "
+                   "RMSNorm over all heads, half-width rope (MiniMax-M2)",
+                   dict(head_dim=32, num_local_experts=8, num_experts_per_tok=2,
+                        intermediate_size=64, rotary_dim=16, partial_rotary_factor=0.5,
+                        scoring_func="sigmoid", use_routing_bias=True, pad_token_id=0)),
+    "exaone_moe": ("ExaoneMoeConfig", "MoE: sigmoid top-2 of 8 with correction bias, routed "
+                   "scaling 2.5, a shared expert, the first layer dense; a window on "
+                   "alternate layers (K-EXAONE)",
+                   dict(head_dim=32, num_experts=8, num_experts_per_tok=2,
+                        moe_intermediate_size=64, num_shared_experts=1,
+                        first_k_dense_replace=1, sliding_window=WINDOW,
+                        layer_types=_ALTERNATE, pad_token_id=0)),
+    "granitemoeshared": ("GraniteMoeSharedConfig", "Granite's multipliers; MoE top-2 of 8 "
+                         "beside a shared expert (Granite 3 MoE with a shared expert)",
+                         dict(num_local_experts=8, num_experts_per_tok=2,
+                              intermediate_size=64, shared_intermediate_size=64,
+                              embedding_multiplier=2.0, residual_multiplier=0.5,
+                              attention_multiplier=0.1, logits_scaling=2.0, pad_token_id=0)),
+    "ministral3": ("Ministral3Config", "YaRN rope (factor 16, its attention scaling) "
+                   "(Ministral 3)", dict(head_dim=32, pad_token_id=0)),
+    "afmoe": ("AfmoeConfig", "MoE: sigmoid top-2 of 8 with expert bias, renormalised and "
+              "scaled by 2, a shared expert, the first layer dense; gated attention, q/k "
+              "norms, a window on alternate layers (Arcee Trinity)",
+              dict(head_dim=32, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=64,
+                   num_shared_experts=1, num_dense_layers=1, sliding_window=WINDOW,
+                   layer_types=_ALTERNATE, score_func="sigmoid", route_norm=True,
+                   route_scale=2.0, n_group=1, topk_group=1, pad_token_id=0)),
+    "hy_v3": ("HYV3Config", "MoE: sigmoid top-2 of 8 with correction bias, renormalised and "
+              "scaled by 2, a shared expert, the first layer dense; q/k norms (Hunyuan 3)",
+              dict(head_dim=32, num_experts=8, num_experts_per_tok=2, num_shared_experts=1,
+                   moe_intermediate_size=64, expert_hidden_dim=64,
+                   mlp_layer_types=["dense", "sparse"], first_k_dense_replace=1,
+                   router_scaling_factor=2.0, route_norm=True, qk_norm=True,
+                   pad_token_id=0)),
 }
