@@ -13,7 +13,8 @@ its Transformers backend, and transformers 5's PhiMoE forward fails, stock too),
 Ministral 3's llama-4 attention scaling past ``original_max_position_embeddings`` (with
 it set to 32, vLLM's top token is 0.011 nats below HF's at position 40, stock too; the
 test keeps the released 16384, where the scaling is 1), DBRX (transformers 5 saves its
-experts fused, not in the released layout vLLM loads).
+experts fused, not in the released layout vLLM loads) and LongCat-Flash (transformers'
+config and saved experts differ from the released ones vLLM reads).
 """
 
 from attention_models import WINDOW
@@ -165,4 +166,8 @@ FAMILIES = {
                    mlp_layer_types=["dense", "sparse"], first_k_dense_replace=1,
                    router_scaling_factor=2.0, route_norm=True, qk_norm=True,
                    pad_token_id=0)),
+    "granitemoe_swa": ("GraniteMoeSWAConfig", "MoE top-2 of 8; attention sinks on every "
+                       "layer, a window on alternate ones (Granite MoE SWA)",
+                       dict(num_local_experts=8, num_experts_per_tok=2, intermediate_size=64,
+                            sliding_window=WINDOW, layer_types=_ALTERNATE, pad_token_id=0)),
 }

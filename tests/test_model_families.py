@@ -2,7 +2,7 @@
 Hunyuan and Hunyuan-MoE, OLMo 2/3, OLMoE, EXAONE 4.0, SmolLM3, Seed-OSS, Falcon,
 StableLM, Granite 3, dots.llm1, Phi-2, Nemotron, Gemma, Arcee, Gemma 3n, Gemma 4 and its
 MoE, GLM-4.7-Flash, MiniMax-M2, K-EXAONE, Granite 3 MoE with a shared expert, Ministral 3,
-Arcee Trinity, Hunyuan 3) through the whole plugin vs HF transformers, on the simulator and on the virtual
+Arcee Trinity, Hunyuan 3, Granite MoE SWA) through the whole plugin vs HF transformers, on the simulator and on the virtual
 GCU, with prefix caching and chunked prefill.
 
 Teacher-forced: each greedy token is HF float64's top-1 given the tokens before it,
@@ -27,7 +27,7 @@ COMPILED = ("glm4_moe", "exaone4", "gemma3n_text", "gemma4_text", "gemma4_text_m
 #: the families with MoE layers (the plugin's MoE method serves them)
 MOE = ("glm4_moe", "ernie4_5_moe", "hunyuan_v1_moe", "olmoe", "granitemoe", "dots1",
        "gemma4_text_moe", "glm4_moe_lite", "minimax_m2", "exaone_moe", "granitemoeshared",
-       "afmoe", "hy_v3")
+       "afmoe", "hy_v3", "granitemoe_swa")
 #: name: (family, path env, compiled)
 CASES = {f"{family}-sim-{'compiled' if family in COMPILED else 'eager'}":
          (family, SIM, family in COMPILED) for family in FAMILIES}
