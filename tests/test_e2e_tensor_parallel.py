@@ -37,8 +37,8 @@ FORMATS = {
 }
 #: the quantized MoE case that TP=2 must refuse (its engine fails at startup)
 MOE_ACT_ORDER = "moe-gptq4-actorder-tp2"
-PROMPTS = [[random.Random(7 + n).randrange(3, 512) for _ in range(n)]
-           for n in (5, 23, 64, 2, 120)]
+_RNG = random.Random(7)
+PROMPTS = [[_RNG.randrange(3, 512) for _ in range(n)] for n in (5, 23, 64, 2, 120)]
 
 
 def _spec(model, tp: int) -> dict:

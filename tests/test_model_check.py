@@ -131,15 +131,30 @@ def test_findings(case, tmp_path):
 def test_remote_code_checkpoints_name_trust_remote_code(family, tmp_path):
     """A checkpoint whose config class is its own code (``auto_map``) is served with
     --trust-remote-code, which the report names; ChatGLM's config class is vLLM's own,
-    so it needs no flag."""
+    so, though its releases carry ``auto_map`` too, it needs no flag."""
     from remote_code_models import build_tiny_remote
 
-    findings = check(build_tiny_remote(tmp_path / family, family))
+    model_dir = build_tiny_remote(tmp_path / family, family)
+    config = json.loads((model_dir / "config.json").read_text())
+    assert "AutoConfig" in config.setdefault(
+        "auto_map", {"AutoConfig": "configuration_chatglm.ChatGLMConfig"})
+    (model_dir / "config.json").write_text(json.dumps(config))
+    findings = check(model_dir)
     text = "\n".join(f"{f.feature}: {f.how}" for f in findings)
     assert all(f.served for f in findings), text
     assert ("--trust-remote-code" in text) == (family != "chatglm"), text
     if family == "bailing_moe":
         assert "mixture of experts (8 experts, top-2)" in text, text
+
+
+def test_auto_map_on_a_type_transformers_knows_needs_no_flag(tmp_path):
+    """``auto_map`` beside a model type transformers has a class for (a Qwen2 export
+    that kept its remote code): transformers' class serves, no flag named."""
+    model_dir = _write(tmp_path, "qwen2", "Qwen2Config", architectures=["Qwen2ForCausalLM"],
+                       auto_map={"AutoConfig": "configuration_qwen.QWenConfig"})
+    text = "\n".join(f"{f.feature}: {f.how}" for f in check(model_dir))
+    assert "auto_map" in (model_dir / "config.json").read_text()
+    assert "--trust-remote-code" not in text, text
 
 
 def test_cli_exit_codes_and_json(tmp_path):

@@ -122,7 +122,9 @@ def test_family_matches_stock_vllm(case, engines, stock_scores):
     prompts = [p for batch in _batches(case) for p in batch]
     worst = 0.0
     for prompt, out, scored in zip(prompts, outputs, stock["outputs"], strict=True):
-        for step, (token, top) in enumerate(zip(out["token_ids"], out["logprobs"])):
+        assert len(out["token_ids"]) == len(out["logprobs"]) == 12
+        for step, (token, top) in enumerate(zip(out["token_ids"], out["logprobs"],
+                                                strict=True)):
             position = len(prompt) + step
             assert scored["prompt_top"][position] == token, (len(prompt), step)
             err = abs(top[str(token)] - scored["prompt_logprobs"][position])

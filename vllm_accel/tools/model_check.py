@@ -290,7 +290,7 @@ def check(model_dir: str | Path) -> list[Finding]:
     text = _text_config(config)
     model_type = text.get("model_type") or config.get("model_type") or ""
     quant = config.get("quantization_config") or text.get("quantization_config")
-    return (_architecture(config) + _remote_code(config, model_type)
+    return (_architecture(config) + _remote_code(config, config.get("model_type") or "")
             + _attention(config, text, model_type) + _moe(text, quant)
             + _quantization(quant, model_type))
 
