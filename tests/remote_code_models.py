@@ -131,12 +131,6 @@ def _internlm2(w: _Weights) -> dict:
             "pad_token_id": 0}
 
 
-def _llama_mlp(w: _Weights, p: str) -> None:
-    w.normal(f"{p}.mlp.gate_proj.weight", FFN, HIDDEN)
-    w.normal(f"{p}.mlp.up_proj.weight", FFN, HIDDEN)
-    w.normal(f"{p}.mlp.down_proj.weight", HIDDEN, FFN)
-
-
 #: MiniCPM's muP fields (the released 2B's scale_depth; its scale_emb, 12, would let
 #: the input token's own embedding dominate a random model's residual stream, and with
 #: tied embeddings it predicts that token again; a dim_model_base below the hidden
@@ -165,7 +159,7 @@ def _minicpm(w: _Weights) -> dict:
         w.normal(f"{p}.self_attn.v_proj.weight", KV_HEADS * HEAD_DIM, HIDDEN)
         w.normal(f"{p}.self_attn.o_proj.weight", HIDDEN, HEADS * HEAD_DIM)
         w.norm(f"{p}.post_attention_layernorm.weight", HIDDEN)
-        _llama_mlp(w, p)
+        _expert(w, f"{p}.mlp", FFN)
     _tied_final_norm(w)
     return {"architectures": ["MiniCPMForCausalLM"], "model_type": "minicpm",
             "hidden_size": HIDDEN, "intermediate_size": FFN, "num_hidden_layers": LAYERS,
@@ -198,7 +192,7 @@ def _minicpm3(w: _Weights) -> dict:
                  d["kv_lora_rank"], std=0.15)
         w.normal(f"{p}.o_proj.weight", HIDDEN, HEADS * d["v_head_dim"])
         w.norm(f"model.layers.{i}.post_attention_layernorm.weight", HIDDEN)
-        _llama_mlp(w, f"model.layers.{i}")
+        _expert(w, f"model.layers.{i}.mlp", FFN)
     _tied_final_norm(w)
     half = d["qk_rope_head_dim"] // 2
     # LongRoPE as the releases carry it: per-frequency factors, the short ones in use
@@ -227,7 +221,7 @@ def _telechat2(w: _Weights) -> dict:
         w.normal(f"{p}.self_attention.dense.weight", HIDDEN, HEADS * HEAD_DIM)
         w.normal(f"{p}.self_attention.dense.bias", HIDDEN, std=0.2)
         w.norm(f"{p}.post_attention_layernorm.weight", HIDDEN)
-        _llama_mlp(w, p)
+        _expert(w, f"{p}.mlp", FFN)
         w.normal(f"{p}.mlp.down_proj.bias", HIDDEN, std=0.2)
     w.norm("transformer.ln_f.weight", HIDDEN)
     w.normal("lm_head.weight", VOCAB, HIDDEN, std=0.4)
@@ -298,7 +292,7 @@ def _moe_or_dense_mlp(w: _Weights, p: str, layer: int, experts: int, width: int,
     """Layer ``layer``'s MLP at ``p``: dense on the first layer (first_k_dense_replace
     1), else a router, ``experts`` experts of ``width`` and the shared experts."""
     if layer == 0:
-        _llama_mlp(w, p)
+        _expert(w, f"{p}.mlp", FFN)
         return
     w.normal(f"{p}.mlp.gate.weight", experts, HIDDEN, std=0.3)
     if expert_bias:

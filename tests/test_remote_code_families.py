@@ -30,9 +30,9 @@ CASES = {f"{family}-sim-{'compiled' if family in COMPILED else 'eager'}":
 CASES |= {f"{family}-virtual": (family, VIRTUAL, False) for family in FAMILIES}
 #: the teacher-forced bound: both sides float32
 NATS = 2e-3
-#: InternVL in its released layout: name -> path env (eager: the vision-language
-#: families' compiled engines are test_vlm.py's)
-INTERNVL_CASES = {"internvl_chat-sim-eager": SIM, "internvl_chat-virtual": VIRTUAL}
+#: InternVL in its released layout: name -> (path env, compiled)
+INTERNVL_CASES = {"internvl_chat-sim-compiled": (SIM, True),
+                  "internvl_chat-virtual": (VIRTUAL, False)}
 #: its requests: one image (cut into tiles), two images of other sizes in one request,
 #: text alone in the same batch, and the first again (vLLM's encoder and prefix caches)
 INTERNVL_PROMPTS = [{"prompt": "<image>\nWhat is in the image?", "images": [1]},
@@ -42,8 +42,8 @@ INTERNVL_PROMPTS = [{"prompt": "<image>\nWhat is in the image?", "images": [1]},
                     {"prompt": "<image>\nWhat is in the image?", "images": [1]}]
 
 
-def _internvl_spec(model) -> dict:
-    return {"llm": {"model": str(model), "dtype": "float32", "enforce_eager": True,
+def _internvl_spec(model, compiled: bool = False) -> dict:
+    return {"llm": {"model": str(model), "dtype": "float32", "enforce_eager": not compiled,
                     "max_model_len": 512, "max_num_seqs": 4, "enable_prefix_caching": True,
                     "seed": 0, "trust_remote_code": True, "limit_mm_per_prompt": {"image": 2}},
             "mm_prompts": INTERNVL_PROMPTS,
@@ -75,8 +75,8 @@ def internvl_chat(tmp_path_factory, default_model):
 def engines(models, internvl_chat, tmp_path_factory):
     specs = {case: (_case_spec(models[family], case, compiled, family), env)
              for case, (family, env, compiled) in CASES.items()}
-    specs |= {case: (_internvl_spec(internvl_chat), env)
-              for case, env in INTERNVL_CASES.items()}
+    specs |= {case: (_internvl_spec(internvl_chat, compiled), env)
+              for case, (env, compiled) in INTERNVL_CASES.items()}
     return SharedEngines(specs, tmp_path_factory.mktemp("engines"))
 
 
@@ -88,11 +88,10 @@ def stock_scores(models, internvl_chat, engines, tmp_path_factory):
     specs = {}
     for case, (family, _, _) in CASES.items():
         results, _ = engines(case)
-        sequences = [p + o["token_ids"] for batch, prompts in
-                     zip(results["batch_outputs"], _batches(case))
-                     for p, o in zip(prompts, batch)]
         spec = _case_spec(models[family], case, False, family)
-        spec.pop("prompt_batches")
+        outputs = [o for batch in results["batch_outputs"] for o in batch]
+        prompts = [p for batch in spec.pop("prompt_batches") for p in batch]
+        sequences = [p + o["token_ids"] for p, o in zip(prompts, outputs, strict=True)]
         # (one prefill a sequence; stock vLLM CPU's attention takes its own block size)
         spec["llm"].update(enable_prefix_caching=False, max_num_batched_tokens=256)
         spec["llm"].pop("block_size")
@@ -102,11 +101,6 @@ def stock_scores(models, internvl_chat, engines, tmp_path_factory):
         specs[case] = spec
     specs["internvl_chat"] = _internvl_spec(internvl_chat)
     return run_engines(specs, tmp_path_factory.mktemp("stock"), env=STOCK)
-
-
-def _batches(case):
-    prompts = _prompts(case)
-    return [prompts[:4], prompts[4:]]  # as _spec's prompt_batches
 
 
 @pytest.mark.engine
@@ -119,7 +113,7 @@ def test_family_matches_stock_vllm(case, engines, stock_scores):
     assert stock is not None, stock_log[-6000:]
     assert stock["platform"] == "CpuPlatform"
     outputs = [o for batch in results["batch_outputs"] for o in batch]
-    prompts = [p for batch in _batches(case) for p in batch]
+    prompts = _prompts(case)  # (the engine's prompt batches, in order)
     worst = 0.0
     for prompt, out, scored in zip(prompts, outputs, stock["outputs"], strict=True):
         assert len(out["token_ids"]) == len(out["logprobs"]) == 12
@@ -141,7 +135,9 @@ def test_internvl_chat_images_match_stock_vllm(case, engines, stock_scores):
     log-prob within 2e-3 nats (free-running: the prompts' image tokens are the
     processor's), the tower's attention on the plugin's varlen_attention."""
     results, log = engines(case)
-    if INTERNVL_CASES[case] is VIRTUAL:
+    env, compiled = INTERNVL_CASES[case]
+    assert ("Warming up model for the compilation" in log) == compiled
+    if env is VIRTUAL:
         assert "device gcu via virtual" in log
     assert "Multimodal encoder attention: varlen_attention" in log
     stock, stock_log = stock_scores["internvl_chat"]
