@@ -76,6 +76,10 @@ CASES = {
               "card path refuses them"]),
     "qwen3_5": ("Qwen3_5TextConfig", "Qwen3_5ForCausalLM", {}, True,
                 ["state-space layers (Gated DeltaNet)", "--dtype bfloat16"]),
+    # (its language model is Qwen3.5's, built from another vLLM model module)
+    "minicpmv4_6": ("MiniCPMV4_6Config", "MiniCPMV4_6ForConditionalGeneration", {}, True,
+                    ["state-space layers (Gated DeltaNet)", "--dtype bfloat16",
+                     "image inputs: vLLM's processor"]),
     "qwen2_vl": ("Qwen2VLConfig", "Qwen2VLForConditionalGeneration", {}, True,
                  ["image inputs: vLLM's processor"]),
     "llava_next": ("LlavaNextConfig", "LlavaNextForConditionalGeneration", {}, True,
@@ -155,6 +159,16 @@ def test_auto_map_on_a_type_transformers_knows_needs_no_flag(tmp_path):
     text = "\n".join(f"{f.feature}: {f.how}" for f in check(model_dir))
     assert "auto_map" in (model_dir / "config.json").read_text()
     assert "--trust-remote-code" not in text, text
+
+
+def test_verified_vision_language_architectures_are_the_tested_ones():
+    """``models check`` calls image inputs served for exactly the architectures
+    test_vlm.py holds to HF (and InternVL's released layout, held to stock vLLM)."""
+    from vlm_models import HF_CLASSES
+
+    from vllm_accel.tools.model_check import VERIFIED_MULTIMODAL
+
+    assert VERIFIED_MULTIMODAL == set(HF_CLASSES.values()) | {"InternVLChatModel"}
 
 
 def test_cli_exit_codes_and_json(tmp_path):

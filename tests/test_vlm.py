@@ -1,22 +1,30 @@
 """Vision-language models through the plugin, tiny random-weight checkpoints with their
-processors built locally: BLIP-2 (Q-Former), Qwen2-VL (M-RoPE, dynamic resolution),
-Qwen2.5-VL (windowed vision tower), Qwen3-VL and Qwen3-VL-MoE (DeepStack, interleaved
-M-RoPE), GLM-4.1V, Gemma 3 (SigLIP; image tokens attend to each other both ways),
-Gemma 4 (its own tower; both ways on the windowed layers only),
-LLaVA (CLIP tower), LLaVA-Next (anyres tiles) and InternVL (InternViT,
-pixel shuffle, tiles), each on the simulator and the virtual GCU (BLIP-2 on the virtual
-GCU); compiled on the simulator where the language model differs (Qwen2-VL's and
-Qwen3-VL's M-RoPE, Gemma 3's and Gemma 4's two-way image ranges), eager for the others
-(their decoders compiled in other tests or cases: LLaVA's Llama, Qwen2.5-VL's M-RoPE as
-Qwen2-VL's; vision towers run eagerly either way).
+processors built locally (``vlm_models``): BLIP-2 (Q-Former), Qwen2-VL (M-RoPE, dynamic
+resolution), Qwen2.5-VL (windowed vision tower), Qwen3-VL and Qwen3-VL-MoE (DeepStack,
+interleaved M-RoPE), GLM-4.1V and GLM-4.5V (its MoE decoder), Gemma 3 (SigLIP; image
+tokens attend to each other both ways), Gemma 4 (its own tower; both ways on the
+windowed layers only), LLaVA (CLIP tower), LLaVA-Next (anyres tiles), LLaVA-OneVision
+(SigLIP, anyres), InternVL (InternViT, pixel shuffle, tiles), Mistral 3 (Pixtral tower,
+image breaks), SmolVLM (tiles behind row/column markers), PaddleOCR-VL (NaViT-style
+SigLIP, an ERNIE decoder with M-RoPE) and MiniCPM-V 4.6 (a window merger inside its
+tower, a Qwen3.5 decoder with Gated DeltaNet layers, bf16 on the simulator as vLLM's
+CPU kernel runs them).
+
+Each on the virtual GCU and, where it brings a part no other case runs there, on the
+simulator (``SIM_CASE``): compiled where the language model differs (Qwen2-VL's and
+Qwen3-VL's M-RoPE, Gemma 3's and Gemma 4's two-way image ranges, Mistral 3, PaddleOCR-VL's
+ERNIE M-RoPE), eager for the others (their decoders compiled in other tests or cases;
+vision towers run eagerly either way).
+
 Image and text-only requests in one batch, two images of different sizes in one
 request, the same image again (vLLM's encoder cache, prefix caching), a video beside an
-image (the Qwen families and GLM-4.1V: temporal patches, Qwen2.5-VL's time-scaled
-positions, Qwen3-VL's and GLM-4.1V's timestamps), teacher-forced against HF float64 on
-the processor's inputs (Qwen2.5-VL with a video: on Qwen's own M-RoPE positions,
-``vlm_models._qwen_reference_positions``); the vision tower's attention runs the
-plugin's ``varlen_attention`` (``AccelMMEncoderAttention``), not a silent SDPA, except
-in the towers vLLM takes from transformers (``HF_TOWERS``)."""
+image (the Qwen families, GLM-4.1V and LLaVA-OneVision: temporal patches, Qwen2.5-VL's
+time-scaled positions, Qwen3-VL's and GLM-4.1V's timestamps), teacher-forced against HF
+float64 on the processor's inputs (Qwen2.5-VL with a video: on Qwen's own M-RoPE
+positions, ``vlm_models._qwen_reference_positions``; PaddleOCR-VL's position grid
+resampled as vLLM does, see ``vlm_models._hf_model``); the vision tower's attention runs
+the plugin's ``varlen_attention`` (``AccelMMEncoderAttention``), not a silent SDPA,
+except in the towers vLLM takes from transformers (``HF_TOWERS``)."""
 
 import functools
 
@@ -25,11 +33,18 @@ import pytest
 from conftest import VIRTUAL_GCU_ENV, SharedEngines
 from vlm_models import (PLACEHOLDERS, VIDEO_PLACEHOLDERS, build_tiny_blip2, build_tiny_gemma3,
                         build_tiny_gemma4, build_tiny_glm4v, build_tiny_internvl,
-                        build_tiny_llava, build_tiny_qwen_vl, hf_logprobs, image_of,
+                        build_tiny_llava, build_tiny_llava_onevision, build_tiny_minicpmv, build_tiny_mistral3, build_tiny_paddleocr_vl,
+                        build_tiny_qwen_vl,
+                        build_tiny_smolvlm, hf_logprobs, image_of,
                         random_image, video_of)
 
 VIRTUAL = {**VIRTUAL_GCU_ENV, "ACCEL_SIM_DEVICE_MEMORY_GB": "1"}
-CASES = {"sim-compiled": ({}, True), "sim-eager": ({}, False), "virtual": (VIRTUAL, False)}
+CASES = {"sim-compiled": ({}, True), "sim-eager": ({}, False), "virtual": (VIRTUAL, False),
+         # (MiniCPM-V 4.6's Qwen3.5 decoder: vLLM's CPU Gated DeltaNet kernel is bf16 only)
+         "sim-eager-bf16": ({}, False)}
+#: how far a bf16 engine's tokens may sit from HF float64's top and its log-probs from
+#: HF's (bf16 weights and activations; measured up to 0.14 on MiniCPM-V 4.6)
+BF16_NATS = 0.25
 BUILDERS = {"blip2": build_tiny_blip2, "llava": build_tiny_llava,
             "llava_next": functools.partial(build_tiny_llava, family="llava_next"),
             "internvl": build_tiny_internvl,
@@ -37,7 +52,11 @@ BUILDERS = {"blip2": build_tiny_blip2, "llava": build_tiny_llava,
             "qwen2_5_vl": functools.partial(build_tiny_qwen_vl, family="qwen2_5_vl"),
             "qwen3_vl": functools.partial(build_tiny_qwen_vl, family="qwen3_vl"),
             "qwen3_vl_moe": functools.partial(build_tiny_qwen_vl, family="qwen3_vl_moe"),
-            "glm4v": build_tiny_glm4v, "gemma3": build_tiny_gemma3, "gemma4": build_tiny_gemma4}
+            "glm4v": build_tiny_glm4v, "gemma3": build_tiny_gemma3, "gemma4": build_tiny_gemma4,
+            "mistral3": build_tiny_mistral3, "smolvlm": build_tiny_smolvlm,
+            "glm4v_moe": functools.partial(build_tiny_glm4v, family="glm4v_moe"),
+            "llava_onevision": build_tiny_llava_onevision,
+            "paddleocr_vl": build_tiny_paddleocr_vl, "minicpmv4_6": build_tiny_minicpmv}
 
 
 #: families given a video prompt too (frames with vLLM's loader metadata, 2 fps)
@@ -78,12 +97,18 @@ def vlm_dir(tmp_path_factory, default_model):
     return get
 
 
-#: family: its simulator case (None: BLIP-2, whose Q-Former is the only part the others
-#: do not cover, on the virtual GCU alone; suite time)
+#: family: its simulator case. None (suite time): the virtual GCU alone, for BLIP-2,
+#: whose Q-Former is the only part the others do not cover, and the families made of
+#: parts the simulator runs in other cases: GLM-4.5V (GLM-4.1V's tower, GLM-4.5's MoE
+#: decoder in test_model_families), LLaVA-OneVision (Gemma 3's SigLIP, LLaVA-Next's
+#: anyres tiles, a Qwen2 decoder) and SmolVLM (SigLIP, InternVL's pixel shuffle, Llama)
 SIM_CASE = {"blip2": None, "llava": "sim-eager", "llava_next": "sim-eager",
             "internvl": "sim-eager", "qwen2_vl": "sim-compiled", "qwen2_5_vl": "sim-eager",
             "qwen3_vl": "sim-compiled", "qwen3_vl_moe": "sim-eager",
-            "glm4v": "sim-eager", "gemma3": "sim-compiled", "gemma4": "sim-compiled"}
+            "glm4v": "sim-eager", "gemma3": "sim-compiled", "gemma4": "sim-compiled",
+            "mistral3": "sim-compiled", "smolvlm": None, "glm4v_moe": None,
+            "llava_onevision": None, "paddleocr_vl": "sim-compiled",
+            "minicpmv4_6": "sim-eager-bf16"}
 #: families whose vision tower vLLM 0.32 builds from transformers' own module (Gemma 4:
 #: ``AutoModel.from_config``): its attention is transformers' SDPA on the device, not
 #: vLLM's encoder attention layer, so not the plugin's ``varlen_attention``
@@ -92,8 +117,10 @@ HF_TOWERS = {"gemma4"}
 PAIRS = [(f, c) for f in BUILDERS for c in (SIM_CASE[f], "virtual") if c]
 
 
-def _spec(model_dir, family: str, compiled: bool) -> dict:
-    return {"llm": {"model": str(model_dir), "dtype": "float32",
+def _spec(model_dir, family: str, case: str) -> dict:
+    compiled = CASES[case][1]
+    return {"llm": {"model": str(model_dir),
+                    "dtype": "bfloat16" if case.endswith("bf16") else "float32",
                     "enforce_eager": not compiled, "max_model_len": 512, "max_num_seqs": 4,
                     "enable_prefix_caching": True, "seed": 0,
                     "limit_mm_per_prompt": {"image": 2 if family != "blip2" else 1}
@@ -108,7 +135,7 @@ def _spec(model_dir, family: str, compiled: bool) -> dict:
 def engines(vlm_dir, tmp_path_factory):
     """Every pair's engine: the simulator's one after another in one process, the
     virtual GCU's in another, when a test first needs one."""
-    return SharedEngines({f"{family}-{case}": (_spec(vlm_dir(family), family, CASES[case][1]),
+    return SharedEngines({f"{family}-{case}": (_spec(vlm_dir(family), family, case),
                                                CASES[case][0]) for family, case in PAIRS},
                          tmp_path_factory.mktemp("engines"))
 
@@ -130,6 +157,10 @@ def test_images_match_hf(family, case, vlm_dir, engines):
                               out["token_ids"], videos=[video_of(v) for v in videos])
         for step, (token, top) in enumerate(zip(out["token_ids"], out["logprobs"])):
             row = logp[n - 1 + step]
+            if case.endswith("bf16"):
+                assert float(row.max() - row[token]) <= BF16_NATS, (prompt, images, step)
+                assert abs(top[str(token)] - float(row[token])) <= BF16_NATS, (prompt, step)
+                continue
             assert int(row.argmax()) == token, (prompt, images, step)
             assert abs(top[str(token)] - float(row[token])) <= 2e-3, (prompt, images, step)
     assert results["mm_outputs"][3]["token_ids"] == results["mm_outputs"][0]["token_ids"]

@@ -171,16 +171,26 @@ _RECURRENT_LAYER_MODULES = {
 CARD_RECURRENT_KINDS = frozenset({"Gated DeltaNet", "Mamba2"})
 
 
+def _modules_of_classes(module_name: str) -> set[str]:
+    """The modules of the classes ``module_name`` holds (what it imports or defines)."""
+    return {getattr(obj, "__module__", "") for obj in vars(sys.modules[module_name]).values()
+            if isinstance(obj, type)}
+
+
 def recurrent_layer_kind(model_cls: type) -> str:
     """What a hybrid or attention-free model's recurrent-state layers are
     (``"Gated DeltaNet"`` (Qwen's), ``"Mamba2"``, ``"Mamba"``, else ``"linear-attention
-    / short-convolution"``), read from the layer classes vLLM's model module uses (HF
-    configs call Mamba2 layers "linear_attention" too)."""
-    used = {getattr(obj, "__module__", "")
-            for obj in vars(sys.modules[model_cls.__module__]).values()
-            if isinstance(obj, type)}
-    return next((kind for module, kind in _RECURRENT_LAYER_MODULES.items() if module in used),
-                "linear-attention / short-convolution")
+    / short-convolution"``), read from the layer classes vLLM's model module uses, or
+    the model modules it takes its language model from (MiniCPM-V 4.6 builds Qwen3.5's)
+    (HF configs call Mamba2 layers "linear_attention" too)."""
+    used = _modules_of_classes(model_cls.__module__)
+    for scope in (used, set().union(*(_modules_of_classes(m) for m in used
+                                      if m.startswith("vllm.model_executor.models.")))):
+        kind = next((kind for module, kind in _RECURRENT_LAYER_MODULES.items()
+                     if module in scope), None)
+        if kind is not None:
+            return kind
+    return "linear-attention / short-convolution"
 
 
 def recurrent_layers(model_config) -> str | None:

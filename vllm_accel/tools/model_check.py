@@ -41,7 +41,11 @@ VERIFIED_MULTIMODAL = {"Blip2ForConditionalGeneration", "Qwen2VLForConditionalGe
                        "InternVLChatModel",
                        "Qwen3VLForConditionalGeneration", "Qwen3VLMoeForConditionalGeneration",
                        "Glm4vForConditionalGeneration", "Gemma3ForConditionalGeneration",
-                       "Gemma4ForConditionalGeneration"}
+                       "Gemma4ForConditionalGeneration", "Mistral3ForConditionalGeneration",
+                       "SmolVLMForConditionalGeneration", "Glm4vMoeForConditionalGeneration",
+                       "LlavaOnevisionForConditionalGeneration",
+                       "PaddleOCRVLForConditionalGeneration",
+                       "MiniCPMV4_6ForConditionalGeneration"}
 #: of those, the ones whose vision tower vLLM builds from transformers' own module
 HF_VISION_TOWERS = {"Gemma4ForConditionalGeneration"}
 #: encoder-decoder (speech-to-text) architectures tested through the plugin
