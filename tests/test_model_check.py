@@ -164,10 +164,12 @@ def test_auto_map_on_a_type_transformers_knows_needs_no_flag(tmp_path):
 def test_verified_vision_language_architectures_are_the_tested_ones():
     """``models check`` calls image inputs served for exactly the architectures
     test_vlm.py holds to HF (and InternVL's released layout, held to stock vLLM)."""
+    from test_vlm import BUILDERS
     from vlm_models import HF_CLASSES
 
     from vllm_accel.tools.model_check import VERIFIED_MULTIMODAL
 
+    assert len(HF_CLASSES) == len(BUILDERS)  # (one class for each family test_vlm builds)
     assert VERIFIED_MULTIMODAL == set(HF_CLASSES.values()) | {"InternVLChatModel"}
 
 

@@ -25,7 +25,7 @@
   row), a 2x2 patch merger, a Mistral decoder;
 - SmolVLM: a SigLIP tower over tiles plus a global view, pixel shuffle, a Llama decoder
   (its processor needs ``num2words``);
-- PaddleOCR-VL: a NaViT-style SigLIP tower, an ERNIE 4.5 decoder with M-RoPE.
+- PaddleOCR-VL: a NaViT-style SigLIP tower, an ERNIE 4.5 decoder with M-RoPE;
 - MiniCPM-V 4.6: a SigLIP tower with a window merger after its first layer, image
   slices behind their ids, a Qwen3.5 decoder (Gated DeltaNet, then gated attention).
 
@@ -46,12 +46,13 @@ INTERNVL_TOKENS = {"start_image_token": "<img>", "end_image_token": "</img>",
                    "context_image_token": "<IMG_CONTEXT>", "video_token": "<video>"}
 #: the prompt text that stands for one image, per family (BLIP-2's processors put
 #: its query tokens first themselves, one image per prompt)
+GLM_IMAGE = "<|begin_of_image|><|image|><|end_of_image|>"
 PLACEHOLDERS = {"blip2": "", "qwen2_vl": QWEN_IMAGE, "qwen2_5_vl": QWEN_IMAGE,
                 "gemma3": "<start_of_image>", "gemma4": "<|image|>",
-                "qwen3_vl": QWEN_IMAGE, "qwen3_vl_moe": QWEN_IMAGE, "glm4v": "<|begin_of_image|><|image|><|end_of_image|>",
+                "qwen3_vl": QWEN_IMAGE, "qwen3_vl_moe": QWEN_IMAGE, "glm4v": GLM_IMAGE,
                 "llava": IMAGE_TOKEN, "llava_next": IMAGE_TOKEN,
-                "internvl": INTERNVL_TOKENS["context_image_token"], "mistral3": "[IMG]", "smolvlm": "<image>",
-                "glm4v_moe": "<|begin_of_image|><|image|><|end_of_image|>",
+                "internvl": INTERNVL_TOKENS["context_image_token"], "mistral3": "[IMG]",
+                "smolvlm": "<image>", "glm4v_moe": GLM_IMAGE,
                 "llava_onevision": IMAGE_TOKEN,
                 "paddleocr_vl": "<|IMAGE_START|><|IMAGE_PLACEHOLDER|><|IMAGE_END|>",
                 "minicpmv4_6": "<|image_pad|>"}
@@ -192,10 +193,8 @@ def build_tiny_glm4v(path: Path, default_model: Path, family: str = "glm4v",
                      use_qk_norm=False)  # (released configs name it; vLLM reads it)
     config = (transformers.Glm4vMoeConfig if moe else transformers.Glm4vConfig)(
         text_config=text, vision_config=vision, **ids)
-    torch.manual_seed(seed)
-    model = (transformers.Glm4vMoeForConditionalGeneration if moe
-             else transformers.Glm4vForConditionalGeneration)(config)
-    _peaked(model)
+    model = _peaked_model(transformers.Glm4vMoeForConditionalGeneration if moe
+                          else transformers.Glm4vForConditionalGeneration, config, seed)
     with torch.no_grad():  # (HF inits the router's correction bias to zeros)
         for name, buffer in model.named_buffers():
             if name.endswith("e_score_correction_bias"):
@@ -386,6 +385,9 @@ PIXTRAL_TOKENS = ["[IMG]", "[IMG_BREAK]", "[IMG_END]"]
 
 
 def build_tiny_mistral3(path: Path, default_model: Path, seed: int = 0) -> Path:
+    """Mistral 3: a Pixtral tower (2D rope; images up to 112 pixels on the long side,
+    an image-break token after each row of patches and an image-end token), a 2x2
+    patch merger, a Mistral decoder."""
     import transformers
     from transformers.models.pixtral.image_processing_pixtral import PixtralImageProcessor
 
@@ -525,8 +527,10 @@ def build_tiny_minicpmv(path: Path, default_model: Path, seed: int = 0) -> Path:
     attention)."""
     import transformers
     from transformers import AutoTokenizer
-    from transformers.models.minicpmv4_6.image_processing_minicpmv4_6 import MiniCPMV4_6ImageProcessor
-    from transformers.models.minicpmv4_6.video_processing_minicpmv4_6 import MiniCPMV4_6VideoProcessor
+    from transformers.models.minicpmv4_6.image_processing_minicpmv4_6 import (
+        MiniCPMV4_6ImageProcessor)
+    from transformers.models.minicpmv4_6.video_processing_minicpmv4_6 import (
+        MiniCPMV4_6VideoProcessor)
 
     tok = AutoTokenizer.from_pretrained(default_model, extra_special_tokens=MINICPMV_TOKENS)
     vision = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -671,13 +675,19 @@ HF_CLASSES = {"blip-2": "Blip2ForConditionalGeneration",
 
 
 @functools.lru_cache(maxsize=2)
-def _hf_model(model_dir: str):
+def _hf_model(model_dir: str, bf16_weights: bool = False):
+    """(processor, HF float64 model, model type); ``bf16_weights``: the weights rounded
+    to bf16 first, as a bf16 engine holds them."""
     import transformers
 
     model_type = transformers.AutoConfig.from_pretrained(model_dir).model_type
     model = getattr(transformers, HF_CLASSES[model_type]).from_pretrained(
         model_dir, dtype=torch.float64, attn_implementation="eager",
         experts_implementation="eager")  # (HF's grouped matmul has no float64)
+    if bf16_weights:
+        with torch.no_grad():
+            for p in model.parameters():
+                p.copy_(p.to(torch.bfloat16))
     if model_type == "paddleocr_vl":
         # transformers 5.19 resamples PaddleOCR-VL's learned position grid with
         # align_corners=True, vLLM 0.32 (stock as well) with False: a systematic
@@ -719,11 +729,12 @@ def _qwen_reference_positions(hf, ids, enc) -> torch.Tensor:
 
 
 def hf_logprobs(model_dir: Path, prompt: str, images: list, continuation: list[int],
-                videos: list = ()):
+                videos: list = (), bf16_weights: bool = False):
     """HF float64 log-probs ``[len, vocab]`` of ``prompt`` with ``images`` (PIL) and
     ``videos`` (``video_of``'s pairs; their tokens placed by the processor) followed by
-    ``continuation``, and the number of positions before the continuation."""
-    processor, hf, model_type = _hf_model(str(model_dir))
+    ``continuation`` (the weights rounded to bf16 with ``bf16_weights``), and the number
+    of positions before the continuation."""
+    processor, hf, model_type = _hf_model(str(model_dir), bf16_weights)
     if videos:
         enc = dict(processor(text=prompt, images=images or None,
                              videos=[frames for frames, _ in videos],

@@ -178,11 +178,11 @@ def _modules_of_classes(module_name: str) -> set[str]:
 
 
 def recurrent_layer_kind(model_cls: type) -> str:
-    """What a hybrid or attention-free model's recurrent-state layers are
-    (``"Gated DeltaNet"`` (Qwen's), ``"Mamba2"``, ``"Mamba"``, else ``"linear-attention
-    / short-convolution"``), read from the layer classes vLLM's model module uses, or
-    the model modules it takes its language model from (MiniCPM-V 4.6 builds Qwen3.5's)
-    (HF configs call Mamba2 layers "linear_attention" too)."""
+    """What a hybrid or attention-free model's recurrent-state layers are: ``"Gated
+    DeltaNet"`` (Qwen's), ``"Mamba2"``, ``"Mamba"``, else ``"linear-attention /
+    short-convolution"``. Read from the layer classes vLLM's model module uses, else from
+    those of the model modules it imports (MiniCPM-V 4.6 builds Qwen3.5's language
+    model), not from the config: HF configs call Mamba2 layers "linear_attention" too."""
     used = _modules_of_classes(model_cls.__module__)
     for scope in (used, set().union(*(_modules_of_classes(m) for m in used
                                       if m.startswith("vllm.model_executor.models.")))):
