@@ -15,9 +15,12 @@ it set to 32, vLLM's top token is 0.011 nats below HF's at position 40, stock to
 test keeps the released 16384, where the scaling is 1), DBRX (transformers 5 saves its
 experts fused, not in the released layout vLLM loads) and LongCat-Flash (transformers'
 config and saved experts differ from the released ones vLLM reads). Laguna is not
-covered: stock vLLM CPU cannot run it (its CPU router takes softmax scoring only) and
-through the plugin its tiny model's tokens sit up to 0.7 nats below HF's top, not yet
-traced to vLLM's model code or the plugin.
+covered: stock vLLM CPU cannot run it (its CPU router takes softmax scoring only), and
+vLLM 0.32's Laguna drops the router's correction bias at load on every platform (its
+module holds the parameter under the MoE runner's routed experts, the checkpoint names
+``mlp.experts.e_score_correction_bias``, and the loader ignores unmatched ``_bias``
+names): through the plugin the tiny model's tokens sit up to 0.7 nats below HF's top,
+and match HF's with the bias zeroed.
 """
 
 from attention_models import WINDOW
