@@ -14,13 +14,7 @@ Ministral 3's llama-4 attention scaling past ``original_max_position_embeddings`
 it set to 32, vLLM's top token is 0.011 nats below HF's at position 40, stock too; the
 test keeps the released 16384, where the scaling is 1), DBRX (transformers 5 saves its
 experts fused, not in the released layout vLLM loads) and LongCat-Flash (transformers'
-config and saved experts differ from the released ones vLLM reads). Laguna is not
-covered: stock vLLM CPU cannot run it (its CPU router takes softmax scoring only), and
-vLLM 0.32's Laguna drops the router's correction bias at load on every platform (its
-module holds the parameter under the MoE runner's routed experts, the checkpoint names
-``mlp.experts.e_score_correction_bias``, and the loader ignores unmatched ``_bias``
-names): through the plugin the tiny model's tokens sit up to 0.7 nats below HF's top,
-and match HF's with the bias zeroed.
+config and saved experts differ from the released ones vLLM reads).
 """
 
 from attention_models import WINDOW
@@ -181,4 +175,12 @@ FAMILIES = {
                   "Transformers MoE backend)",
                   dict(num_experts=8, num_experts_per_tok=2, intermediate_size=64,
                        pad_token_id=0)),
+    # (vLLM 0.32's Laguna drops the correction bias at load: vllm_accel/models/laguna.py;
+    # stock vLLM CPU cannot run it, its CPU router taking softmax scoring only)
+    "laguna": ("LagunaConfig", "MoE: sigmoid top-2 of 8 with correction bias, renormalised, "
+               "a shared expert, the first layer dense; gated attention, q/k norms, a window "
+               "on alternate layers (Laguna)",
+               dict(head_dim=32, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=64,
+                    shared_expert_intermediate_size=64, sliding_window=WINDOW,
+                    layer_types=_ALTERNATE, pad_token_id=0)),
 }

@@ -27,7 +27,8 @@ COMPILED = ("glm4_moe", "exaone4", "gemma3n_text", "gemma4_text", "gemma4_text_m
 #: the families with MoE layers (the plugin's MoE method serves them)
 MOE = ("glm4_moe", "ernie4_5_moe", "hunyuan_v1_moe", "olmoe", "granitemoe", "dots1",
        "gemma4_text_moe", "glm4_moe_lite", "minimax_m2", "exaone_moe", "granitemoeshared",
-       "afmoe", "hy_v3", "granitemoe_swa", "flex_olmo")
+       "afmoe", "hy_v3", "granitemoe_swa", "flex_olmo",
+       "laguna")
 #: name: (family, path env, compiled)
 CASES = {f"{family}-sim-{'compiled' if family in COMPILED else 'eager'}":
          (family, SIM, family in COMPILED) for family in FAMILIES}

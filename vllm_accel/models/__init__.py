@@ -5,4 +5,5 @@ OVERRIDES = {"LlamaForCausalLM": "vllm_accel.models.llama:AccelLlamaForCausalLM"
              "MistralForCausalLM": "vllm_accel.models.llama:AccelMistralForCausalLM",
              "Qwen3ForCausalLM": "vllm_accel.models.llama:AccelQwen3ForCausalLM",
              "Gemma2ForCausalLM": "vllm_accel.models.llama:AccelGemma2ForCausalLM",
-             "Gemma3ForCausalLM": "vllm_accel.models.llama:AccelGemma3ForCausalLM"}
+             "Gemma3ForCausalLM": "vllm_accel.models.llama:AccelGemma3ForCausalLM",
+             "LagunaForCausalLM": "vllm_accel.models.laguna:AccelLagunaForCausalLM"}
