@@ -83,13 +83,27 @@ def _peaked_model(model_cls, config, seed: int):
     return model
 
 
-def qwen_text_config(tok) -> dict:
+def tiny_decoder(tok, **extra) -> dict:
+    """A tiny decoder's config fields over ``tok``'s vocabulary: hidden 128, two layers,
+    4 query / 2 KV heads; ``extra`` adds or overrides."""
     return dict(vocab_size=len(tok), hidden_size=128, intermediate_size=256,
                 num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                 max_position_embeddings=2048, bos_token_id=tok.bos_token_id,
-                eos_token_id=tok.eos_token_id,
-                rope_parameters={"rope_type": "default", "mrope_section": [4, 6, 6],
-                                 "rope_theta": 10000.0})
+                eos_token_id=tok.eos_token_id) | extra
+
+
+def tiny_tower(**extra) -> dict:
+    """A tiny ViT tower's config fields: width 64, two layers of 2 heads, 14-pixel
+    patches of 56-pixel images; ``extra`` adds or overrides."""
+    return dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                num_attention_heads=2, image_size=IMAGE_SIZE, patch_size=PATCH) | extra
+
+
+def qwen_text_config(tok) -> dict:
+    """A tiny decoder with Qwen2-VL's M-RoPE sections (a fresh dict each call)."""
+    return tiny_decoder(tok, rope_parameters={"rope_type": "default",
+                                              "mrope_section": [4, 6, 6],
+                                              "rope_theta": 10000.0})
 
 
 def build_tiny_qwen_vl(path: Path, default_model: Path, family: str = "qwen2_vl",
@@ -296,13 +310,8 @@ def _clip_llava(family: str, tok, seed: int):
     of 56x56 images."""
     import transformers
 
-    vision = transformers.CLIPVisionConfig(
-        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
-        image_size=IMAGE_SIZE, patch_size=PATCH, projection_dim=64)
-    text = transformers.LlamaConfig(
-        vocab_size=len(tok), hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
-        bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
+    vision = transformers.CLIPVisionConfig(**tiny_tower(projection_dim=64))
+    text = transformers.LlamaConfig(**tiny_decoder(tok))
     common = dict(vision_config=vision.to_dict(), text_config=text.to_dict(),
                   image_token_index=tok.convert_tokens_to_ids(IMAGE_TOKEN),
                   image_seq_length=(IMAGE_SIZE // PATCH) ** 2)
@@ -359,10 +368,7 @@ def build_tiny_internvl(path: Path, default_model: Path, seed: int = 0) -> Path:
     tok = AutoTokenizer.from_pretrained(default_model, extra_special_tokens=INTERNVL_TOKENS)
     vision = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=2,
                   intermediate_size=128, image_size=[IMAGE_SIZE] * 2, patch_size=[PATCH] * 2)
-    text = transformers.Qwen2Config(
-        vocab_size=len(tok), hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
-        bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
+    text = transformers.Qwen2Config(**tiny_decoder(tok))
     tokens = (IMAGE_SIZE // PATCH // 2) ** 2
     config = transformers.InternVLConfig(
         vision_config=vision, text_config=text.to_dict(), image_seq_length=tokens,
@@ -392,14 +398,8 @@ def build_tiny_mistral3(path: Path, default_model: Path, seed: int = 0) -> Path:
     from transformers.models.pixtral.image_processing_pixtral import PixtralImageProcessor
 
     tok = tokenizer_with(default_model, PIXTRAL_TOKENS)
-    vision = dict(model_type="pixtral", hidden_size=64, intermediate_size=128,
-                  num_hidden_layers=2, num_attention_heads=2, head_dim=32, patch_size=14,
-                  image_size=112)
-    text = dict(model_type="mistral", vocab_size=len(tok), hidden_size=128,
-                intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
-                num_key_value_heads=2, head_dim=32, max_position_embeddings=2048,
-                sliding_window=None, bos_token_id=tok.bos_token_id,
-                eos_token_id=tok.eos_token_id)
+    vision = tiny_tower(model_type="pixtral", head_dim=32, image_size=112)
+    text = tiny_decoder(tok, model_type="mistral", head_dim=32, sliding_window=None)
     config = transformers.Mistral3Config(
         vision_config=vision, text_config=text, spatial_merge_size=2,
         image_token_index=tok.convert_tokens_to_ids("[IMG]"), tie_word_embeddings=False)
@@ -425,12 +425,8 @@ def build_tiny_smolvlm(path: Path, default_model: Path, seed: int = 0) -> Path:
     from transformers.models.smolvlm.video_processing_smolvlm import SmolVLMVideoProcessor
 
     tok = tokenizer_with(default_model, SMOLVLM_TOKENS)
-    vision = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                  num_attention_heads=2, image_size=IMAGE_SIZE, patch_size=PATCH)
-    text = dict(model_type="llama", vocab_size=len(tok), hidden_size=128,
-                intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
-                num_key_value_heads=2, max_position_embeddings=2048,
-                bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=0)
+    vision = tiny_tower()
+    text = tiny_decoder(tok, model_type="llama", pad_token_id=0)
     config = transformers.SmolVLMConfig(
         vision_config=vision, text_config=text, scale_factor=2, pad_token_id=0,
         image_token_id=tok.convert_tokens_to_ids("<image>"))
@@ -455,10 +451,8 @@ def build_tiny_llava_onevision(path: Path, default_model: Path, seed: int = 0) -
         LlavaOnevisionVideoProcessor)
 
     tok = tokenizer_with(default_model, [IMAGE_TOKEN, "<video>"])
-    vision = dict(model_type="siglip_vision_model", hidden_size=64, intermediate_size=128,
-                  num_hidden_layers=2, num_attention_heads=2, image_size=IMAGE_SIZE,
-                  patch_size=PATCH, vision_use_head=False)
-    text = dict(qwen_text_config(tok), model_type="qwen2", rope_parameters=None)
+    vision = tiny_tower(model_type="siglip_vision_model", vision_use_head=False)
+    text = tiny_decoder(tok, model_type="qwen2", rope_parameters=None)
     config = transformers.LlavaOnevisionConfig(
         vision_config=vision, text_config=text, image_grid_pinpoints=GRID_PINPOINTS,
         image_token_index=tok.convert_tokens_to_ids(IMAGE_TOKEN),
@@ -496,14 +490,8 @@ def build_tiny_paddleocr_vl(path: Path, default_model: Path, seed: int = 0) -> P
     ids = dict(zip(("image_token_id", "video_token_id", "vision_start_token_id",
                     "vision_end_token_id"),
                    tok.convert_tokens_to_ids(list(PADDLEOCR_TOKENS.values())), strict=True))
-    vision = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                  num_attention_heads=2, image_size=IMAGE_SIZE, patch_size=PATCH)
-    text = dict(vocab_size=len(tok), hidden_size=128, intermediate_size=256,
-                num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                head_dim=32, max_position_embeddings=2048, bos_token_id=tok.bos_token_id,
-                eos_token_id=tok.eos_token_id, pad_token_id=0,
-                rope_parameters={"rope_type": "default", "mrope_section": [4, 6, 6],
-                                 "rope_theta": 10000.0})
+    vision = tiny_tower()
+    text = qwen_text_config(tok) | dict(head_dim=32, pad_token_id=0)
     config = transformers.PaddleOCRVLConfig(text_config=text, vision_config=vision,
                                             tie_word_embeddings=False, **ids)
     model = _peaked_model(transformers.PaddleOCRVLForConditionalGeneration, config, seed)
@@ -533,15 +521,11 @@ def build_tiny_minicpmv(path: Path, default_model: Path, seed: int = 0) -> Path:
         MiniCPMV4_6VideoProcessor)
 
     tok = AutoTokenizer.from_pretrained(default_model, extra_special_tokens=MINICPMV_TOKENS)
-    vision = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                  num_attention_heads=2, image_size=112, patch_size=PATCH)
-    text = dict(model_type="qwen3_5_text", vocab_size=len(tok), hidden_size=128,
-                intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
-                num_key_value_heads=2, head_dim=32, linear_num_key_heads=2,
-                linear_num_value_heads=4, linear_key_head_dim=128, linear_value_head_dim=128,
-                layer_types=["linear_attention", "full_attention"],
-                max_position_embeddings=2048, bos_token_id=tok.bos_token_id,
-                eos_token_id=tok.eos_token_id, pad_token_id=0)
+    vision = tiny_tower(image_size=112)
+    text = tiny_decoder(tok, model_type="qwen3_5_text", head_dim=32, linear_num_key_heads=2,
+                        linear_num_value_heads=4, linear_key_head_dim=128,
+                        linear_value_head_dim=128,
+                        layer_types=["linear_attention", "full_attention"], pad_token_id=0)
     config = transformers.MiniCPMV4_6Config(
         text_config=text, vision_config=vision, insert_layer_id=0, image_size=112,
         image_token_id=tok.convert_tokens_to_ids("<|image_pad|>"),
