@@ -21,9 +21,10 @@ from test_attention_models import SIM, VIRTUAL, _prompts, _spec
 #: compiled on the simulator (vLLM's default): a MoE family with DeepSeek-style routing,
 #: one whose global layers skip rope, the Gemma 3n / Gemma 4 families (KV sharing,
 #: per-layer embeddings, a head size per layer type, AltUp) and MLA beside MoE
-#: (GLM-4.7-Flash); the rest eager, their layers the same ops
+#: (GLM-4.7-Flash), and a MoE model through vLLM's Transformers backend (FlexOlmo);
+#: the rest eager, their layers the same ops
 COMPILED = ("glm4_moe", "exaone4", "gemma3n_text", "gemma4_text", "gemma4_text_moe",
-            "glm4_moe_lite")
+            "glm4_moe_lite", "flex_olmo")
 #: the families with MoE layers (the plugin's MoE method serves them)
 MOE = ("glm4_moe", "ernie4_5_moe", "hunyuan_v1_moe", "olmoe", "granitemoe", "dots1",
        "gemma4_text_moe", "glm4_moe_lite", "minimax_m2", "exaone_moe", "granitemoeshared",

@@ -10,8 +10,8 @@ SigLIP, an ERNIE decoder with M-RoPE) and MiniCPM-V 4.6 (a window merger inside 
 tower, a Qwen3.5 decoder with Gated DeltaNet layers, bf16 on the simulator as vLLM's
 CPU kernel runs them).
 
-Each on the virtual GCU and, but for the families whose every part the simulator runs
-in other cases (and BLIP-2, for suite time: ``SIM_CASE``), on the simulator: compiled
+Each on the virtual GCU and (but BLIP-2, for suite time: ``SIM_CASE``) on the
+simulator: compiled
 where the language model differs (Qwen2-VL's and Qwen3-VL's M-RoPE, Gemma 3's and Gemma
 4's two-way image ranges, PaddleOCR-VL's ERNIE M-RoPE), eager for the others (their
 decoders compiled in other tests or cases; vision towers run eagerly either way).
@@ -100,17 +100,14 @@ def vlm_dir(tmp_path_factory, default_model):
     return get
 
 
-#: family: its simulator case. None (suite time): the virtual GCU alone, for BLIP-2,
-#: whose Q-Former is the only part the others do not cover, and the families made of
-#: parts the simulator runs in other cases: GLM-4.5V (GLM-4.1V's tower, GLM-4.5's MoE
-#: decoder in test_model_families), LLaVA-OneVision (Gemma 3's SigLIP, LLaVA-Next's
-#: anyres tiles, a Qwen2 decoder) and SmolVLM (SigLIP, InternVL's pixel shuffle, Llama)
+#: family: its simulator case (None: BLIP-2, whose Q-Former is the only part the others
+#: do not cover, on the virtual GCU alone; suite time)
 SIM_CASE = {"blip2": None, "llava": "sim-eager", "llava_next": "sim-eager",
             "internvl": "sim-eager", "qwen2_vl": "sim-compiled", "qwen2_5_vl": "sim-eager",
             "qwen3_vl": "sim-compiled", "qwen3_vl_moe": "sim-eager",
             "glm4v": "sim-eager", "gemma3": "sim-compiled", "gemma4": "sim-compiled",
-            "mistral3": "sim-eager", "smolvlm": None, "glm4v_moe": None,
-            "llava_onevision": None, "paddleocr_vl": "sim-compiled",
+            "mistral3": "sim-eager", "smolvlm": "sim-eager", "glm4v_moe": "sim-eager",
+            "llava_onevision": "sim-eager", "paddleocr_vl": "sim-compiled",
             "minicpmv4_6": "sim-eager-bf16"}
 #: families whose vision tower vLLM 0.32 builds from transformers' own module (Gemma 4:
 #: ``AutoModel.from_config``): its attention is transformers' SDPA on the device, not
