@@ -54,7 +54,7 @@ SLOW_FILES = ("test_vlm.py", "test_attention_models.py", "test_as_cpu.py",  # 26
               "test_remote_code_families.py",
               "test_moe_quant.py", "test_lora.py", "test_reliability.py", "test_e2e_tiny.py",
               "test_virtual_gcu.py", "test_backend_faithful.py", "test_e2e_default_model.py",
-              "test_speech_models.py",
+              "test_speech_models.py", "test_rerankers.py",
               "test_fused_layer.py", "test_quant_w8a8.py", "test_quant_fp8_mxfp4.py",  # 90-125
               "test_quant_gptq.py", "test_triton_kernels.py", "test_repack_cache.py",
               "test_e2e_int8_kv.py", "test_registration.py", "test_quant_awq.py",

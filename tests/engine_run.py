@@ -6,7 +6,8 @@ of their state). Input: a JSON file path with ``llm`` (LLM kwargs), ``prompts``
 (strings or token-id lists), ``sampling`` (SamplingParams kwargs), ``chat``
 (optional list of message lists, sampled with ``chat_sampling`` if given), ``prompt_batches`` (optional: lists of prompts
 generated one batch after another, e.g. to hit the prefix cache), ``embed`` (optional: token-id
-prompts embedded by a pooling model), ``lora_requests`` (optional, per prompt:
+prompts embedded by a pooling model), ``classify`` (optional: token-id prompts scored
+by a classification or reranker model: each one's class probabilities), ``lora_requests`` (optional, per prompt:
 ``[name, id, path]`` of a LoRA adapter or null), ``mm_prompts`` (optional: text prompts
 with images, each ``{"prompt", "images": [vlm_models.image_of entries]}`` and optionally
 ``"videos": [vlm_models.video_of entries]``, ``"audios": [speech_models.audio_of
@@ -157,6 +158,10 @@ def run(spec: dict):
         outs = llm.embed([TokensPrompt(prompt_token_ids=p) for p in spec["embed"]],
                          use_tqdm=False)
         results["embeddings"] = [list(o.outputs.embedding) for o in outs]
+    if spec.get("classify"):  # a sequence classifier / reranker: probabilities per prompt
+        outs = llm.classify([TokensPrompt(prompt_token_ids=p) for p in spec["classify"]],
+                            use_tqdm=False)
+        results["probs"] = [list(o.outputs.probs) for o in outs]
     results["batches"], results["batch_outputs"] = [], []
     for batch in spec.get("prompt_batches", []):
         outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in batch], params,

@@ -1,7 +1,9 @@
 """Tiny random-weight speech models with their processors, built locally (no hub), and
 their HF float64 oracles: Whisper (encoder-decoder: a Conv1d audio encoder, a decoder
-with self- and cross-attention) and Qwen2-Audio (audio in, text out: an audio tower in
-front of a decoder-only Qwen2).
+with self- and cross-attention), Qwen2-Audio (audio in, text out: an audio tower in
+front of a decoder-only Qwen2) and Qwen2.5-Omni's thinker (audio and images in, text
+out: its audio tower and Qwen2.5-VL's vision tower in front of a Qwen2 decoder with
+M-RoPE).
 
 Whisper's tokenizer is the default model's BPE under Whisper's tokenizer class with the
 special tokens a transcription prompt names; the feature extractor keeps Whisper's
@@ -178,6 +180,107 @@ def hf_qwen2_audio_logprobs(model_dir: Path, prompt: str, audios: list,
     n = enc["input_ids"].shape[1]
     ids = torch.cat((enc.pop("input_ids"), torch.tensor([continuation])), dim=1)
     enc.pop("attention_mask")
+    with torch.no_grad():
+        logits = hf(input_ids=ids, attention_mask=torch.ones_like(ids), **enc).logits[0]
+    return torch.log_softmax(logits.double(), -1), n
+
+
+#: Qwen2.5-Omni's special tokens, as its released tokenizer names them
+OMNI_TOKENS = {"image_token": "<|IMAGE|>", "audio_token": "<|AUDIO|>",
+               "video_token": "<|VIDEO|>", "vision_bos_token": "<|vision_bos|>",
+               "vision_eos_token": "<|vision_eos|>", "audio_bos_token": "<|audio_bos|>",
+               "audio_eos_token": "<|audio_eos|>"}
+OMNI_AUDIO = "<|audio_bos|><|AUDIO|><|audio_eos|>"
+OMNI_IMAGE = "<|vision_bos|><|IMAGE|><|vision_eos|>"
+QWEN2_5_OMNI_WORDS = ("the thinker (vLLM serves it, not the talker): an audio tower "
+                      "(transformers' module, as vLLM builds it) and Qwen2.5-VL's windowed "
+                      "vision tower into a Qwen2 decoder with M-RoPE; audio and images in "
+                      "one request")
+
+
+def build_tiny_qwen2_5_omni(path: Path, default_model: Path, seed: int = 0) -> Path:
+    """Qwen2.5-Omni in the released layout (``Qwen2_5OmniModel``, the thinker's weights
+    under ``thinker.``; no talker or vocoder weights, which vLLM does not load): a
+    2-layer audio tower (d_model 64, 128 mel bins), Qwen2.5-VL's tower (2 blocks, a
+    window of 112 pixels, the second block global), a 2-layer Qwen2 decoder with
+    M-RoPE; images resized to at most 224x224 pixels."""
+    import transformers
+    from safetensors.torch import save_file
+    from transformers import AutoTokenizer, WhisperFeatureExtractor
+    from transformers.models.qwen2_vl.image_processing_qwen2_vl import Qwen2VLImageProcessor
+    from transformers.models.qwen2_vl.video_processing_qwen2_vl import Qwen2VLVideoProcessor
+
+    from vlm_models import qwen_text_config
+
+    tok = AutoTokenizer.from_pretrained(default_model, extra_special_tokens=OMNI_TOKENS)
+    ids = {name: tok.convert_tokens_to_ids(token) for name, token in OMNI_TOKENS.items()}
+    thinker = dict(
+        # (untied, as in the released 7B: vLLM reads the text config's flag)
+        text_config=qwen_text_config(tok) | dict(tie_word_embeddings=False),
+        vision_config=dict(depth=2, hidden_size=64, intermediate_size=128, num_heads=2,
+                           out_hidden_size=128, window_size=112, fullatt_block_indexes=[1]),
+        audio_config=dict(d_model=64, encoder_layers=2, encoder_attention_heads=2,
+                          encoder_ffn_dim=128, num_mel_bins=128, output_dim=128),
+        audio_token_index=ids["audio_token"], image_token_index=ids["image_token"],
+        video_token_index=ids["video_token"], audio_start_token_id=ids["audio_bos_token"],
+        audio_end_token_id=ids["audio_eos_token"],
+        vision_start_token_id=ids["vision_bos_token"],
+        vision_end_token_id=ids["vision_eos_token"],
+        user_token_id=tok.convert_tokens_to_ids("user"))
+    config = transformers.Qwen2_5OmniConfig(thinker_config=thinker, enable_audio_output=False)
+    config.architectures = ["Qwen2_5OmniModel"]
+    torch.manual_seed(seed)
+    model = transformers.Qwen2_5OmniThinkerForConditionalGeneration(config.thinker_config)
+    with torch.no_grad():  # peaked logits that follow the audio and the image
+        for name, p in model.named_parameters():
+            if p.dim() < 2 or "embed_positions" in name:
+                continue
+            p.normal_(0, 0.4 if name.startswith("lm_head") else
+                      0.25 if name.startswith("audio_tower") else
+                      0.15 if name.startswith("model.") else 0.08)
+    path.mkdir(parents=True, exist_ok=True)
+    save_file({f"thinker.{k}": v.contiguous() for k, v in model.state_dict().items()},
+              path / "model.safetensors", metadata={"format": "pt"})
+    config.save_pretrained(path)
+    pixels = {"min_pixels": 56 * 56, "max_pixels": 224 * 224}
+    transformers.Qwen2_5OmniProcessor(
+        image_processor=Qwen2VLImageProcessor(**pixels),
+        video_processor=Qwen2VLVideoProcessor(**pixels),
+        feature_extractor=WhisperFeatureExtractor(feature_size=128, sampling_rate=SAMPLE_RATE),
+        tokenizer=tok, chat_template=tok.chat_template).save_pretrained(path)
+    return path
+
+
+@functools.lru_cache(maxsize=1)
+def _hf_qwen2_5_omni(model_dir: str):
+    """(processor, HF float64 thinker) from the released layout's ``thinker.`` weights."""
+    import transformers
+    from safetensors.torch import load_file
+
+    config = transformers.AutoConfig.from_pretrained(model_dir).thinker_config
+    model = transformers.Qwen2_5OmniThinkerForConditionalGeneration._from_config(
+        config, dtype=torch.float64, attn_implementation="eager")
+    weights = load_file(str(Path(model_dir) / "model.safetensors"))
+    model.load_state_dict({k.removeprefix("thinker."): v for k, v in weights.items()},
+                          strict=True)
+    return transformers.AutoProcessor.from_pretrained(model_dir), model.eval()
+
+
+def hf_qwen2_5_omni_logprobs(model_dir: Path, prompt: str, images: list, audios: list,
+                             continuation: list[int]) -> tuple[torch.Tensor, int]:
+    """HF float64 log-probs ``[len, vocab]`` of ``prompt`` with ``images`` (PIL) and
+    ``audios`` (arrays; their tokens placed by the processor) followed by
+    ``continuation``, and the number of positions before the continuation."""
+    processor, hf = _hf_qwen2_5_omni(str(model_dir))
+    media = ({"images": images} if images else {}) | ({"audio": audios} if audios else {})
+    enc = dict(processor(text=prompt, return_tensors="pt", **media) if media
+               else processor.tokenizer(prompt, return_tensors="pt"))
+    n = enc["input_ids"].shape[1]
+    ids = torch.cat((enc.pop("input_ids"), torch.tensor([continuation])), dim=1)
+    enc.pop("attention_mask")
+    for key in ("pixel_values", "input_features"):
+        if key in enc:
+            enc[key] = enc[key].double()
     with torch.no_grad():
         logits = hf(input_ids=ids, attention_mask=torch.ones_like(ids), **enc).logits[0]
     return torch.log_softmax(logits.double(), -1), n

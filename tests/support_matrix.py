@@ -49,6 +49,7 @@ def rows() -> list[tuple[str, str, str, str, str]]:
     import test_model_families as families
     import test_moe_engine as moe
     import test_remote_code_families as remote
+    import test_rerankers as rerankers
     import test_state_space_models as state_space
 
     out = list(STATIC_ROWS)
@@ -63,6 +64,11 @@ def rows() -> list[tuple[str, str, str, str, str]]:
     sim, card = _modes(enc, "embeddinggemma", attention.SIM, attention.VIRTUAL)
     out.append(("gemma3_text (embeddings: EmbeddingGemma)", attention_models.EMBEDDING_GEMMA,
                 sim, card, "`test_attention_models.py`"))
+    for family, what in rerankers.FAMILIES.items():
+        sim, card = _modes(list(rerankers.CASES.values()), family, rerankers.SIM,
+                           rerankers.VIRTUAL)
+        out.append((f"{family} (reranker / classifier)", what, sim, card,
+                    "`test_rerankers.py`"))
     family_cases = list(families.CASES.values())
     for family, (_, what, _) in model_families.FAMILIES.items():
         sim, card = _modes(family_cases, family, families.SIM, families.VIRTUAL)
@@ -92,7 +98,9 @@ def rows() -> list[tuple[str, str, str, str, str]]:
                     "`test_state_space_models.py`"))
     for model, (name, words) in {"whisper": ("whisper (speech-to-text)", speech_models.WHISPER),
                                  "qwen2_audio": ("qwen2_audio (audio in, text out)",
-                                                 speech_models.QWEN2_AUDIO_WORDS)}.items():
+                                                 speech_models.QWEN2_AUDIO_WORDS),
+                                 "qwen2_5_omni": ("qwen2_5_omni (audio and images in, text out)",
+                                                  speech_models.QWEN2_5_OMNI_WORDS)}.items():
         cases = [(model, env, compiled) for case in speech_tests.MODEL_CASES[model]
                  for env, compiled in [speech_tests.CASES[case]]]
         sim, card = _modes(cases, model, speech_tests.CASES["sim-compiled"][0],

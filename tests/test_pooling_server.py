@@ -24,7 +24,9 @@ TEXTS = ["The capital of France is Paris.", "GCUs serve language models.",
          "A tiny random model, a long sentence that crosses several positions in a row."]
 
 
-def _save(model, path, default_model):
+def save_checkpoint(model, path, default_model):
+    """``model`` with weights N(0, 0.08) (logits spread well beyond rounding), saved with
+    the default model's tokenizer."""
     with torch.no_grad():
         for p in model.parameters():
             if p.dim() > 1:
@@ -50,11 +52,12 @@ def checkpoints(tmp_path_factory, default_model):
     ranker = transformers.BertConfig(**bert.to_dict(), num_labels=1)
     ranker.architectures = ["BertForSequenceClassification"]
     return {
-        "bert": _save(transformers.BertModel(bert, add_pooling_layer=False), root / "bert",
-                      default_model),
-        "qwen3": _save(transformers.Qwen3ForCausalLM(qwen3), root / "qwen3", default_model),
-        "ranker": _save(transformers.BertForSequenceClassification(ranker), root / "ranker",
-                        default_model),
+        "bert": save_checkpoint(transformers.BertModel(bert, add_pooling_layer=False),
+                                root / "bert", default_model),
+        "qwen3": save_checkpoint(transformers.Qwen3ForCausalLM(qwen3), root / "qwen3",
+                                 default_model),
+        "ranker": save_checkpoint(transformers.BertForSequenceClassification(ranker),
+                                  root / "ranker", default_model),
     }
 
 
@@ -132,9 +135,9 @@ def test_cross_encoder_score_and_rerank(path, checkpoints, tmp_path):
     hf, tok = _hf(checkpoints["ranker"], "BertForSequenceClassification")
     query, docs = TEXTS[0], TEXTS
 
-    def hf_score(doc):
+    def hf_score(doc, pair=True):
         with torch.no_grad():
-            enc = tok(query, doc, return_tensors="pt")
+            enc = tok(*((query, doc) if pair else (doc,)), return_tensors="pt")
             return float(torch.sigmoid(hf(**enc).logits[0, 0]))
 
     want = [hf_score(d) for d in docs]
@@ -154,5 +157,10 @@ def test_cross_encoder_score_and_rerank(path, checkpoints, tmp_path):
         assert [x["index"] for x in ranked] == sorted(range(len(docs)), key=lambda i: -want[i])
         assert [x["relevance_score"] for x in ranked] == pytest.approx(sorted(want)[::-1],
                                                                         abs=1e-5)
+        # /classify: each text alone
+        r = httpx.post(f"{url}/classify", json={"model": model, "input": docs}, timeout=60)
+        assert r.status_code == 200, r.text
+        got = [d["probs"] for d in sorted(r.json()["data"], key=lambda d: d["index"])]
+        assert got == [pytest.approx([hf_score(d, pair=False)], abs=1e-5) for d in docs]
     finally:
         stop_server(proc)

@@ -52,6 +52,9 @@ HF_VISION_TOWERS = {"Gemma4ForConditionalGeneration"}
 VERIFIED_ENCODER_DECODER = {"WhisperForConditionalGeneration"}
 #: audio-in decoder models tested through the plugin (their audio tower transformers' own)
 VERIFIED_AUDIO = {"Qwen2AudioForConditionalGeneration"}
+#: audio and image inputs (Qwen2.5-Omni's thinker, both names vLLM serves it by): the
+#: audio tower transformers', the vision tower on varlen_attention
+VERIFIED_OMNI = {"Qwen2_5OmniModel", "Qwen2_5OmniForConditionalGeneration"}
 
 
 #: the finding of a checkpoint whose config class is its own code
@@ -224,11 +227,16 @@ def _architecture(config: dict) -> list[Finding]:
                                  "vLLM's processor (log-mel features); the audio encoder's "
                                  "attention on varlen_attention; /v1/audio/transcriptions "
                                  "decodes uploads with the plugin's audio extra"))
-        elif arch in VERIFIED_AUDIO:
+        elif arch in VERIFIED_AUDIO | VERIFIED_OMNI:
             found.append(Finding("audio inputs", True,
                                  "vLLM's processor and encoder cache; transformers' own "
                                  "audio tower (vLLM 0.32 builds it so), its attention "
                                  "torch's on the device"))
+            if arch in VERIFIED_OMNI:
+                found.append(Finding("image inputs", True,
+                                     "vLLM's processor and encoder cache; the vision "
+                                     "tower's attention on varlen_attention "
+                                     "(AccelMMEncoderAttention)"))
         elif arch in VERIFIED_MULTIMODAL:
             tower = ("transformers' own vision tower (vLLM 0.32 builds it so), its attention "
                      "torch's SDPA on the device" if arch in HF_VISION_TOWERS else
