@@ -192,45 +192,123 @@ OMNI_TOKENS = {"image_token": "<|IMAGE|>", "audio_token": "<|AUDIO|>",
                "audio_eos_token": "<|audio_eos|>"}
 OMNI_AUDIO = "<|audio_bos|><|AUDIO|><|audio_eos|>"
 OMNI_IMAGE = "<|vision_bos|><|IMAGE|><|vision_eos|>"
-QWEN2_5_OMNI_WORDS = ("the thinker (vLLM serves it, not the talker): an audio tower "
-                      "(transformers' module, as vLLM builds it) and Qwen2.5-VL's windowed "
-                      "vision tower into a Qwen2 decoder with M-RoPE; audio and images in "
-                      "one request")
+#: the support table's words for each Omni family
+OMNI_WORDS = {
+    "qwen2_5_omni": "the thinker (vLLM serves it, not the talker): an audio tower "
+                    "(transformers' module, as vLLM builds it) and Qwen2.5-VL's windowed "
+                    "vision tower into a Qwen2 decoder with M-RoPE; audio and images in one "
+                    "request",
+    "qwen3_omni_moe": "the thinker: vLLM's own audio tower (three strided convolutions per "
+                      "1 s chunk, attention on varlen_attention) and Qwen3-VL's vision tower "
+                      "(DeepStack) into a Qwen3-MoE decoder (top-2 of 8) with interleaved "
+                      "M-RoPE; audio and images in one request",
+}
+#: each Omni family's (HF config class, HF thinker class, released architecture)
+OMNI_CLASSES = {
+    "qwen2_5_omni": ("Qwen2_5OmniConfig", "Qwen2_5OmniThinkerForConditionalGeneration",
+                     "Qwen2_5OmniModel"),
+    "qwen3_omni_moe": ("Qwen3OmniMoeConfig", "Qwen3OmniMoeThinkerForConditionalGeneration",
+                       "Qwen3OmniMoeForConditionalGeneration"),
+}
 
 
-def build_tiny_qwen2_5_omni(path: Path, default_model: Path, seed: int = 0) -> Path:
-    """Qwen2.5-Omni in the released layout (``Qwen2_5OmniModel``, the thinker's weights
-    under ``thinker.``; no talker or vocoder weights, which vLLM does not load): a
-    2-layer audio tower (d_model 64, 128 mel bins), Qwen2.5-VL's tower (2 blocks, a
-    window of 112 pixels, the second block global), a 2-layer Qwen2 decoder with
-    M-RoPE; images resized to at most 224x224 pixels."""
+def _omni_thinker_config(tok, family: str) -> dict:
+    """The tiny thinker's fields: a 2-layer audio tower (d_model 64, 128 mel bins), a
+    2-block vision tower, a 2-layer decoder; untied LM head (as released: vLLM reads
+    the text config's flag)."""
+    from vlm_models import qwen_text_config, tiny_decoder
+
+    ids = {name: tok.convert_tokens_to_ids(token) for name, token in OMNI_TOKENS.items()}
+    audio = dict(d_model=64, encoder_layers=2, encoder_attention_heads=2, encoder_ffn_dim=128,
+                 num_mel_bins=128, output_dim=128)
+    if family == "qwen2_5_omni":
+        text = qwen_text_config(tok) | dict(tie_word_embeddings=False)
+        # Qwen2.5-VL's tower: a window of 112 pixels, the second block global
+        vision = dict(depth=2, hidden_size=64, intermediate_size=128, num_heads=2,
+                      out_hidden_size=128, window_size=112, fullatt_block_indexes=[1])
+        tokens = dict(audio_token_index=ids["audio_token"],
+                      image_token_index=ids["image_token"],
+                      video_token_index=ids["video_token"])
+    else:
+        # (a Qwen3-MoE decoder; 48: no expert matrix square, so a wrong transpose
+        # cannot load)
+        text = tiny_decoder(tok, head_dim=32, tie_word_embeddings=False, num_experts=8,
+                            num_experts_per_tok=2, moe_intermediate_size=48,
+                            decoder_sparse_step=1, norm_topk_prob=True,
+                            rope_parameters={"rope_type": "default",
+                                             "mrope_section": [4, 6, 6],
+                                             "mrope_interleaved": True, "rope_theta": 10000.0})
+        # Qwen3-VL's tower: 16-pixel patches, learned positions on an 8x8 grid (vLLM
+        # reads it as image_size / patch_size, as released configs carry), DeepStack
+        vision = dict(depth=2, hidden_size=64, intermediate_size=128, num_heads=2,
+                      out_hidden_size=128, patch_size=16, num_position_embeddings=64,
+                      deepstack_visual_indexes=[0], image_size=128,
+                      apply_vit_abs_pos_embed=True)
+        audio |= dict(downsample_hidden_size=32)
+        tokens = dict(audio_token_id=ids["audio_token"], image_token_id=ids["image_token"],
+                      video_token_id=ids["video_token"])
+    return dict(text_config=text, vision_config=vision, audio_config=audio, **tokens,
+                audio_start_token_id=ids["audio_bos_token"],
+                audio_end_token_id=ids["audio_eos_token"],
+                vision_start_token_id=ids["vision_bos_token"],
+                vision_end_token_id=ids["vision_eos_token"],
+                user_token_id=tok.convert_tokens_to_ids("user"))
+
+
+def _per_expert(weights: dict) -> dict:
+    """transformers 5's fused experts (``gate_up_proj [E, 2I, H]``, ``down_proj
+    [E, H, I]``) in the released per-expert layout (``experts.{e}.gate_proj.weight``...)."""
+    out = {}
+    for name, w in weights.items():
+        if name.endswith("mlp.experts.gate_up_proj"):
+            for e, (gate, up) in enumerate(t.chunk(2, 0) for t in w):
+                out[f"{name[:-12]}{e}.gate_proj.weight"] = gate.contiguous()
+                out[f"{name[:-12]}{e}.up_proj.weight"] = up.contiguous()
+        elif name.endswith("mlp.experts.down_proj"):
+            for e, down in enumerate(w):
+                out[f"{name[:-9]}{e}.down_proj.weight"] = down.contiguous()
+        else:
+            out[name] = w.contiguous()
+    return out
+
+
+def _fused_experts(weights: dict) -> dict:
+    """``_per_expert``'s inverse (what transformers 5's modules hold)."""
+    out, experts = {}, {}
+    for name, w in weights.items():
+        head, sep, tail = name.partition("mlp.experts.")
+        if not sep:
+            out[name] = w
+            continue
+        index, proj = tail.split(".")[:2]
+        experts.setdefault(head, {}).setdefault(proj, {})[int(index)] = w
+    for head, projs in experts.items():
+        stack = {proj: torch.stack([ws[e] for e in sorted(ws)]) for proj, ws in projs.items()}
+        out[f"{head}mlp.experts.gate_up_proj"] = torch.cat((stack["gate_proj"],
+                                                            stack["up_proj"]), dim=1)
+        out[f"{head}mlp.experts.down_proj"] = stack["down_proj"]
+    return out
+
+
+def build_tiny_qwen_omni(path: Path, default_model: Path, family: str = "qwen2_5_omni",
+                         seed: int = 0) -> Path:
+    """Qwen2.5-Omni (``family="qwen2_5_omni"``) or Qwen3-Omni (``"qwen3_omni_moe"``) in
+    the released layout (the thinker's weights under ``thinker.``, experts one by one;
+    no talker or vocoder weights, which vLLM does not load); images resized to at most
+    224x224 pixels (Qwen3-Omni: 256x256)."""
     import transformers
     from safetensors.torch import save_file
     from transformers import AutoTokenizer, WhisperFeatureExtractor
     from transformers.models.qwen2_vl.image_processing_qwen2_vl import Qwen2VLImageProcessor
     from transformers.models.qwen2_vl.video_processing_qwen2_vl import Qwen2VLVideoProcessor
 
-    from vlm_models import qwen_text_config
-
+    config_cls, thinker_cls, arch = OMNI_CLASSES[family]
     tok = AutoTokenizer.from_pretrained(default_model, extra_special_tokens=OMNI_TOKENS)
-    ids = {name: tok.convert_tokens_to_ids(token) for name, token in OMNI_TOKENS.items()}
-    thinker = dict(
-        # (untied, as in the released 7B: vLLM reads the text config's flag)
-        text_config=qwen_text_config(tok) | dict(tie_word_embeddings=False),
-        vision_config=dict(depth=2, hidden_size=64, intermediate_size=128, num_heads=2,
-                           out_hidden_size=128, window_size=112, fullatt_block_indexes=[1]),
-        audio_config=dict(d_model=64, encoder_layers=2, encoder_attention_heads=2,
-                          encoder_ffn_dim=128, num_mel_bins=128, output_dim=128),
-        audio_token_index=ids["audio_token"], image_token_index=ids["image_token"],
-        video_token_index=ids["video_token"], audio_start_token_id=ids["audio_bos_token"],
-        audio_end_token_id=ids["audio_eos_token"],
-        vision_start_token_id=ids["vision_bos_token"],
-        vision_end_token_id=ids["vision_eos_token"],
-        user_token_id=tok.convert_tokens_to_ids("user"))
-    config = transformers.Qwen2_5OmniConfig(thinker_config=thinker, enable_audio_output=False)
-    config.architectures = ["Qwen2_5OmniModel"]
+    config = getattr(transformers, config_cls)(
+        thinker_config=_omni_thinker_config(tok, family), enable_audio_output=False)
+    config.architectures = [arch]
     torch.manual_seed(seed)
-    model = transformers.Qwen2_5OmniThinkerForConditionalGeneration(config.thinker_config)
+    model = getattr(transformers, thinker_cls)(config.thinker_config)
     with torch.no_grad():  # peaked logits that follow the audio and the image
         for name, p in model.named_parameters():
             if p.dim() < 2 or "embed_positions" in name:
@@ -239,11 +317,13 @@ def build_tiny_qwen2_5_omni(path: Path, default_model: Path, seed: int = 0) -> P
                       0.25 if name.startswith("audio_tower") else
                       0.15 if name.startswith("model.") else 0.08)
     path.mkdir(parents=True, exist_ok=True)
-    save_file({f"thinker.{k}": v.contiguous() for k, v in model.state_dict().items()},
+    save_file(_per_expert({f"thinker.{k}": v for k, v in model.state_dict().items()}),
               path / "model.safetensors", metadata={"format": "pt"})
     config.save_pretrained(path)
-    pixels = {"min_pixels": 56 * 56, "max_pixels": 224 * 224}
-    transformers.Qwen2_5OmniProcessor(
+    pixels = ({"min_pixels": 56 * 56, "max_pixels": 224 * 224} if family == "qwen2_5_omni"
+              else dict(patch_size=16, min_pixels=64 * 64, max_pixels=256 * 256,
+                        image_mean=[0.5] * 3, image_std=[0.5] * 3))
+    getattr(transformers, config_cls.replace("Config", "Processor"))(
         image_processor=Qwen2VLImageProcessor(**pixels),
         video_processor=Qwen2VLVideoProcessor(**pixels),
         feature_extractor=WhisperFeatureExtractor(feature_size=128, sampling_rate=SAMPLE_RATE),
@@ -251,27 +331,30 @@ def build_tiny_qwen2_5_omni(path: Path, default_model: Path, seed: int = 0) -> P
     return path
 
 
-@functools.lru_cache(maxsize=1)
-def _hf_qwen2_5_omni(model_dir: str):
+@functools.lru_cache(maxsize=2)
+def _hf_qwen_omni(model_dir: str):
     """(processor, HF float64 thinker) from the released layout's ``thinker.`` weights."""
     import transformers
     from safetensors.torch import load_file
 
-    config = transformers.AutoConfig.from_pretrained(model_dir).thinker_config
-    model = transformers.Qwen2_5OmniThinkerForConditionalGeneration._from_config(
-        config, dtype=torch.float64, attn_implementation="eager")
+    config = transformers.AutoConfig.from_pretrained(model_dir)
+    thinker_cls = next(cls for config_cls, cls, _ in OMNI_CLASSES.values()
+                       if type(config).__name__ == config_cls)
+    model = getattr(transformers, thinker_cls)._from_config(
+        config.thinker_config, dtype=torch.float64, attn_implementation="eager",
+        experts_implementation="eager")  # (HF's grouped matmul has no float64)
     weights = load_file(str(Path(model_dir) / "model.safetensors"))
-    model.load_state_dict({k.removeprefix("thinker."): v for k, v in weights.items()},
-                          strict=True)
+    model.load_state_dict(_fused_experts({k.removeprefix("thinker."): v
+                                          for k, v in weights.items()}), strict=True)
     return transformers.AutoProcessor.from_pretrained(model_dir), model.eval()
 
 
-def hf_qwen2_5_omni_logprobs(model_dir: Path, prompt: str, images: list, audios: list,
-                             continuation: list[int]) -> tuple[torch.Tensor, int]:
+def hf_qwen_omni_logprobs(model_dir: Path, prompt: str, images: list, audios: list,
+                          continuation: list[int]) -> tuple[torch.Tensor, int]:
     """HF float64 log-probs ``[len, vocab]`` of ``prompt`` with ``images`` (PIL) and
     ``audios`` (arrays; their tokens placed by the processor) followed by
     ``continuation``, and the number of positions before the continuation."""
-    processor, hf = _hf_qwen2_5_omni(str(model_dir))
+    processor, hf = _hf_qwen_omni(str(model_dir))
     media = ({"images": images} if images else {}) | ({"audio": audios} if audios else {})
     enc = dict(processor(text=prompt, return_tensors="pt", **media) if media
                else processor.tokenizer(prompt, return_tensors="pt"))

@@ -99,8 +99,10 @@ def rows() -> list[tuple[str, str, str, str, str]]:
     for model, (name, words) in {"whisper": ("whisper (speech-to-text)", speech_models.WHISPER),
                                  "qwen2_audio": ("qwen2_audio (audio in, text out)",
                                                  speech_models.QWEN2_AUDIO_WORDS),
-                                 "qwen2_5_omni": ("qwen2_5_omni (audio and images in, text out)",
-                                                  speech_models.QWEN2_5_OMNI_WORDS)}.items():
+                                 **{family: (f"{family} (audio and images in, text out)",
+                                             words)
+                                    for family, words in speech_models.OMNI_WORDS.items()}
+                                 }.items():
         cases = [(model, env, compiled) for case in speech_tests.MODEL_CASES[model]
                  for env, compiled in [speech_tests.CASES[case]]]
         sim, card = _modes(cases, model, speech_tests.CASES["sim-compiled"][0],

@@ -17,28 +17,30 @@ in one request, a text-only request in the same batch, the first again (the same
 tokens). Its audio tower is transformers' module (vLLM 0.32 builds it so), its
 attention torch's on the device, not the plugin's ``varlen_attention``.
 
-Qwen2.5-Omni (its thinker: audio and images in, text out): a recording and an image in
-one request, audio alone, two images of different sizes, text alone, the first again;
-the audio tower transformers' as Qwen2-Audio's, the vision tower Qwen2.5-VL's on the
-plugin's ``varlen_attention``."""
+Qwen2.5-Omni and Qwen3-Omni (their thinkers: audio and images in, text out): a
+recording and an image in one request, audio alone, two images of different sizes,
+text alone, the first again. Qwen2.5-Omni's audio tower is transformers' as
+Qwen2-Audio's; Qwen3-Omni's is vLLM's own, on the plugin's ``varlen_attention`` as both
+vision towers are (Qwen2.5-VL's and Qwen3-VL's)."""
 
 import pytest
 
 from conftest import VIRTUAL_GCU_ENV, SharedEngines
-from speech_models import (EOS, OMNI_AUDIO, OMNI_IMAGE, QWEN2_AUDIO, SAMPLE_RATE,
-                           TRANSCRIBE, audio_of, build_tiny_qwen2_5_omni,
-                           build_tiny_qwen2_audio, build_tiny_whisper, decoder_prompt_ids,
-                           hf_qwen2_5_omni_logprobs, hf_qwen2_audio_logprobs, hf_tokenizer,
+from speech_models import (EOS, OMNI_AUDIO, OMNI_CLASSES, OMNI_IMAGE, QWEN2_AUDIO,
+                           SAMPLE_RATE, TRANSCRIBE, audio_of, build_tiny_qwen2_audio,
+                           build_tiny_qwen_omni, build_tiny_whisper, decoder_prompt_ids,
+                           hf_qwen2_audio_logprobs, hf_qwen_omni_logprobs, hf_tokenizer,
                            hf_whisper_logprobs, random_audio)
 from vlm_models import image_of
 
 SIM = {}
 CASES = {"sim-compiled": (SIM, True), "sim-eager": (SIM, False),
          "virtual": ({**VIRTUAL_GCU_ENV, "ACCEL_SIM_DEVICE_MEMORY_GB": "1"}, False)}
-#: each model's cases: compiled on the simulator (Qwen2.5-Omni eager: its decoder and
-#: towers are compiled in test_vlm.py's and Qwen2-Audio's), eager on the card
+#: each model's cases: compiled on the simulator (the Omni models eager: their decoders
+#: and vision towers are compiled in test_vlm.py's Qwen-VL cases), eager on the card
 MODEL_CASES = {"whisper": ("sim-compiled", "virtual"), "qwen2_audio": ("sim-compiled", "virtual"),
-               "qwen2_5_omni": ("sim-eager", "virtual")}
+               "qwen2_5_omni": ("sim-eager", "virtual"),
+               "qwen3_omni_moe": ("sim-eager", "virtual")}
 #: (decoder prompt, audio [seed, samples at 16 kHz], new tokens)
 REQUESTS = [(TRANSCRIBE, [1, 32000], 6),
             (TRANSCRIBE, [2, 12000], 12),
@@ -50,16 +52,25 @@ AUDIO_PROMPTS = [(f"{QWEN2_AUDIO}Question: what is said? Answer:", [[1, 32000]])
                   [[2, 12000], [3, 48000]]),
                  ("Question: say something about France. Answer:", []),
                  (f"{QWEN2_AUDIO}Question: what is said? Answer:", [[1, 32000]])]
-#: Qwen2.5-Omni's (prompt, images as [seed, height, width], audios); the last repeats
-#: the first
-OMNI_PROMPTS = [(f"{OMNI_AUDIO}{OMNI_IMAGE}Question: what is said and shown? Answer:",
-                 [[3, 70, 90]], [[1, 32000]]),
-                (f"{OMNI_AUDIO}Question: what is said? Answer:", [], [[2, 12000]]),
-                (f"{OMNI_IMAGE}{OMNI_IMAGE}Question: which is brighter? Answer:",
-                 [[4, 56, 56], [5, 120, 80]], []),
-                ("Question: say something about France. Answer:", [], []),
-                (f"{OMNI_AUDIO}{OMNI_IMAGE}Question: what is said and shown? Answer:",
-                 [[3, 70, 90]], [[1, 32000]])]
+
+
+def omni_prompts(family: str) -> list:
+    """An Omni family's (prompt, images as [seed, height, width], audios as [seed,
+    samples]); the last repeats the first. Qwen3-Omni's recordings are whole seconds:
+    its audio tower (vLLM's and HF's alike) pads a shorter last 1 s chunk to the
+    longest chunk of the batch and its strided convolutions read that padding's
+    activations, so such a chunk's last token depends on the recordings encoded beside
+    it (0.12 nats on the tiny model beside a 2 s recording, stock vLLM CPU the same;
+    alone it matches HF to 1e-5)."""
+    short = 16000 if family == "qwen3_omni_moe" else 12000
+    both = (f"{OMNI_AUDIO}{OMNI_IMAGE}Question: what is said and shown? Answer:",
+            [[3, 70, 90]], [[1, 32000]])
+    return [both,
+            (f"{OMNI_AUDIO}Question: what is said? Answer:", [], [[2, short]]),
+            (f"{OMNI_IMAGE}{OMNI_IMAGE}Question: which is brighter? Answer:",
+             [[4, 56, 56], [5, 120, 80]], []),
+            ("Question: say something about France. Answer:", [], []),
+            both]
 
 
 @pytest.fixture(scope="module")
@@ -74,13 +85,14 @@ def qwen2_audio_dir(tmp_path_factory, default_model):
 
 
 @pytest.fixture(scope="module")
-def qwen2_5_omni_dir(tmp_path_factory, default_model):
-    return build_tiny_qwen2_5_omni(tmp_path_factory.mktemp("omni") / "qwen2_5_omni",
-                                   default_model)
+def omni_dirs(tmp_path_factory, default_model):
+    root = tmp_path_factory.mktemp("omni")
+    return {family: build_tiny_qwen_omni(root / family, default_model, family)
+            for family in OMNI_CLASSES}
 
 
 @pytest.fixture(scope="module")
-def engines(whisper_dir, qwen2_audio_dir, qwen2_5_omni_dir, tmp_path_factory):
+def engines(whisper_dir, qwen2_audio_dir, omni_dirs, tmp_path_factory):
     """Both models' engines on each path: the simulator's in one process, the virtual
     GCU's in another."""
     sampling = {"temperature": 0.0, "ignore_eos": True, "logprobs": 1}
@@ -95,17 +107,18 @@ def engines(whisper_dir, qwen2_audio_dir, qwen2_5_omni_dir, tmp_path_factory):
                    "mm_prompts": [{"prompt": p, "images": [], "audios": audios}
                                   for p, audios in AUDIO_PROMPTS],
                    "sampling": {**sampling, "max_tokens": 8}}
-    omni = {"llm": {"model": str(qwen2_5_omni_dir), "dtype": "float32", "max_model_len": 1024,
-                    "max_num_seqs": 5, "seed": 0, "enable_prefix_caching": True,
-                    "limit_mm_per_prompt": {"audio": 1, "image": 2}},
-            "mm_prompts": [{"prompt": p, "images": images, "audios": audios}
-                           for p, images, audios in OMNI_PROMPTS],
-            "sampling": {**sampling, "max_tokens": 8}}
+    omni = {family: {"llm": {"model": str(omni_dirs[family]), "dtype": "float32",
+                             "max_model_len": 1024, "max_num_seqs": 5, "seed": 0,
+                             "enable_prefix_caching": True,
+                             "limit_mm_per_prompt": {"audio": 1, "image": 2}},
+                     "mm_prompts": [{"prompt": p, "images": images, "audios": audios}
+                                    for p, images, audios in omni_prompts(family)],
+                     "sampling": {**sampling, "max_tokens": 8}} for family in OMNI_CLASSES}
     return SharedEngines({f"{name}-{case}": ({**spec, "llm": {**spec["llm"],
                                                               "enforce_eager": not compiled}},
                                              env)
                           for name, spec in (("whisper", whisper), ("qwen2_audio", qwen2_audio),
-                                             ("qwen2_5_omni", omni))
+                                             *omni.items())
                           for case in MODEL_CASES[name]
                           for env, compiled in [CASES[case]]},
                          tmp_path_factory.mktemp("engines"))
@@ -163,15 +176,19 @@ def test_qwen2_audio_matches_hf(case, qwen2_audio_dir, engines):
 
 
 @pytest.mark.engine
-@pytest.mark.parametrize("case", MODEL_CASES["qwen2_5_omni"])
-def test_qwen2_5_omni_matches_hf(case, qwen2_5_omni_dir, engines):
-    results, log = _ran(engines, "qwen2_5_omni", case)
+@pytest.mark.parametrize("case", [f"{family}-{case}" for family in OMNI_CLASSES
+                                  for case in MODEL_CASES[family]])
+def test_omni_thinker_matches_hf(case, omni_dirs, engines):
+    family, path = case.split("-", 1)
+    results, log = _ran(engines, family, path)
     assert "Multimodal encoder attention: varlen_attention" in log
+    if family == "qwen3_omni_moe":
+        assert "MoE layers: vllm_accel AccelFusedMoEMethod" in log
     outputs = results["mm_outputs"]
-    for (prompt, images, audios), out in zip(OMNI_PROMPTS, outputs, strict=True):
-        logp, n = hf_qwen2_5_omni_logprobs(qwen2_5_omni_dir, prompt,
-                                           [image_of(i) for i in images],
-                                           [audio_of(a)[0] for a in audios], out["token_ids"])
+    for (prompt, images, audios), out in zip(omni_prompts(family), outputs, strict=True):
+        logp, n = hf_qwen_omni_logprobs(omni_dirs[family], prompt,
+                                        [image_of(i) for i in images],
+                                        [audio_of(a)[0] for a in audios], out["token_ids"])
         _assert_tokens_hf_top(out, logp, n, (prompt, images, audios))
     assert outputs[4]["token_ids"] == outputs[0]["token_ids"]
     assert len({tuple(o["token_ids"]) for o in outputs[:4]}) == 4  # the media matter

@@ -52,9 +52,12 @@ HF_VISION_TOWERS = {"Gemma4ForConditionalGeneration"}
 VERIFIED_ENCODER_DECODER = {"WhisperForConditionalGeneration"}
 #: audio-in decoder models tested through the plugin (their audio tower transformers' own)
 VERIFIED_AUDIO = {"Qwen2AudioForConditionalGeneration"}
-#: audio and image inputs (Qwen2.5-Omni's thinker, both names vLLM serves it by): the
-#: audio tower transformers', the vision tower on varlen_attention
-VERIFIED_OMNI = {"Qwen2_5OmniModel", "Qwen2_5OmniForConditionalGeneration"}
+#: audio and image inputs (the Qwen Omni thinkers, by every name vLLM serves them by):
+#: the vision tower on varlen_attention
+VERIFIED_OMNI = {"Qwen2_5OmniModel", "Qwen2_5OmniForConditionalGeneration",
+                 "Qwen3OmniMoeForConditionalGeneration"}
+#: of the audio-in architectures, those whose audio tower is vLLM's own module
+VLLM_AUDIO_TOWERS = {"Qwen3OmniMoeForConditionalGeneration"}
 
 
 #: the finding of a checkpoint whose config class is its own code
@@ -69,6 +72,8 @@ class Finding:
 
 
 def _text_config(config: dict) -> dict:
+    """The decoder's fields: ``text_config``, or an Omni thinker's (``thinker_config``)."""
+    config = config.get("thinker_config") or config
     return config.get("text_config") or config
 
 
@@ -228,10 +233,12 @@ def _architecture(config: dict) -> list[Finding]:
                                  "attention on varlen_attention; /v1/audio/transcriptions "
                                  "decodes uploads with the plugin's audio extra"))
         elif arch in VERIFIED_AUDIO | VERIFIED_OMNI:
+            tower = ("vLLM's own audio tower, its attention on varlen_attention"
+                     if arch in VLLM_AUDIO_TOWERS else
+                     "transformers' own audio tower (vLLM 0.32 builds it so), its "
+                     "attention torch's on the device")
             found.append(Finding("audio inputs", True,
-                                 "vLLM's processor and encoder cache; transformers' own "
-                                 "audio tower (vLLM 0.32 builds it so), its attention "
-                                 "torch's on the device"))
+                                 f"vLLM's processor and encoder cache; {tower}"))
             if arch in VERIFIED_OMNI:
                 found.append(Finding("image inputs", True,
                                      "vLLM's processor and encoder cache; the vision "
