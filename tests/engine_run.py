@@ -11,7 +11,7 @@ by a classification or reranker model: each one's class probabilities), ``lora_r
 ``[name, id, path]`` of a LoRA adapter or null), ``mm_prompts`` (optional: text prompts
 with images, each ``{"prompt", "images": [vlm_models.image_of entries]}`` and optionally
 ``"videos": [vlm_models.video_of entries]``, ``"audios": [speech_models.audio_of
-entries]``), ``audio_prompts``
+entries]``, ``"mm_processor_kwargs"``), ``audio_prompts``
 (optional: encoder-decoder requests, each ``{"decoder_prompt", "audio":
 [speech_models.audio_of entry]}`` and optionally its own ``sampling`` overrides), ``requests``
 (optional: {"prompt", "sampling"} pairs, each with its own SamplingParams kwargs;
@@ -137,7 +137,9 @@ def run(spec: dict):
                 from speech_models import audio_of
 
                 data["audio"] = [audio_of(entry) for entry in p["audios"]]
-            return {"multi_modal_data": data} if data else {}
+            return ({"multi_modal_data": data} if data else {}) | (
+                {"mm_processor_kwargs": p["mm_processor_kwargs"]}
+                if p.get("mm_processor_kwargs") else {})
 
         mm = [{"prompt": p["prompt"]} | media(p) for p in spec["mm_prompts"]]
         outs = llm.generate(mm, params, use_tqdm=False)

@@ -192,6 +192,7 @@ OMNI_TOKENS = {"image_token": "<|IMAGE|>", "audio_token": "<|AUDIO|>",
                "audio_eos_token": "<|audio_eos|>"}
 OMNI_AUDIO = "<|audio_bos|><|AUDIO|><|audio_eos|>"
 OMNI_IMAGE = "<|vision_bos|><|IMAGE|><|vision_eos|>"
+OMNI_VIDEO = "<|vision_bos|><|VIDEO|><|vision_eos|>"
 #: the support table's words for each Omni family
 OMNI_WORDS = {
     "qwen2_5_omni": "the thinker (vLLM serves it, not the talker): an audio tower "
@@ -350,18 +351,23 @@ def _hf_qwen_omni(model_dir: str):
 
 
 def hf_qwen_omni_logprobs(model_dir: Path, prompt: str, images: list, audios: list,
-                          continuation: list[int]) -> tuple[torch.Tensor, int]:
-    """HF float64 log-probs ``[len, vocab]`` of ``prompt`` with ``images`` (PIL) and
-    ``audios`` (arrays; their tokens placed by the processor) followed by
-    ``continuation``, and the number of positions before the continuation."""
+                          continuation: list[int], videos: list = ()) -> tuple[torch.Tensor, int]:
+    """HF float64 log-probs ``[len, vocab]`` of ``prompt`` with ``images`` (PIL),
+    ``audios`` (arrays) and ``videos`` (``video_of``'s pairs; their tokens placed by the
+    processor) followed by ``continuation``, and the number of positions before the
+    continuation."""
     processor, hf = _hf_qwen_omni(str(model_dir))
     media = ({"images": images} if images else {}) | ({"audio": audios} if audios else {})
+    if videos:
+        media |= dict(videos=[frames for frames, _ in videos], do_sample_frames=False,
+                      video_metadata=[{k: v for k, v in meta.items() if k != "do_sample_frames"}
+                                      for _, meta in videos])
     enc = dict(processor(text=prompt, return_tensors="pt", **media) if media
                else processor.tokenizer(prompt, return_tensors="pt"))
     n = enc["input_ids"].shape[1]
     ids = torch.cat((enc.pop("input_ids"), torch.tensor([continuation])), dim=1)
     enc.pop("attention_mask")
-    for key in ("pixel_values", "input_features"):
+    for key in ("pixel_values", "pixel_values_videos", "input_features"):
         if key in enc:
             enc[key] = enc[key].double()
     with torch.no_grad():
