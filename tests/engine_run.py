@@ -6,12 +6,13 @@ of their state). Input: a JSON file path with ``llm`` (LLM kwargs), ``prompts``
 (strings or token-id lists), ``sampling`` (SamplingParams kwargs), ``chat``
 (optional list of message lists, sampled with ``chat_sampling`` if given), ``prompt_batches`` (optional: lists of prompts
 generated one batch after another, e.g. to hit the prefix cache), ``embed`` (optional: token-id
-prompts embedded by a pooling model), ``classify`` (optional: token-id prompts scored
-by a classification or reranker model: each one's class probabilities), ``lora_requests`` (optional, per prompt:
+prompts embedded by a pooling model), ``classify`` (optional: token-id prompts
+classified by a classifier or reranker: each one's class probabilities),
+``lora_requests`` (optional, per prompt:
 ``[name, id, path]`` of a LoRA adapter or null), ``mm_prompts`` (optional: text prompts
 with images, each ``{"prompt", "images": [vlm_models.image_of entries]}`` and optionally
 ``"videos": [vlm_models.video_of entries]``, ``"audios": [speech_models.audio_of
-entries]``, ``"mm_processor_kwargs"``), ``audio_prompts``
+entries]``), ``audio_prompts``
 (optional: encoder-decoder requests, each ``{"decoder_prompt", "audio":
 [speech_models.audio_of entry]}`` and optionally its own ``sampling`` overrides), ``requests``
 (optional: {"prompt", "sampling"} pairs, each with its own SamplingParams kwargs;
@@ -137,13 +138,12 @@ def run(spec: dict):
                 from speech_models import audio_of
 
                 data["audio"] = [audio_of(entry) for entry in p["audios"]]
-            return ({"multi_modal_data": data} if data else {}) | (
-                {"mm_processor_kwargs": p["mm_processor_kwargs"]}
-                if p.get("mm_processor_kwargs") else {})
+            return {"multi_modal_data": data} if data else {}
 
         mm = [{"prompt": p["prompt"]} | media(p) for p in spec["mm_prompts"]]
         outs = llm.generate(mm, params, use_tqdm=False)
-        results["mm_outputs"] = [_output(o) for o in outs]
+        results["mm_outputs"] = [_output(o) | {"prompt_token_ids": list(o.prompt_token_ids)}
+                                 for o in outs]
     if spec.get("audio_prompts"):  # encoder-decoder (Whisper): {"decoder_prompt", "audio"}
         sys.path.insert(0, str(__import__("pathlib").Path(__file__).parent))
         from speech_models import audio_of

@@ -67,7 +67,7 @@ def rows() -> list[tuple[str, str, str, str, str]]:
     for family, what in rerankers.FAMILIES.items():
         sim, card = _modes(list(rerankers.CASES.values()), family, rerankers.SIM,
                            rerankers.VIRTUAL)
-        out.append((f"{family} (reranker / classifier)", what, sim, card,
+        out.append((rerankers.LABELS[family], what, sim, card,
                     "`test_rerankers.py`"))
     family_cases = list(families.CASES.values())
     for family, (_, what, _) in model_families.FAMILIES.items():

@@ -197,3 +197,19 @@ def test_cli_exit_codes_and_json(tmp_path):
     assert any(not f["served"] and "state-space" in f["feature"] for f in report["findings"])
     none = subprocess.run(cli + [str(tmp_path)], capture_output=True, text=True, timeout=300)
     assert none.returncode == 2 and "config.json" in none.stderr
+
+
+def test_verified_omni_architectures_are_the_tested_ones():
+    """``models check`` calls audio and image inputs served for the Omni architectures
+    test_speech_models.py holds to HF (plus ``Qwen2_5OmniForConditionalGeneration``,
+    the other name vLLM registers for the same thinker class)."""
+    from speech_models import OMNI_CLASSES
+    from vllm.model_executor.models import ModelRegistry
+
+    from vllm_accel.tools.model_check import VERIFIED_OMNI
+
+    tested = {arch for _, _, arch in OMNI_CLASSES.values()}
+    assert tested <= VERIFIED_OMNI
+    for alias in VERIFIED_OMNI - tested:
+        assert any(ModelRegistry.models[alias] == ModelRegistry.models[arch]
+                   for arch in tested), alias

@@ -1,6 +1,8 @@
-"""Rerankers and sequence classifiers through vLLM's pooling runner (``LLM.classify``:
-what ``/score``, ``/rerank`` and ``/classify`` serve), on the simulator and the virtual
-GCU, each prompt's class probabilities within 1e-5 of HF transformers float64:
+"""Rerankers and sequence classifiers through vLLM's pooling runner (``LLM.classify`` on
+token ids: the model's forward and head, which vLLM's scoring endpoints run on the
+pairs they tokenize; ``test_pooling_server.py`` serves ``/score``, ``/rerank`` and
+``/classify`` for a BERT cross-encoder), on the simulator and the virtual GCU, each
+prompt's class probabilities within 1e-5 of HF transformers float64:
 
 - ``xlm_roberta``: XLMRobertaForSequenceClassification, one label (bge-reranker-v2-m3,
   bge-reranker-large): a dense + tanh head over the CLS token, sigmoid;
@@ -47,6 +49,10 @@ FAMILIES = {
                       "sigmoid of the 'yes' minus 'no' logits at the last token "
                       "(Qwen3-Reranker)",
 }
+#: family: its row's name in the support table
+LABELS = {"xlm_roberta": "xlm_roberta (reranker)", "modernbert": "modernbert (reranker)",
+          "qwen3_classifier": "qwen3 (sequence classifier)",
+          "qwen3_reranker": "qwen3 (Qwen3-Reranker through hf_overrides)"}
 #: name: (family, path env, compiled)
 CASES = {
     "xlm_roberta-sim-eager": ("xlm_roberta", SIM, False),
@@ -163,6 +169,7 @@ def test_classifier_probabilities_match_hf(case, models, engines):
     for got, expected in zip(results["probs"], want, strict=True):
         torch.testing.assert_close(torch.tensor(got, dtype=torch.float64), expected,
                                    atol=1e-5, rtol=0)
-    # the prompts score apart (a pooling of the wrong token would show)
+    # the prompts score apart (a pooling of the wrong token would show), away from 0
+    # and 1 (where 1e-5 would say little)
     first = [float(p[0]) for p in want]
-    assert max(first) - min(first) > 0.02, first
+    assert max(first) - min(first) > 0.02 and 0.01 < min(first) and max(first) < 0.99, first

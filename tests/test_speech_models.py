@@ -19,9 +19,10 @@ attention torch's on the device, not the plugin's ``varlen_attention``.
 
 Qwen2.5-Omni and Qwen3-Omni (their thinkers: audio and images in, text out): a
 recording and an image in one request, audio alone, two images of different sizes,
-text alone, the first again (and for Qwen2.5-Omni a video). Qwen2.5-Omni's audio tower is transformers' as
-Qwen2-Audio's; Qwen3-Omni's is vLLM's own, on the plugin's ``varlen_attention`` as both
-vision towers are (Qwen2.5-VL's and Qwen3-VL's)."""
+text alone, the first again (and for Qwen2.5-Omni a video). Qwen2.5-Omni's audio
+tower is transformers' as Qwen2-Audio's; Qwen3-Omni's is vLLM's own, its
+``MMEncoderAttention`` the plugin's ``varlen_attention`` as both vision towers' is
+(Qwen2.5-VL's and Qwen3-VL's)."""
 
 import pytest
 
@@ -36,11 +37,11 @@ from vlm_models import image_of, video_of
 SIM = {}
 CASES = {"sim-compiled": (SIM, True), "sim-eager": (SIM, False),
          "virtual": ({**VIRTUAL_GCU_ENV, "ACCEL_SIM_DEVICE_MEMORY_GB": "1"}, False)}
-#: each model's cases: compiled on the simulator (the Omni models eager: their decoders
-#: and vision towers are compiled in test_vlm.py's Qwen-VL cases), eager on the card
+#: each model's cases: compiled on the simulator (Qwen2.5-Omni eager: its decoder and
+#: towers are compiled in test_vlm.py's and Qwen2-Audio's cases), eager on the card
 MODEL_CASES = {"whisper": ("sim-compiled", "virtual"), "qwen2_audio": ("sim-compiled", "virtual"),
                "qwen2_5_omni": ("sim-eager", "virtual"),
-               "qwen3_omni_moe": ("sim-eager", "virtual")}
+               "qwen3_omni_moe": ("sim-compiled", "virtual")}
 #: (decoder prompt, audio [seed, samples at 16 kHz], new tokens)
 REQUESTS = [(TRANSCRIBE, [1, 32000], 6),
             (TRANSCRIBE, [2, 12000], 12),
@@ -132,7 +133,7 @@ def engines(whisper_dir, qwen2_audio_dir, omni_dirs, tmp_path_factory):
 def _assert_tokens_hf_top(out: dict, logp, n: int, request) -> None:
     """Each generated token HF's top-1 after the ``n`` prompt positions, its log-prob
     within 1e-4 nats of HF's (float32 against float64; measured within 2e-5)."""
-    for step, (token, top) in enumerate(zip(out["token_ids"], out["logprobs"])):
+    for step, (token, top) in enumerate(zip(out["token_ids"], out["logprobs"], strict=True)):
         row = logp[n - 1 + step]
         assert int(row.argmax()) == token, (request, step)
         assert abs(top[str(token)] - float(row[token])) <= 1e-4, (request, step)
@@ -196,6 +197,7 @@ def test_omni_thinker_matches_hf(case, omni_dirs, engines):
                                         [image_of(i) for i in images],
                                         [audio_of(a)[0] for a in audios], out["token_ids"],
                                         videos=[video_of(v) for v in videos])
+        assert len(out["prompt_token_ids"]) == n and len(out["token_ids"]) == 8
         _assert_tokens_hf_top(out, logp, n, (prompt, images, audios, videos))
     assert outputs[4]["token_ids"] == outputs[0]["token_ids"]
     distinct = [o["token_ids"] for i, o in enumerate(outputs) if i != 4]
