@@ -1,9 +1,9 @@
 """Tiny random-weight speech models with their processors, built locally (no hub), and
 their HF float64 oracles: Whisper (encoder-decoder: a Conv1d audio encoder, a decoder
 with self- and cross-attention), Qwen2-Audio (audio in, text out: an audio tower in
-front of a decoder-only Qwen2) and Qwen2.5-Omni's thinker (audio and images in, text
-out: its audio tower and Qwen2.5-VL's vision tower in front of a Qwen2 decoder with
-M-RoPE).
+front of a decoder-only Qwen2) and the Qwen2.5-Omni and Qwen3-Omni thinkers (audio
+and images in, text out: an audio tower and Qwen2.5-VL's or Qwen3-VL's vision tower in
+front of a Qwen2 or Qwen3-MoE decoder with M-RoPE).
 
 Whisper's tokenizer is the default model's BPE under Whisper's tokenizer class with the
 special tokens a transcription prompt names; the feature extractor keeps Whisper's
@@ -217,34 +217,22 @@ def _omni_thinker_config(tok, family: str) -> dict:
     """The tiny thinker's fields: a 2-layer audio tower (d_model 64, 128 mel bins), a
     2-block vision tower, a 2-layer decoder; untied LM head (as released: vLLM reads
     the text config's flag)."""
-    from vlm_models import qwen_text_config, tiny_decoder
+    from vlm_models import QWEN_TOWERS, qwen3_text_config, qwen_text_config
 
     ids = {name: tok.convert_tokens_to_ids(token) for name, token in OMNI_TOKENS.items()}
     audio = dict(d_model=64, encoder_layers=2, encoder_attention_heads=2, encoder_ffn_dim=128,
                  num_mel_bins=128, output_dim=128)
     if family == "qwen2_5_omni":
         text = qwen_text_config(tok) | dict(tie_word_embeddings=False)
-        # Qwen2.5-VL's tower: a window of 112 pixels, the second block global
-        vision = dict(depth=2, hidden_size=64, intermediate_size=128, num_heads=2,
-                      out_hidden_size=128, window_size=112, fullatt_block_indexes=[1])
+        vision = QWEN_TOWERS["qwen2_5_vl"]
         tokens = dict(audio_token_index=ids["audio_token"],
                       image_token_index=ids["image_token"],
                       video_token_index=ids["video_token"])
     else:
-        # (a Qwen3-MoE decoder; 48: no expert matrix square, so a wrong transpose
-        # cannot load)
-        text = tiny_decoder(tok, head_dim=32, tie_word_embeddings=False, num_experts=8,
-                            num_experts_per_tok=2, moe_intermediate_size=48,
-                            decoder_sparse_step=1, norm_topk_prob=True,
-                            rope_parameters={"rope_type": "default",
-                                             "mrope_section": [4, 6, 6],
-                                             "mrope_interleaved": True, "rope_theta": 10000.0})
-        # Qwen3-VL's tower: 16-pixel patches, learned positions on an 8x8 grid (vLLM
-        # reads it as image_size / patch_size, as released configs carry), DeepStack
-        vision = dict(depth=2, hidden_size=64, intermediate_size=128, num_heads=2,
-                      out_hidden_size=128, patch_size=16, num_position_embeddings=64,
-                      deepstack_visual_indexes=[0], image_size=128,
-                      apply_vit_abs_pos_embed=True)
+        text = qwen3_text_config(tok, moe=True) | dict(tie_word_embeddings=False)
+        # (vLLM reads the learned position grid as image_size / patch_size, as released
+        # configs carry it)
+        vision = QWEN_TOWERS["qwen3_vl"] | dict(image_size=128, apply_vit_abs_pos_embed=True)
         audio |= dict(downsample_hidden_size=32)
         tokens = dict(audio_token_id=ids["audio_token"], image_token_id=ids["image_token"],
                       video_token_id=ids["video_token"])

@@ -91,17 +91,21 @@ def _config(family: str):
     return transformers.Qwen3Config(tie_word_embeddings=True, **qwen3)  # (as released)
 
 
+def _hf_class(family: str):
+    """HF's auto class of ``family``: the released Qwen3-Reranker is a causal LM."""
+    import transformers
+
+    return (transformers.AutoModelForCausalLM if family == "qwen3_reranker"
+            else transformers.AutoModelForSequenceClassification)
+
+
 def build(path, family: str, default_model, seed: int):
     """``family``'s random-weight checkpoint (weights N(0, 0.08), so class logits spread
     well beyond rounding) with the default model's tokenizer."""
-    import transformers
-
     config = _config(family)
     config.dtype = torch.float32
-    cls = ("AutoModelForCausalLM" if family == "qwen3_reranker"
-           else "AutoModelForSequenceClassification")
     torch.manual_seed(seed)
-    return save_checkpoint(getattr(transformers, cls).from_config(config, dtype=torch.float32),
+    return save_checkpoint(_hf_class(family).from_config(config, dtype=torch.float32),
                            path, default_model)
 
 
@@ -110,10 +114,8 @@ def hf_probs(model_dir, family: str, prompts: list[list[int]]) -> list[torch.Ten
     two answer tokens' logits at the last position)."""
     import transformers
 
-    cls = ("AutoModelForCausalLM" if family == "qwen3_reranker"
-           else "AutoModelForSequenceClassification")
-    hf = getattr(transformers, cls).from_pretrained(model_dir, dtype=torch.float64,
-                                                    attn_implementation="eager")
+    hf = _hf_class(family).from_pretrained(model_dir, dtype=torch.float64,
+                                           attn_implementation="eager")
     tok = transformers.AutoTokenizer.from_pretrained(model_dir)
     out = []
     for prompt in prompts:

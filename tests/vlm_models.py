@@ -106,6 +106,33 @@ def qwen_text_config(tok) -> dict:
                                               "rope_theta": 10000.0})
 
 
+#: the tiny Qwen vision towers: Qwen2.5-VL's (a window of 112 pixels, the second block
+#: global) and Qwen3-VL's (16-pixel patches, learned positions interpolated from an 8x8
+#: grid, the first block's features added into the decoder's first layer: DeepStack);
+#: the Omni thinkers take them too
+QWEN_TOWERS = {
+    "qwen2_5_vl": dict(depth=2, hidden_size=64, intermediate_size=128, num_heads=2,
+                       out_hidden_size=128, window_size=112, fullatt_block_indexes=[1]),
+    "qwen3_vl": dict(depth=2, hidden_size=64, intermediate_size=128, num_heads=2,
+                     out_hidden_size=128, patch_size=16, num_position_embeddings=64,
+                     deepstack_visual_indexes=[0]),
+}
+
+
+def qwen3_text_config(tok, moe: bool = False) -> dict:
+    """Qwen3-VL's tiny decoder (q/k norms over heads of 32, interleaved M-RoPE); ``moe``:
+    Qwen3-MoE's experts (top-2 of 8; 48 wide, so no expert matrix is square and a
+    wrong transpose cannot load; HF's router always renormalises, vLLM reads the flag,
+    which released configs carry)."""
+    text = qwen_text_config(tok) | dict(head_dim=32, rope_parameters={
+        "rope_type": "default", "mrope_section": [4, 6, 6], "mrope_interleaved": True,
+        "rope_theta": 10000.0})
+    if moe:
+        text |= dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=48,
+                     decoder_sparse_step=1, norm_topk_prob=True)
+    return text
+
+
 def build_tiny_qwen_vl(path: Path, default_model: Path, family: str = "qwen2_vl",
                        seed: int = 0) -> Path:
     """Qwen2-VL (``family="qwen2_vl"``), Qwen2.5-VL (``"qwen2_5_vl"``), Qwen3-VL
@@ -124,33 +151,19 @@ def build_tiny_qwen_vl(path: Path, default_model: Path, family: str = "qwen2_vl"
             transformers.Qwen2VLForConditionalGeneration
         processor_cls = transformers.Qwen2VLProcessor
     elif family == "qwen2_5_vl":
-        vision = dict(depth=2, hidden_size=64, intermediate_size=128, num_heads=2,
-                      out_hidden_size=128, window_size=112, fullatt_block_indexes=[1])
+        vision = QWEN_TOWERS["qwen2_5_vl"]
         config_cls, model_cls = transformers.Qwen2_5_VLConfig, \
             transformers.Qwen2_5_VLForConditionalGeneration
         processor_cls = transformers.Qwen2_5_VLProcessor
-    else:
-        # Qwen3-VL's tower: 16-pixel patches, learned positions interpolated from an
-        # 8x8 grid, the first block's features added into the decoder's first layer
-        # (DeepStack); Qwen3-VL-MoE's the same over a Qwen3-MoE decoder
-        vision = dict(depth=2, hidden_size=64, intermediate_size=128, num_heads=2,
-                      out_hidden_size=128, patch_size=16, num_position_embeddings=64,
-                      deepstack_visual_indexes=[0])
+    else:  # (Qwen3-VL-MoE: Qwen3-VL's tower over a Qwen3-MoE decoder)
+        vision = QWEN_TOWERS["qwen3_vl"]
         moe = family == "qwen3_vl_moe"
         config_cls = transformers.Qwen3VLMoeConfig if moe else transformers.Qwen3VLConfig
         model_cls = (transformers.Qwen3VLMoeForConditionalGeneration if moe
                      else transformers.Qwen3VLForConditionalGeneration)
         processor_cls = transformers.Qwen3VLProcessor
-    text = qwen_text_config(tok)
-    if family.startswith("qwen3_vl"):  # (Qwen3 layers: q/k norms; interleaved M-RoPE)
-        text |= dict(head_dim=32, rope_parameters={
-            "rope_type": "default", "mrope_section": [4, 6, 6], "mrope_interleaved": True,
-            "rope_theta": 10000.0})
-    if family == "qwen3_vl_moe":
-        # (HF's router always renormalises; vLLM reads the flag, which released
-        # configs carry. 48: no expert matrix square, so a wrong transpose cannot load)
-        text |= dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=48,
-                     decoder_sparse_step=1, norm_topk_prob=True)
+    text = (qwen3_text_config(tok, moe=family == "qwen3_vl_moe")
+            if family.startswith("qwen3_vl") else qwen_text_config(tok))
     config = config_cls(text_config=text, vision_config=vision, **ids)
     torch.manual_seed(seed)
     model = model_cls(config)
