@@ -55,13 +55,13 @@ LABELS = {"xlm_roberta": "xlm_roberta (reranker)", "modernbert": "modernbert (re
           "qwen3_reranker": "qwen3 (Qwen3-Reranker through hf_overrides)"}
 #: name: (family, path env, compiled)
 CASES = {
-    "xlm_roberta-sim-eager": ("xlm_roberta", SIM, False),
+    "xlm_roberta-sim-compiled": ("xlm_roberta", SIM, True),
     "xlm_roberta-virtual": ("xlm_roberta", VIRTUAL, False),
-    "modernbert-sim-eager": ("modernbert", SIM, False),
+    "modernbert-sim-compiled": ("modernbert", SIM, True),
     "modernbert-virtual": ("modernbert", VIRTUAL, False),
     "qwen3_classifier-sim-compiled": ("qwen3_classifier", SIM, True),
     "qwen3_classifier-virtual": ("qwen3_classifier", VIRTUAL, False),
-    "qwen3_reranker-sim-eager": ("qwen3_reranker", SIM, False),
+    "qwen3_reranker-sim-compiled": ("qwen3_reranker", SIM, True),
     "qwen3_reranker-virtual": ("qwen3_reranker", VIRTUAL, False),
 }
 ENCODER = dict(hidden_size=128, num_hidden_layers=2, num_attention_heads=4,

@@ -35,12 +35,11 @@ from speech_models import (EOS, OMNI_AUDIO, OMNI_CLASSES, OMNI_IMAGE, OMNI_VIDEO
 from vlm_models import image_of, video_of
 
 SIM = {}
-CASES = {"sim-compiled": (SIM, True), "sim-eager": (SIM, False),
+CASES = {"sim-compiled": (SIM, True),
          "virtual": ({**VIRTUAL_GCU_ENV, "ACCEL_SIM_DEVICE_MEMORY_GB": "1"}, False)}
-#: each model's cases: compiled on the simulator (Qwen2.5-Omni eager: its decoder and
-#: towers are compiled in test_vlm.py's and Qwen2-Audio's cases), eager on the card
+#: each model's cases: compiled on the simulator, eager on the card
 MODEL_CASES = {"whisper": ("sim-compiled", "virtual"), "qwen2_audio": ("sim-compiled", "virtual"),
-               "qwen2_5_omni": ("sim-eager", "virtual"),
+               "qwen2_5_omni": ("sim-compiled", "virtual"),
                "qwen3_omni_moe": ("sim-compiled", "virtual")}
 #: (decoder prompt, audio [seed, samples at 16 kHz], new tokens)
 REQUESTS = [(TRANSCRIBE, [1, 32000], 6),
